@@ -1,0 +1,50 @@
+"""flashcupy: FlashAttention's numerics on real GPU kernels.
+
+``attention`` runs the CUDA kernels (tensor-core ``mma`` or scalar ``simt`` family, compiled at run time
+with NVRTC) on CuPy arrays, and the NumPy twin of the same tiled algorithm on NumPy arrays.
+``flashcupy.reference`` is the float64 truth everything is measured against.
+"""
+from __future__ import annotations
+
+from . import reference
+from ._checks import _check_bool, check_forward
+
+__all__ = ["attention", "reference"]
+__version__ = "0.1.0"
+
+
+def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, accum="fp32",
+              kernel="auto", ablate=None, return_lse=False):
+    """FlashAttention forward: ``o = softmax(scale * q k^T) v`` computed tile by tile.
+
+    Parameters
+    ----------
+    q : (B, Hq, Nq, D) array; k, v : (B, Hkv, Nk, D) arrays, Hq % Hkv == 0 (GQA/MQA without copies).
+        All CuPy (CUDA kernels, on the current stream) or all NumPy (the NumPy twin, same knobs).
+        dtype float16, bfloat16 or float32, the same for all three; any strides whose last axis is
+        contiguous; D a multiple of 8 up to 256; Nq, Nk >= 1.
+    causal : key j is visible to query i iff j <= i + (Nk - Nq) (bottom-right aligned). A query row
+        that sees no key gets output 0 and LSE -inf.
+    scale : score scale, default 1/sqrt(D); must be finite and > 0.
+    block_m, block_n : tile sizes (query rows per block, keys per inner step); None picks a default per
+        (kernel, dtype, D). Unsupported values raise ValueError listing the supported ones.
+    accum : "fp32" or "fp16": precision of the on-chip accumulators (scores, running max and sum,
+        output accumulator). The rounding model is written in ``flashcupy._twin``.
+    kernel : "mma" (tensor cores, float16/bfloat16), "simt" (scalar, every dtype) or "auto".
+    ablate : None, "max_subtraction" (exponentiate raw scores, no running max, no rescaling) or
+        "rescaling" (subtract each tile's own max, never rescale the running sum and output).
+    return_lse : also return lse, float32 (B, Hq, Nq), the natural log of the softmax denominator.
+
+    The algorithm, per tile of keys j, with running max m, sum l and output accumulator O:
+    m' = max(m, rowmax(S_j)), P = exp(S_j - m'), l = e^(m - m') l + rowsum(P),
+    O = e^(m - m') O + P V_j; finally o = O / l and lse = m + ln(l), with S = scale * q k^T.
+    """
+    _check_bool("return_lse", return_lse)
+    problem = check_forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                            accum=accum, kernel=kernel, ablate=ablate)
+    if problem.backend == "numpy":
+        from ._twin import forward
+    else:
+        from ._forward import forward
+    o, lse = forward(q, k, v, problem)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,355 @@
+"""The kernel build layer: variant keys, compile options, memoized modules, compile reports.
+
+Every kernel flashcupy launches is one *variant* of one *family* source in ``kernels_cu/``. A variant is
+a readable key, e.g. ``fwd_mma.f16.acc32.bm128.bn64.d128.causal``, and this module is the one place
+that turns a key into ``-D`` options, compiles it (NVRTC through ``cupy.RawModule``, memoized per
+device), sets the dynamic shared-memory limit and reports registers / shared memory / spills.
+
+``compile_report`` works on a machine with no GPU: CuPy's NVRTC bindings need no driver, only the
+NVRTC library and the CUDA headers (the ``nvidia-cuda-nvrtc`` and ``nvidia-cuda-runtime`` wheels).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import os
+import re
+from typing import Callable
+
+__all__ = [
+    "DTYPES", "FAMILIES", "Family", "Variant", "compile_report", "get_kernel", "source_text",
+]
+
+# Element types by short name: the name used in variant keys -> (FC_DTYPE code, bytes).
+DTYPES = {"f32": (0, 4), "f16": (1, 2), "bf16": (2, 2)}
+ACCUMS = ("fp32", "fp16")
+ABLATIONS = (None, "max_subtraction", "rescaling")
+
+_DEFAULT_SMEM_LIMIT = 48 * 1024        # without opting in
+_H200_SMEM_OPTIN = 227 * 1024          # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One kernel source and what its variants may be.
+
+    ``threads``, ``smem_bytes`` and ``head_dim_pad`` restate the formulas written at the top of the
+    source file; ``no_spill`` says for which variants the compile check treats spills as a failure.
+    """
+
+    name: str
+    source: str
+    kernel: str
+    dtypes: tuple[str, ...]
+    block_m: tuple[int, ...]
+    block_n: tuple[int, ...]
+    accums: Callable[[str], tuple[str, ...]]
+    head_dim_pad: Callable[[int], int]
+    threads: Callable[["Variant"], int]
+    smem_bytes: Callable[["Variant"], int]
+    default_blocks: Callable[[str, int], tuple[int, int]]
+    no_spill: Callable[["Variant"], bool]
+    arch: str = "sm_90"
+
+
+def _mma_threads(v: "Variant") -> int:
+    # 4 warps (16 or 32 query rows each); 8 warps of 16 rows when a 128-row tile meets D > 128,
+    # so that the output accumulator stays in registers.
+    return 256 if (v.block_m == 128 and v.head_dim_pad > 128) else 128
+
+
+def _mma_smem(v: "Variant") -> int:
+    return (v.block_m + 2 * v.block_n) * v.head_dim_pad * DTYPES[v.dtype][1]
+
+
+def _mma_defaults(dtype: str, d: int) -> tuple[int, int]:
+    return (128, 64) if d <= 128 else (128, 32)
+
+
+def _simt_threads(v: "Variant") -> int:
+    return 256
+
+
+def _simt_smem(v: "Variant") -> int:
+    return (v.block_m + 2 * v.block_n) * v.head_dim * DTYPES[v.dtype][1] + v.block_m * v.block_n * 4
+
+
+def _simt_defaults(dtype: str, d: int) -> tuple[int, int]:
+    return (64, 64) if d <= 128 else (32, 32)
+
+
+FAMILIES: dict[str, Family] = {
+    "fwd_mma": Family(
+        name="fwd_mma", source="fwd_mma.cu", kernel="flash_fwd_mma",
+        dtypes=("f16", "bf16"), block_m=(64, 128), block_n=(32, 64, 128),
+        # mma.sync has no bf16 x bf16 -> f16 form: bf16 needs f32 accumulators.
+        accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
+        head_dim_pad=lambda d: _round_up(d, 32),
+        threads=_mma_threads, smem_bytes=_mma_smem, default_blocks=_mma_defaults,
+        no_spill=lambda v: v.head_dim_pad <= 128 or v.block_m == 64 or _mma_threads(v) == 256,
+    ),
+    "fwd_simt": Family(
+        name="fwd_simt", source="fwd_simt.cu", kernel="flash_fwd_simt",
+        dtypes=("f32", "f16", "bf16"), block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128),
+        accums=lambda dtype: ACCUMS,
+        head_dim_pad=lambda d: d,
+        threads=_simt_threads, smem_bytes=_simt_smem, default_blocks=_simt_defaults,
+        no_spill=lambda v: True,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compile-time specialization of a family. ``key`` names it everywhere."""
+
+    family: str
+    dtype: str
+    accum: str
+    block_m: int
+    block_n: int
+    head_dim: int
+    causal: bool = False
+    ablate: str | None = None
+
+    def __post_init__(self):
+        fam = FAMILIES.get(self.family)
+        if fam is None:
+            raise ValueError(f"unknown kernel family {self.family!r}; known: {sorted(FAMILIES)}")
+        if self.dtype not in fam.dtypes:
+            raise ValueError(f"{self.family} supports dtypes {fam.dtypes}, not {self.dtype!r}")
+        if self.accum not in fam.accums(self.dtype):
+            raise ValueError(f"{self.family} with {self.dtype} supports accum {fam.accums(self.dtype)}, "
+                             f"not {self.accum!r}")
+        if self.block_m not in fam.block_m or self.block_n not in fam.block_n:
+            raise ValueError(f"{self.family} supports block_m in {fam.block_m} and block_n in "
+                             f"{fam.block_n}; got block_m={self.block_m}, block_n={self.block_n}")
+        if self.head_dim % 8 or not 8 <= self.head_dim <= 256:
+            raise ValueError(f"head dim must be a multiple of 8 from 8 to 256, got {self.head_dim}")
+        if self.ablate not in ABLATIONS:
+            raise ValueError(f"ablate must be one of {ABLATIONS}, got {self.ablate!r}")
+
+    @property
+    def fam(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def head_dim_pad(self) -> int:
+        return self.fam.head_dim_pad(self.head_dim)
+
+    @property
+    def threads(self) -> int:
+        return self.fam.threads(self)
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.fam.smem_bytes(self)
+
+    @property
+    def key(self) -> str:
+        parts = [self.family, self.dtype, "acc" + self.accum[2:], f"bm{self.block_m}",
+                 f"bn{self.block_n}", f"d{self.head_dim}"]
+        if self.causal:
+            parts.append("causal")
+        if self.ablate:
+            parts.append("ablate_" + self.ablate)
+        return ".".join(parts)
+
+    def __str__(self) -> str:
+        return self.key
+
+    def defines(self) -> dict[str, int]:
+        return {
+            "FC_DTYPE": DTYPES[self.dtype][0],
+            "FC_ACCUM_F16": int(self.accum == "fp16"),
+            "FC_BLOCK_M": self.block_m,
+            "FC_BLOCK_N": self.block_n,
+            "FC_HEAD_DIM": self.head_dim,
+            "FC_HEAD_DIM_PAD": self.head_dim_pad,
+            "FC_NUM_THREADS": self.threads,
+            "FC_CAUSAL": int(self.causal),
+            "FC_ABLATE_MAX_SUBTRACTION": int(self.ablate == "max_subtraction"),
+            "FC_ABLATE_RESCALING": int(self.ablate == "rescaling"),
+        }
+
+    def fits(self, smem_limit: int = _H200_SMEM_OPTIN) -> bool:
+        return self.smem_bytes <= smem_limit
+
+
+# --------------------------------------------------------------------------------------------------
+# sources and options
+
+
+def _kernels_dir() -> str:
+    return str(importlib.resources.files("kernels_cu"))
+
+
+@functools.lru_cache(maxsize=None)
+def source_text(filename: str) -> str:
+    """A kernel source with a ``#line`` prefix so NVRTC errors name the real file and line."""
+    text = importlib.resources.files("kernels_cu").joinpath(filename).read_text()
+    return f'#line 1 "kernels_cu/{filename}"\n' + text
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_include_dir() -> str | None:
+    """Where cuda_fp16.h lives: CuPy's CUDA path (a toolkit or the nvidia-cuda-runtime wheel)."""
+    candidates = []
+    try:
+        import cupy
+
+        path = cupy.cuda.get_cuda_path()
+        if path:
+            candidates.append(os.path.join(path, "include"))
+    except Exception:  # pragma: no cover - CuPy without a CUDA path
+        pass
+    try:
+        import nvidia.cu13  # the CUDA 13 wheels' shared namespace
+
+        candidates += [os.path.join(p, "include") for p in nvidia.cu13.__path__]
+    except Exception:
+        pass
+    for c in candidates:
+        if os.path.exists(os.path.join(c, "cuda_fp16.h")):
+            return c
+    return None
+
+
+def compile_options(v: Variant) -> tuple[str, ...]:
+    """NVRTC options for a variant (the architecture is added by the caller)."""
+    opts = ["-std=c++17", f"-I{_kernels_dir()}"]
+    inc = _cuda_include_dir()
+    if inc:
+        opts.append(f"-I{inc}")
+    opts += [f"-D{k}={val}" for k, val in v.defines().items()]
+    return tuple(opts)
+
+
+# --------------------------------------------------------------------------------------------------
+# run time: modules memoized per (variant, device)
+
+
+class KernelHandle:
+    """A compiled kernel with its launch geometry."""
+
+    def __init__(self, variant: Variant, function, smem_bytes: int):
+        self.variant = variant
+        self.function = function
+        self.smem_bytes = smem_bytes
+        self.threads = variant.threads
+
+    def __call__(self, grid, args):
+        self.function(grid, (self.threads,), args, shared_mem=self.smem_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_on_device(v: Variant, device_id: int) -> KernelHandle:
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    limit = dev.attributes.get("MaxSharedMemoryPerBlockOptin", _DEFAULT_SMEM_LIMIT)
+    if v.smem_bytes > limit:
+        raise ValueError(f"{v.key} needs {v.smem_bytes} bytes of shared memory per block; this device "
+                         f"allows {limit}. Choose smaller block_m/block_n.")
+    options = compile_options(v)
+    if v.fam.arch != "sm_90":
+        options += (f"-arch={v.fam.arch}",)
+    module = cupy.RawModule(code=source_text(v.fam.source), options=options)
+    fn = module.get_function(v.fam.kernel)
+    if v.smem_bytes > _DEFAULT_SMEM_LIMIT:
+        fn.max_dynamic_shared_size_bytes = v.smem_bytes
+    return KernelHandle(v, fn, v.smem_bytes)
+
+
+def get_kernel(v: Variant) -> KernelHandle:
+    """The compiled kernel for ``v`` on the current device (compiled once per process and device)."""
+    import cupy
+
+    return _kernel_on_device(v, cupy.cuda.Device().id)
+
+
+# --------------------------------------------------------------------------------------------------
+# compile check without a GPU
+
+_PTXAS_LINE = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "smem_static": re.compile(r"(\d+) bytes smem"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+def compile_report(variant: Variant, arch: str | None = None) -> dict:
+    """Compile one variant to a cubin with NVRTC (no GPU needed) and read ptxas's resource report.
+
+    Returns a dict with key, registers, smem_static, smem_dynamic, stack, spill_stores, spill_loads.
+    Raises CompileError with the NVRTC log on failure.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    arch = arch or variant.fam.arch
+    src = source_text(variant.fam.source)
+    prog = nvrtc.createProgram(src, variant.fam.source, [], [])
+    opts = list(compile_options(variant)) + [f"-arch={arch}", "--ptxas-options=-v"]
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise CompileError(f"{variant.key}: {e}\n{nvrtc.getProgramLog(prog)}") from None
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    # Only the lines after the entry of our kernel (a source holds one kernel per family).
+    rep = {"key": variant.key}
+    for name, rx in _PTXAS_LINE.items():
+        m = rx.search(log)
+        rep[name] = int(m.group(1)) if m else 0
+    rep["smem_dynamic"] = variant.smem_bytes
+    rep["threads"] = variant.threads
+    return rep
+
+
+def covering_variants(family: str) -> list[Variant]:
+    """A covering set for the compile check: every value of every knob at least once, and the pairs
+    dtype x accum, block_m x block_n and causal x ablate in full (variants that do not fit in shared
+    memory are left out)."""
+    fam = FAMILIES[family]
+    head_dims = (8, 32, 40, 64, 96, 128, 256)
+    base = dict(family=family, dtype=fam.dtypes[0], accum="fp32", head_dim=64, causal=False,
+                ablate=None)
+    base["block_m"], base["block_n"] = fam.default_blocks(fam.dtypes[0], 64)
+    out: dict[str, Variant] = {}
+
+    def add(**kw):
+        args = {**base, **kw}
+        if "head_dim" in kw and "block_m" not in kw:
+            args["block_m"], args["block_n"] = fam.default_blocks(args["dtype"], args["head_dim"])
+        v = Variant(**args)
+        if v.fits():
+            out.setdefault(v.key, v)
+
+    for dt in fam.dtypes:
+        for acc in fam.accums(dt):
+            add(dtype=dt, accum=acc)
+    for bm in fam.block_m:
+        for bn in fam.block_n:
+            add(block_m=bm, block_n=bn)
+    for d in head_dims:
+        add(head_dim=d)
+    for causal in (False, True):
+        for ab in ABLATIONS:
+            add(causal=causal, ablate=ab)
+    # the widest head dim with the largest tiles that fit, in every dtype
+    for dt in fam.dtypes:
+        add(dtype=dt, head_dim=256, causal=True)
+    return list(out.values())

@@ -1,0 +1,173 @@
+"""Argument checking shared by every backend (CUDA kernels and the NumPy twin).
+
+Everything a user can get wrong raises here, before any array is allocated or any kernel is built:
+``TypeError`` for the wrong kind of object or dtype, ``ValueError`` for a wrong value or shape, each
+naming the argument and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ._build import ABLATIONS, ACCUMS, FAMILIES, Variant
+
+KERNELS = ("auto", "mma", "simt")
+_GRID_YZ_MAX = 65535
+
+
+def dtype_name(dtype) -> str | None:
+    """'f16', 'bf16' or 'f32' for the supported element types, else None."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return "f16"
+    if dtype == np.float32:
+        return "f32"
+    if dtype.name == "bfloat16":
+        return "bf16"
+    return None
+
+
+def numpy_dtype(name: str):
+    if name == "bf16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype({"f16": np.float16, "f32": np.float32}[name])
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A checked forward problem: shapes, knobs and the variant that computes it."""
+
+    backend: str            # "cuda" or "numpy"
+    batch: int
+    heads_q: int
+    heads_kv: int
+    nq: int
+    nk: int
+    head_dim: int
+    scale: float
+    variant: Variant
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+
+def _backend_of(name: str, x) -> str:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    try:
+        import cupy
+    except ImportError:  # pragma: no cover - cupy is a dependency
+        cupy = None
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return "cuda"
+    raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(x).__name__}")
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _check_bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate) -> Problem:
+    """Validate the arguments of ``flashcupy.attention`` and resolve defaults."""
+    arrays = {"q": q, "k": k, "v": v}
+    backends = {name: _backend_of(name, x) for name, x in arrays.items()}
+    if len(set(backends.values())) > 1:
+        raise TypeError("q, k, v must all be NumPy arrays (NumPy twin) or all CuPy arrays (CUDA "
+                        f"kernels); got {', '.join(f'{n}: {b}' for n, b in backends.items())}")
+    backend = backends["q"]
+
+    for name, x in arrays.items():
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, N, D); got shape {tuple(x.shape)}")
+    dtypes = {name: x.dtype for name, x in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        raise TypeError("q, k, v must have the same dtype; got "
+                        + ", ".join(f"{n}: {d}" for n, d in dtypes.items()))
+    dname = dtype_name(q.dtype)
+    if dname is None:
+        raise TypeError(f"q, k, v dtype must be float16, bfloat16 or float32; got {q.dtype}")
+
+    b, hq, nq, d = q.shape
+    bk, hkv, nk, dk = k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if bk != b:
+        raise ValueError(f"batch size of k/v ({bk}) differs from q's ({b})")
+    if dk != d:
+        raise ValueError(f"head dim of k/v ({dk}) differs from q's ({d})")
+    if min(b, hq, hkv) < 1:
+        raise ValueError(f"batch and head counts must be >= 1; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if nq < 1 or nk < 1:
+        raise ValueError(f"empty sequence: Nq={nq}, Nk={nk}; both must be >= 1")
+    if hq % hkv:
+        raise ValueError(f"number of query heads ({hq}) must be a multiple of the number of key/value "
+                         f"heads ({hkv})")
+    if d % 8 or not 8 <= d <= 256:
+        raise ValueError(f"head dim D must be a multiple of 8 from 8 to 256; got {d}")
+    for name, x in arrays.items():
+        if x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+            raise ValueError(f"{name} must be contiguous along its last axis (stride {x.itemsize} bytes); "
+                             f"got strides {x.strides}")
+    if b > _GRID_YZ_MAX or hq > _GRID_YZ_MAX:
+        raise ValueError(f"batch ({b}) and query heads ({hq}) must each be <= {_GRID_YZ_MAX}")
+
+    _check_bool("causal", causal)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    else:
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be finite and > 0, got {scale}")
+    _check_choice("accum", accum, ACCUMS)
+    _check_choice("kernel", kernel, KERNELS)
+    _check_choice("ablate", ablate, ABLATIONS)
+
+    family = resolve_family(kernel, dname, accum)
+    fam = FAMILIES[family]
+    dm, dn = fam.default_blocks(dname, d)
+    bm = dm if block_m is None else block_m
+    bn = dn if block_n is None else block_n
+    for name, val, allowed in (("block_m", bm, fam.block_m), ("block_n", bn, fam.block_n)):
+        if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
+            raise TypeError(f"{name} must be an int or None, got {type(val).__name__}")
+        if val not in allowed:
+            raise ValueError(f"{name}={val} is not supported by kernel={fam.name.split('_')[-1]!r}; "
+                             f"supported: {allowed}")
+    variant = Variant(family, dname, accum, int(bm), int(bn), d, bool(causal), ablate)
+    if not variant.fits():
+        raise ValueError(f"block_m={bm}, block_n={bn} with D={d} in {dname} needs "
+                         f"{variant.smem_bytes} bytes of shared memory in {family}; the limit is "
+                         f"{227 * 1024}. Choose smaller blocks.")
+    return Problem(backend, b, hq, hkv, nq, nk, d, scale, variant)
+
+
+def resolve_family(kernel: str, dname: str, accum: str) -> str:
+    """Which family computes this call: 'mma' where tensor cores apply, else 'simt'."""
+    mma = FAMILIES["fwd_mma"]
+    if kernel == "mma":
+        if dname not in mma.dtypes:
+            raise ValueError(f"kernel='mma' runs float16 and bfloat16 inputs; {dname} inputs run on "
+                             "kernel='simt' (or kernel='auto')")
+        if accum not in mma.accums(dname):
+            raise ValueError("kernel='mma' with bfloat16 inputs supports accum='fp32' only (mma.sync has "
+                             "no bf16 form with f16 accumulators); use kernel='simt' for accum='fp16'")
+        return "fwd_mma"
+    if kernel == "simt":
+        return "fwd_simt"
+    # auto
+    if dname in mma.dtypes and accum in mma.accums(dname):
+        return "fwd_mma"
+    return "fwd_simt"

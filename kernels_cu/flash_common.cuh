@@ -1,0 +1,100 @@
+// flash_common.cuh: what every flashcupy forward kernel family shares.
+//
+// Compile-time knobs, set by flashcupy/_build.py from the variant key (never edit by hand):
+//   FC_DTYPE                   element type of q, k, v, o: 0 float32, 1 float16, 2 bfloat16
+//   FC_ACCUM_F16               1: the on-chip accumulators are fp16 (rounding model below); 0: fp32
+//   FC_BLOCK_M, FC_BLOCK_N     query rows per CTA; key rows per inner iteration
+//   FC_HEAD_DIM                head dim of the tensors (a multiple of 8, at most 256)
+//   FC_HEAD_DIM_PAD            head dim the kernel computes with (>= FC_HEAD_DIM); lanes past
+//                              FC_HEAD_DIM are read as 0 and never written
+//   FC_NUM_THREADS             threads per CTA
+//   FC_CAUSAL                  1: key j is visible to query i iff j <= i + (nk - nq) (bottom-right)
+//   FC_ABLATE_MAX_SUBTRACTION  1: exponentiate raw scores; sum and output on one fixed scale
+//   FC_ABLATE_RESCALING        1: subtract each tile's own max, never rescale the running state
+//
+// Rounding model (the NumPy twin in flashcupy/_twin.py implements the same one):
+//   accum fp32: S = Q K^T accumulated in fp32; m, l, O in fp32; P = exp2(S*scale_log2 - m*scale_log2)
+//               in fp32; l gets rowsum(P) from fp32 P; P is rounded to the element type before P V.
+//   accum fp16: S, O accumulators are fp16, rounded after every 16 products along the reduction
+//               axis (d for S, keys for O), as mma.m16n8k16 with f16 accumulators does; m and l are
+//               stored as fp16 and each update (alpha*l + rowsum, alpha*O) is computed in fp32 and
+//               rounded once. P, alpha are computed in fp32 from the fp16 state; P is rounded to the
+//               element type before P V.
+//   Final: o = O / l in fp32, rounded to the element type; o = 0 and lse = -inf where l == 0.
+//   lse = m * scale + ln(l) (natural log); with FC_ABLATE_MAX_SUBTRACTION, lse = ln(l).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#if FC_DTYPE == 0
+typedef float elem_t;
+#elif FC_DTYPE == 1
+typedef __half elem_t;
+#elif FC_DTYPE == 2
+typedef __nv_bfloat16 elem_t;
+#else
+#error "FC_DTYPE must be 0 (float32), 1 (float16) or 2 (bfloat16)"
+#endif
+
+#if FC_ABLATE_MAX_SUBTRACTION && FC_ABLATE_RESCALING
+#error "at most one ablation per variant"
+#endif
+
+#if FC_HEAD_DIM % 8 != 0 || FC_HEAD_DIM > 256 || FC_HEAD_DIM_PAD < FC_HEAD_DIM
+#error "FC_HEAD_DIM must be a multiple of 8 up to 256, FC_HEAD_DIM_PAD >= FC_HEAD_DIM"
+#endif
+
+__device__ __forceinline__ float fc_to_float(float x) { return x; }
+__device__ __forceinline__ float fc_to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float fc_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T fc_from_float(float x);
+template <> __device__ __forceinline__ float fc_from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half fc_from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 fc_from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// Round a value to the element type and back: the precision P has when it enters P V.
+__device__ __forceinline__ float fc_round_elem(float x) { return fc_to_float(fc_from_float<elem_t>(x)); }
+
+// Round to the accumulator precision: identity for fp32 accumulators, fp16 round trip otherwise.
+__device__ __forceinline__ float fc_round_acc(float x) {
+#if FC_ACCUM_F16
+    return __half2float(__float2half_rn(x));
+#else
+    return x;
+#endif
+}
+
+// 2^x by the SFU (ex2.approx.ftz.f32: about 2 ulp, subnormal results flushed to 0). Every
+// exponential in the forward kernels goes through here: exp(x) = fc_exp2(x * log2(e)).
+__device__ __forceinline__ float fc_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Last key index query row `row` may see (inclusive), causal or not.
+__device__ __forceinline__ int fc_last_key(int row, int nq, int nk) {
+#if FC_CAUSAL
+    return min(row + (nk - nq), nk - 1);
+#else
+    return nk - 1;
+#endif
+}
+
+// The value subtracted from every scaled score before exp2 for a row whose running max is m
+// (in raw-score units). -inf (no key seen yet) maps to 0 so that exp2(-inf - (-inf)) never occurs.
+__device__ __forceinline__ float fc_safe_max(float m) { return m == -INFINITY ? 0.f : m; }
+
+// The one parameter list of every forward kernel. Strides are in elements; the last axis of
+// q, k, v is contiguous. o is (B, Hq, nq, FC_HEAD_DIM) contiguous; lse is (B, Hq, nq) float32.
+// Grid: (ceil(nq / FC_BLOCK_M), Hq, B); block: FC_NUM_THREADS. Query head h reads kv head h / group.
+#define FC_FWD_PARAMS                                                                             \
+    const elem_t *__restrict__ q, const elem_t *__restrict__ k, const elem_t *__restrict__ v,     \
+        elem_t *__restrict__ o, float *__restrict__ lse, const int nq, const int nk,              \
+        const int group, const long long q_sb, const long long q_sh, const long long q_sn,        \
+        const long long k_sb, const long long k_sh, const long long k_sn, const long long v_sb,   \
+        const long long v_sh, const long long v_sn, const float scale_log2

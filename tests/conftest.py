@@ -1,0 +1,45 @@
+"""Shared pytest setup: the gpu marker's auto-skip and a per-test seeded generator."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+
+def _gpu_reason() -> str | None:
+    try:
+        import cupy
+    except Exception as e:  # pragma: no cover - cupy is a dependency
+        return f"cupy not importable: {e}"
+    try:
+        if cupy.cuda.is_available():
+            return None
+    except Exception as e:  # pragma: no cover
+        return f"no CUDA device: {e}"
+    return "no CUDA device: cupy.cuda.is_available() is False"
+
+
+GPU_SKIP_REASON = _gpu_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_SKIP_REASON is None:
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A seed derived from the test id: fresh inputs per test, reproducible, and recorded."""
+    s = zlib.crc32(request.node.nodeid.encode())
+    request.node.user_properties.append(("seed", s))
+    return s
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    return np.random.default_rng(seed)

@@ -1,0 +1,83 @@
+"""Every bad argument raises before any work, naming the argument and what is allowed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcupy
+
+
+def _qkv(shape_q=(1, 4, 16, 32), shape_kv=(1, 2, 24, 32), dtype=np.float16):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal(shape_q).astype(dtype), rng.standard_normal(shape_kv).astype(dtype),
+            rng.standard_normal(shape_kv).astype(dtype))
+
+
+BAD = [  # (id, mutate(q, k, v, kwargs), error type, words the message must contain)
+    ("ndim", lambda q, k, v, kw: (q[0], k, v, kw), ValueError, ["q", "4-D"]),
+    ("kv-shape", lambda q, k, v, kw: (q, k, v[:, :, :5], kw), ValueError, ["k and v", "shape"]),
+    ("batch", lambda q, k, v, kw: (q, np.concatenate([k, k]), np.concatenate([v, v]), kw), ValueError,
+     ["batch"]),
+    ("head-dim-mismatch", lambda q, k, v, kw: (q, k[..., :16], v[..., :16], kw), ValueError, ["head dim"]),
+    ("gqa", lambda q, k, v, kw: (q[:, :3], k, v, kw), ValueError, ["multiple", "heads"]),
+    ("dtype-mismatch", lambda q, k, v, kw: (q.astype(np.float32), k, v, kw), TypeError, ["same dtype"]),
+    ("dtype-float64", lambda q, k, v, kw: (q.astype(np.float64), k.astype(np.float64),
+                                           v.astype(np.float64), kw), TypeError, ["float16", "bfloat16"]),
+    ("head-dim-12", lambda q, k, v, kw: (q[..., :12], k[..., :12], v[..., :12], kw), ValueError,
+     ["multiple of 8"]),
+    ("head-dim-264", lambda q, k, v, kw: (*(np.concatenate([x] * 9, -1)[..., :264] for x in (q, k, v)), kw),
+     ValueError, ["256"]),
+    ("last-axis-strided", lambda q, k, v, kw: (np.concatenate([q, q], -1)[..., ::2], k, v, kw), ValueError,
+     ["q", "contiguous"]),
+    ("empty-q", lambda q, k, v, kw: (q[:, :, :0], k, v, kw), ValueError, ["empty", "Nq"]),
+    ("empty-k", lambda q, k, v, kw: (q, k[:, :, :0], v[:, :, :0], kw), ValueError, ["empty", "Nk"]),
+    ("accum", lambda q, k, v, kw: (q, k, v, {**kw, "accum": "fp8"}), ValueError, ["accum", "fp32"]),
+    ("kernel", lambda q, k, v, kw: (q, k, v, {**kw, "kernel": "wgmma"}), ValueError, ["kernel", "simt"]),
+    ("ablate", lambda q, k, v, kw: (q, k, v, {**kw, "ablate": "max"}), ValueError,
+     ["ablate", "max_subtraction"]),
+    ("block_m", lambda q, k, v, kw: (q, k, v, {**kw, "block_m": 48}), ValueError, ["block_m", "64, 128"]),
+    ("block_n-simt", lambda q, k, v, kw: (q, k, v, {**kw, "kernel": "simt", "block_n": 256}), ValueError,
+     ["block_n", "16, 32, 64, 128"]),
+    ("block_m-type", lambda q, k, v, kw: (q, k, v, {**kw, "block_m": 64.0}), TypeError, ["block_m"]),
+    ("scale-negative", lambda q, k, v, kw: (q, k, v, {**kw, "scale": -0.1}), ValueError, ["scale", "> 0"]),
+    ("scale-nan", lambda q, k, v, kw: (q, k, v, {**kw, "scale": float("nan")}), ValueError, ["scale"]),
+    ("scale-type", lambda q, k, v, kw: (q, k, v, {**kw, "scale": "0.1"}), TypeError, ["scale"]),
+    ("causal-type", lambda q, k, v, kw: (q, k, v, {**kw, "causal": 1}), TypeError, ["causal", "bool"]),
+    ("return_lse-type", lambda q, k, v, kw: (q, k, v, {**kw, "return_lse": "yes"}), TypeError,
+     ["return_lse"]),
+    ("mma-float32", lambda q, k, v, kw: (q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+                                         {**kw, "kernel": "mma"}), ValueError, ["mma", "simt"]),
+    ("not-an-array", lambda q, k, v, kw: (q.tolist(), k, v, kw), TypeError, ["q", "numpy.ndarray"]),
+    ("simt-too-much-smem", lambda q, k, v, kw: (*(np.concatenate([x] * 8, -1) for x in (q, k, v)),
+                                                {**kw, "kernel": "simt", "block_m": 128, "block_n": 128}),
+     ValueError, ["shared memory", "smaller blocks"]),
+]
+
+
+@pytest.mark.parametrize("mutate,exc,words", [pytest.param(*b[1:], id=b[0]) for b in BAD])
+def test_bad_argument_raises_clearly(mutate, exc, words):
+    q, k, v, kw = mutate(*_qkv(), {})
+    with pytest.raises(exc) as info:
+        flashcupy.attention(q, k, v, **kw)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in message: {info.value}"
+
+
+def test_bf16_mma_fp16_accum_is_refused():
+    import ml_dtypes
+
+    q, k, v = _qkv(dtype=ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="accum='fp32' only"):
+        flashcupy.attention(q, k, v, kernel="mma", accum="fp16")
+    # auto falls back to the scalar family, which has fp16 accumulators for every dtype
+    o = flashcupy.attention(q, k, v, accum="fp16")
+    assert o.dtype == q.dtype
+
+
+@pytest.mark.gpu
+def test_mixing_numpy_and_cupy_is_refused():
+    import cupy
+
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="all NumPy arrays .* or all CuPy arrays"):
+        flashcupy.attention(cupy.asarray(q), k, v)
