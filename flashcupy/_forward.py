@@ -23,16 +23,24 @@ def element_strides(x) -> tuple[np.int64, np.int64, np.int64]:
     return tuple(np.int64(s // x.itemsize) for s in x.strides[:3])
 
 
-def forward(q, k, v, p: Problem):
-    """Run the variant of ``p`` on the current CuPy stream. Returns (o, lse)."""
+def forward(q, k, v, p: Problem, o=None, lse=None):
+    """Run the variant of ``p`` on the current CuPy stream. Returns (o, lse).
+
+    ``o`` and ``lse`` may be given preallocated (contiguous, right shape and dtype): the tests pass
+    NaN-poisoned buffers to check that the kernel writes every element.
+    """
     import cupy
 
     # A view whose rows are not 16-byte aligned is copied once; (B, N, H, D) views are aligned.
     q, k, v = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
     var = p.variant
     kern = get_kernel(var)  # compiled (and checked against the device) before anything is allocated
-    o = cupy.empty((p.batch, p.heads_q, p.nq, p.head_dim), dtype=q.dtype)
-    lse = cupy.empty((p.batch, p.heads_q, p.nq), dtype=cupy.float32)
+    if o is None:
+        o = cupy.empty((p.batch, p.heads_q, p.nq, p.head_dim), dtype=q.dtype)
+    if lse is None:
+        lse = cupy.empty((p.batch, p.heads_q, p.nq), dtype=cupy.float32)
+    assert o.flags.c_contiguous and o.shape == (p.batch, p.heads_q, p.nq, p.head_dim) and o.dtype == q.dtype
+    assert lse.flags.c_contiguous and lse.shape == (p.batch, p.heads_q, p.nq) and lse.dtype == cupy.float32
     grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
     args = (q, k, v, o, lse, np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
             *element_strides(q), *element_strides(k), *element_strides(v),

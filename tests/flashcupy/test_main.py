@@ -1,0 +1,27 @@
+"""``python -m flashcupy`` (the README's first command) shows the intact run and both breaks."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tests.conftest import GPU_SKIP_REASON
+
+
+def test_demo_prints_intact_and_both_breaks():
+    res = subprocess.run([sys.executable, "-m", "flashcupy", "--n", "256"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert ("NumPy twin" in out) == (GPU_SKIP_REASON is not None), out
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"(.+?)\s+([-+.\de]+|nan)\s+([-+.\de]+|nan)\s+(\d+)/(\d+)$", line)
+        if m:
+            rows[m.group(1).strip()] = (float(m.group(2)), int(m.group(4)), int(m.group(5)))
+    assert set(rows) == {"naive fp16 attention", "intact flash", "break: no max subtraction",
+                         "break: no rescaling"}, out
+    intact, nomax, noresc = rows["intact flash"], rows["break: no max subtraction"], rows["break: no rescaling"]
+    assert intact[0] < 1e-2 and intact[1] == 0
+    assert nomax[1] > 0                       # overflowed rows
+    assert noresc[0] > 1e-1 and noresc[1] == 0  # finite and wrong

@@ -1,0 +1,35 @@
+"""Small ragged launches of every kernel family, for compute-sanitizer (see test_sanitizer.py).
+
+Run as ``python -m tests.kernels.sanitizer_driver`` from the repository root.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def main() -> None:
+    import cupy
+
+    import flashcupy
+
+    rng = np.random.default_rng(7)
+    configs = [  # (kernel, dtype, accum, block_m, block_n, d)
+        ("mma", np.float16, "fp32", 64, 32, 64),
+        ("mma", np.float16, "fp16", 128, 64, 40),
+        ("simt", np.float32, "fp32", 32, 16, 64),
+        ("simt", np.float16, "fp16", 16, 32, 40),
+    ]
+    for kernel, dt, accum, bm, bn, d in configs:
+        for causal in (False, True):
+            for nq, nk in ((77, 130), (130, 77)):
+                q = cupy.asarray(rng.standard_normal((1, 4, nq, d)).astype(dt))
+                k = cupy.asarray(rng.standard_normal((1, 2, nk, d)).astype(dt))
+                v = cupy.asarray(rng.standard_normal((1, 2, nk, d)).astype(dt))
+                flashcupy.attention(q, k, v, causal=causal, kernel=kernel, accum=accum, block_m=bm,
+                                    block_n=bn, return_lse=True)
+    cupy.cuda.Device().synchronize()
+    print("sanitizer driver: all launches done")
+
+
+if __name__ == "__main__":
+    main()
