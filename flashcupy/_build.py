@@ -54,6 +54,7 @@ class Family:
     smem_bytes: Callable[["Variant"], int]
     default_blocks: Callable[[str, int], tuple[int, int]]
     no_spill: Callable[["Variant"], bool]
+    limits: Callable[["Variant"], str | None] = lambda v: None
     arch: str = "sm_90"
 
 
@@ -68,19 +69,29 @@ def _mma_smem(v: "Variant") -> int:
 
 
 def _mma_defaults(dtype: str, d: int) -> tuple[int, int]:
-    return (128, 64) if d <= 128 else (128, 32)
+    return (128, 64)
 
 
 def _simt_threads(v: "Variant") -> int:
-    return 256
+    # half a warp (16 lanes) per 4 query rows, at most 256 threads (8 rows per half-warp at BM=128)
+    return min(4 * v.block_m, 256)
 
 
 def _simt_smem(v: "Variant") -> int:
-    return (v.block_m + 2 * v.block_n) * v.head_dim * DTYPES[v.dtype][1] + v.block_m * v.block_n * 4
+    # fp32 tiles: Q (BM x DP), one K_j-then-V_j buffer (BN x (DP+4)), S_j/P_j (BM x (BN+4))
+    dp = _round_up(v.head_dim, 16)
+    return 4 * (v.block_m * dp + v.block_n * (dp + 4) + v.block_m * (v.block_n + 4))
+
+
+def _simt_limits(v: "Variant") -> str | None:
+    if v.block_m == 128 and v.head_dim > 128:
+        return ("kernel='simt' with block_m=128 supports D <= 128 (the output accumulator would leave "
+                "registers); use block_m <= 64")
+    return None
 
 
 def _simt_defaults(dtype: str, d: int) -> tuple[int, int]:
-    return (64, 64) if d <= 128 else (32, 32)
+    return (64, 64)
 
 
 FAMILIES: dict[str, Family] = {
@@ -91,7 +102,9 @@ FAMILIES: dict[str, Family] = {
         accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
         head_dim_pad=lambda d: _round_up(d, 32),
         threads=_mma_threads, smem_bytes=_mma_smem, default_blocks=_mma_defaults,
-        no_spill=lambda v: v.head_dim_pad <= 128 or v.block_m == 64 or _mma_threads(v) == 256,
+        # The tuned tile (128 x 64) must not spill at any head dim; other tiles may spill a few bytes
+        # (BN=128 with fp32 accumulators at D 96/128, some fp16-accumulator tiles): reported, allowed.
+        no_spill=lambda v: v.block_m == 128 and v.block_n == 64,
     ),
     "fwd_simt": Family(
         name="fwd_simt", source="fwd_simt.cu", kernel="flash_fwd_simt",
@@ -99,7 +112,7 @@ FAMILIES: dict[str, Family] = {
         accums=lambda dtype: ACCUMS,
         head_dim_pad=lambda d: d,
         threads=_simt_threads, smem_bytes=_simt_smem, default_blocks=_simt_defaults,
-        no_spill=lambda v: True,
+        no_spill=lambda v: True, limits=_simt_limits,
     ),
 }
 
@@ -133,6 +146,9 @@ class Variant:
             raise ValueError(f"head dim must be a multiple of 8 from 8 to 256, got {self.head_dim}")
         if self.ablate not in ABLATIONS:
             raise ValueError(f"ablate must be one of {ABLATIONS}, got {self.ablate!r}")
+        problem = fam.limits(self)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def fam(self) -> Family:
@@ -334,7 +350,10 @@ def covering_variants(family: str) -> list[Variant]:
         args = {**base, **kw}
         if "head_dim" in kw and "block_m" not in kw:
             args["block_m"], args["block_n"] = fam.default_blocks(args["dtype"], args["head_dim"])
-        v = Variant(**args)
+        try:
+            v = Variant(**args)
+        except ValueError:  # outside the family's limits
+            return
         if v.fits():
             out.setdefault(v.key, v)
 

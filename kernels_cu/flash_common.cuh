@@ -27,6 +27,10 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#ifndef INFINITY  // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 #if FC_DTYPE == 0
 typedef float elem_t;
 #elif FC_DTYPE == 1

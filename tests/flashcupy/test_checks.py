@@ -48,9 +48,9 @@ BAD = [  # (id, mutate(q, k, v, kwargs), error type, words the message must cont
     ("mma-float32", lambda q, k, v, kw: (q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
                                          {**kw, "kernel": "mma"}), ValueError, ["mma", "simt"]),
     ("not-an-array", lambda q, k, v, kw: (q.tolist(), k, v, kw), TypeError, ["q", "numpy.ndarray"]),
-    ("simt-too-much-smem", lambda q, k, v, kw: (*(np.concatenate([x] * 8, -1) for x in (q, k, v)),
-                                                {**kw, "kernel": "simt", "block_m": 128, "block_n": 128}),
-     ValueError, ["shared memory", "smaller blocks"]),
+    ("simt-bm128-d256", lambda q, k, v, kw: (*(np.concatenate([x] * 8, -1) for x in (q, k, v)),
+                                             {**kw, "kernel": "simt", "block_m": 128, "block_n": 64}),
+     ValueError, ["block_m=128", "D <= 128"]),
 ]
 
 

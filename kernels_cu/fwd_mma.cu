@@ -1,0 +1,503 @@
+// fwd_mma.cu: FlashAttention-2 forward pass on tensor cores (mma.sync.m16n8k16, sm_80+ / sm_90).
+//
+// One CTA owns FC_BLOCK_M query rows of one (batch, query head); each of its warps owns
+// RW = FC_BLOCK_M / num_warps rows (16 or 32, i.e. MT = 1 or 2 m16 tiles) and never shares
+// them: scores, probabilities, the running max m, the running sum l and the output accumulator O
+// all live in that warp's registers. K and V stream through shared memory in tiles of
+// FC_BLOCK_N keys.
+//
+// Online softmax, per query row, over key tiles j = 0, 1, ... (c = scale_log2 = scale * log2 e):
+//     S_j     = q K_j^T                                   (tensor cores)
+//     m_new   = max(m, rowmax(S_j))
+//     P_j     = exp2(S_j * c - m_new * c)                 (m_new = -inf maps to 0: fc_safe_max)
+//     alpha   = exp2(m * c - m_new * c)                   (0 while m = -inf)
+//     l       = alpha * l + rowsum(P_j)
+//     O       = alpha * O + P_j V_j                       (P_j rounded to fp16/bf16 first)
+//     m       = m_new
+//   end: o = O / l, lse = m * scale + ln(l); o = 0 and lse = -inf where l == 0.
+// The rounding model of flash_common.cuh is followed: with FC_ACCUM_F16 the S and O accumulators
+// are mma f16 accumulators, m and l are kept at fp16 precision and every state update is computed
+// in fp32 and rounded once.
+//
+// Pipeline of one CTA (single K, V and Q buffers; the loads of one operand overlap the math of
+// the other):
+//     prologue: cp.async Q, K_0; cp.async V_0
+//     for j:  wait K_j | sync | cp.async V_j (j>0) | S = Q K_j^T, mask, softmax, P -> registers
+//             wait V_j | sync | cp.async K_{j+1}   | O += P V_j
+//     epilogue: O / l -> smem (the warp's own Q rows) -> 16-byte coalesced stores; lse.
+// Shared-memory tiles are row-major with 16-byte chunks XOR-swizzled inside each row, so that
+// ldmatrix (8 rows x 16 bytes per 8x8 matrix) and the epilogue's 4-byte writes are free of bank
+// conflicts. P goes from the S accumulators straight into A fragments (the C layout of
+// m16n8k16 pairs up with its A layout), never through shared memory.
+//
+// Dynamic shared memory (bytes), to be passed at launch:
+//     (FC_BLOCK_M + 2 * FC_BLOCK_N) * FC_HEAD_DIM_PAD * sizeof(elem_t)
+// Supported: FC_DTYPE 1 or 2; FC_ACCUM_F16 only with FC_DTYPE 1; FC_BLOCK_M / (FC_NUM_THREADS/32)
+// in {16, 32}; FC_BLOCK_N a multiple of 16; FC_HEAD_DIM_PAD a multiple of 32.
+// Head dims: copies move the FC_HEAD_DIM real columns only; the math runs over
+// DK = FC_HEAD_DIM rounded up to 16 (columns [FC_HEAD_DIM, DK) are zeroed once in shared memory,
+// columns >= DK are never touched), which gives the same result as computing over the full pad.
+// Final division: o = O * rcp(l) (rcp.approx, <= 1 ulp) instead of an IEEE divide per element.
+
+#include "flash_common.cuh"
+
+#if FC_DTYPE != 1 && FC_DTYPE != 2
+#error "flash_fwd_mma needs FC_DTYPE 1 (float16) or 2 (bfloat16)"
+#endif
+#if FC_ACCUM_F16 && FC_DTYPE != 1
+#error "flash_fwd_mma: FC_ACCUM_F16 requires FC_DTYPE 1 (float16)"
+#endif
+
+typedef unsigned int u32;
+
+constexpr int BM = FC_BLOCK_M;
+constexpr int BN = FC_BLOCK_N;
+constexpr int NTHR = FC_NUM_THREADS;
+constexpr int NWARPS = NTHR / 32;
+constexpr int RW = BM / NWARPS;                  // query rows per warp
+constexpr int MT = RW / 16;                      // m16 tiles per warp
+constexpr int NT = BN / 8;                       // n8 tiles of S per m16 tile
+constexpr int DK = (FC_HEAD_DIM + 15) / 16 * 16; // head dim actually multiplied (zero tail < 16)
+constexpr int KS = DK / 16;                      // k16 steps of Q K^T == d16 column pairs of O
+constexpr int ON = DK / 8;                       // n8 tiles of O per m16 tile
+constexpr int CPR = FC_HEAD_DIM_PAD / 8;         // 16-byte chunks per shared-memory row
+constexpr int CH = FC_HEAD_DIM / 8;              // chunks per row that hold data
+// Q fragments stay in registers when they are cheap (one m16 tile, d <= 128); else ldmatrix.
+constexpr bool Q_IN_REGS = (MT == 1) && (KS <= 8);
+
+static_assert(NTHR % 32 == 0 && BM % NWARPS == 0, "FC_NUM_THREADS must split FC_BLOCK_M evenly");
+static_assert(RW == 16 || RW == 32, "each warp must own 16 or 32 query rows");
+static_assert(BN % 16 == 0, "FC_BLOCK_N must be a multiple of 16");
+static_assert(CPR % 4 == 0 && DK <= FC_HEAD_DIM_PAD, "FC_HEAD_DIM_PAD must be a multiple of 32");
+
+#if FC_ACCUM_F16
+constexpr int ACC_REGS = 2;  // two half2: row g, row g+8 of an m16n8 tile
+typedef u32 acc_t;
+#else
+constexpr int ACC_REGS = 4;  // c0 c1 (row g), c2 c3 (row g+8); columns 2t, 2t+1
+typedef float acc_t;
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory layout: a tile is [rows][CPR chunks of 16 bytes]. Chunk c of row r is stored at
+// position c ^ key(r) within its row. 8 consecutive rows (starting at a multiple of 8) hit 8
+// distinct 128-byte bank groups: with CPR % 8 == 0 through key = r & 7; with CPR % 8 == 4 the
+// row pitch alternates by half a bank cycle, and key = (r >> 1) & 3 covers the other half.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ int swz_key(int row) { return (CPR % 8 == 0) ? (row & 7) : ((row >> 1) & 3); }
+__device__ __forceinline__ u32 smem_off(int row, int chunk) {
+    return (u32)((row * CPR + (chunk ^ swz_key(row))) * 16);
+}
+
+// Byte offset, inside its row, of chunk 2*kk + x for a lane with w = x ^ key(row): the XOR only
+// touches the low bits of the chunk index, so the lane-dependent part takes few distinct values
+// and the rest folds into the ldmatrix immediate offset.
+constexpr int SWZ_GROUP = (CPR % 8 == 0) ? 8 : 4;
+__device__ __forceinline__ u32 frag_col_off(int kk, int w) {
+    return (u32)(((2 * kk) & ~(SWZ_GROUP - 1)) * 16 + ((((2 * kk) & (SWZ_GROUP - 1)) ^ w) << 4));
+}
+
+// ----------------------------------------- PTX wrappers --------------------------------------
+__device__ __forceinline__ void cp_async_16(u32 dst, const void *src, bool pred) {
+    // src-size 0 zero-fills the 16 bytes without reading global memory.
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>  // wait until at most N of this thread's committed groups are pending
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// D = A B + D for one m16n8k16 tile (A row-major, B column-major), accumulators of acc_t.
+__device__ __forceinline__ void mma_16816(acc_t (&d)[ACC_REGS], const u32 (&a)[4], u32 b0, u32 b1) {
+#if FC_ACCUM_F16
+    asm("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0, %1}, {%2, %3, %4, %5}, {%6, %7}, "
+                 "{%0, %1};\n"
+                 : "+r"(d[0]), "+r"(d[1])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif FC_DTYPE == 1
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// ------------------------------------ accumulator helpers ------------------------------------
+__device__ __forceinline__ void acc_zero(acc_t (&c)[ACC_REGS]) {
+#pragma unroll
+    for (int i = 0; i < ACC_REGS; ++i) c[i] = 0;
+}
+// Element i of an m16n8 accumulator in the f32 C layout (i = 0, 1: row g; 2, 3: row g+8), as float.
+__device__ __forceinline__ float acc_get(const acc_t (&c)[ACC_REGS], int i) {
+#if FC_ACCUM_F16
+    const __half2 h = *reinterpret_cast<const __half2 *>(&c[i >> 1]);
+    return (i & 1) ? __high2float(h) : __low2float(h);
+#else
+    return c[i];
+#endif
+}
+// Element i := -inf (a masked score).
+__device__ __forceinline__ void acc_set_neg_inf(acc_t (&c)[ACC_REGS], int i) {
+#if FC_ACCUM_F16
+    c[i >> 1] = (i & 1) ? ((c[i >> 1] & 0x0000ffffu) | 0xfc000000u) : ((c[i >> 1] & 0xffff0000u) | 0x0000fc00u);
+#else
+    c[i] = -INFINITY;
+#endif
+}
+// Row g times a0, row g+8 times a1; in fp32, rounded once to the accumulator type.
+__device__ __forceinline__ void acc_scale(acc_t (&c)[ACC_REGS], float a0, float a1) {
+#if FC_ACCUM_F16
+    float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&c[0]));
+    float2 hi = __half22float2(*reinterpret_cast<const __half2 *>(&c[1]));
+    __half2 rlo = __floats2half2_rn(lo.x * a0, lo.y * a0);
+    __half2 rhi = __floats2half2_rn(hi.x * a1, hi.y * a1);
+    c[0] = *reinterpret_cast<u32 *>(&rlo);
+    c[1] = *reinterpret_cast<u32 *>(&rhi);
+#else
+    c[0] *= a0; c[1] *= a0; c[2] *= a1; c[3] *= a1;
+#endif
+}
+// Two floats rounded to the element type and packed (lo in the low half: lower column index).
+__device__ __forceinline__ u32 pack_elem2(float lo, float hi) {
+#if FC_DTYPE == 1
+    __half2 v = __floats2half2_rn(lo, hi);
+#else
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+#endif
+    return *reinterpret_cast<u32 *>(&v);
+}
+
+// 1 / x, approximate (<= 1 ulp), subnormal results kept: no slow path (an IEEE divide calls one).
+__device__ __forceinline__ float rcp_approx(float x) {
+    float y;
+    asm("rcp.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Global -> shared tile copies. Thread tid always copies chunk lc = tid % CHP of rows
+// lr = tid / CHP + i * LD_RSTEP (chunk slots rounded up to a power of two, so that the per-thread
+// offsets are loop invariant and cheap; slots lc >= CH idle). Rows >= nvalid are zero-filled
+// (src-size 0, the source then is just some valid address); chunks past FC_HEAD_DIM are never
+// written by the copies.
+constexpr int CHP = CH <= 1 ? 1 : CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
+constexpr int LD_RSTEP = NTHR / CHP;  // rows covered by one pass of the CTA
+
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u32 dst_tile, const elem_t *src, long long stride, int nvalid,
+                                          const elem_t *fallback, int lr, int lc) {
+    // src: this thread's chunk in its first row lr; nvalid: valid rows counted from lr.
+    // Unrolled only partially: fully unrolled, the per-pass offsets are loop invariant for the
+    // compiler and get hoisted out of the KV loop into registers the main loop needs.
+#pragma unroll 4
+    for (int i = 0; i < (ROWS + LD_RSTEP - 1) / LD_RSTEP; ++i) {
+        const bool in_tile = (ROWS % LD_RSTEP == 0 || lr + i * LD_RSTEP < ROWS) && (CHP == CH || lc < CH);
+        if (in_tile) {
+            const bool ok = i * LD_RSTEP < nvalid;
+            cp_async_16(dst_tile + smem_off(lr + i * LD_RSTEP, lc), ok ? src + i * LD_RSTEP * stride : fallback, ok);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FWD_PARAMS) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 sQ = (u32)__cvta_generic_to_shared(smem);  // [BM][CPR]
+    const u32 sK = sQ + BM * CPR * 16;                     // [BN][CPR]
+    const u32 sV = sK + BN * CPR * 16;                     // [BN][CPR]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: row g (and g+8), columns 2t, 2t+1
+
+    // Causal CTAs run heaviest (last query block) first.
+#if FC_CAUSAL
+    const int mblk = gridDim.x - 1 - blockIdx.x;
+#else
+    const int mblk = blockIdx.x;
+#endif
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int m0 = mblk * BM;
+    // This thread's load chunk lc and first load row lr (see load_tile); K and V pointers advance
+    // by one tile per iteration.
+    const int lc = tid % CHP, lr = tid / CHP;
+    const elem_t *q_ld = q + b * q_sb + h * q_sh + (long long)(m0 + lr) * q_sn + lc * 8;
+    const elem_t *k_ld = k + b * k_sb + hk * k_sh + (long long)lr * k_sn + lc * 8;
+    const elem_t *v_ld = v + b * v_sb + hk * v_sh + (long long)lr * v_sn + lc * 8;
+
+    // Key tiles [0, n_tiles) hold a key visible to some valid row of this CTA; tiles from
+    // mask_from on hold a key invisible to some row (causal edge or keys >= nk) and are masked.
+    const int last_key = fc_last_key(min(m0 + BM, nq) - 1, nq, nk);
+    const int n_tiles = last_key >= 0 ? last_key / BN + 1 : 0;
+    const int keys_all = fc_last_key(m0, nq, nk) + 1;  // keys visible to every row of the CTA
+    const int mask_from = keys_all > 0 ? keys_all / BN : 0;
+
+    const int wrow = warp * RW;            // first CTA row of this warp
+    const int row_g = m0 + wrow + g;       // query row of accumulator row g of m16 tile 0
+
+    // ldmatrix.x4 addresses: lane l points at row l & 15, chunk 2kk + (l >> 4) of a 16 x 16 block
+    // (matrices 0..3 = rows 0-7 | 8-15 x chunks 2kk | 2kk+1), the same for all three operands:
+    //   Q (A operand):               r0..r3 = a0, a1, a2, a3
+    //   K (B operand, keys x d):     r0, r2 = b0, b1 of n8 tile 2np; r1, r3 = those of 2np+1
+    //   V (B operand .trans, keys x d): r0, r1 = b0, b1 of d8 tile 2dp; r2, r3 = those of 2dp+1
+    // Fragment rows start at multiples of 16, so the swizzle key is that of row l & 7.
+    const u32 frag_row = (lane & 15) * CPR * 16;
+    const int frag_w = (lane >> 4) ^ swz_key(lane & 7);
+    const u32 a_base = sQ + wrow * CPR * 16 + frag_row;
+    const u32 k_base = sK + frag_row;
+    const u32 v_base = sV + frag_row;
+
+    // Running state: m in raw-score units, l (per-thread partial with fp32 accumulators, the full
+    // row sum with fp16 accumulators, where it must be rounded every tile), O.
+    float m_run[MT][2], l_run[MT][2];
+    acc_t acc_o[MT][ON][ACC_REGS];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) { m_run[mt][hf] = -INFINITY; l_run[mt][hf] = 0.f; }
+#pragma unroll
+        for (int on = 0; on < ON; ++on) acc_zero(acc_o[mt][on]);
+    }
+    u32 q_frag[Q_IN_REGS ? KS : 1][4];
+
+    // ---- prologue: groups {Q, K_0} and {V_0} in flight; zero the 8-column tail of a head dim
+    //      that is 8 mod 16 (the copies never write it, the math reads it) ----
+    if (n_tiles > 0) {
+        if (FC_HEAD_DIM % 16 != 0) {
+            for (int r = tid; r < BM + 2 * BN; r += NTHR)
+                *reinterpret_cast<uint4 *>(smem + smem_off(r, CH)) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        load_tile<BM>(sQ, q_ld, q_sn, nq - m0 - lr, q, lr, lc);
+        load_tile<BN>(sK, k_ld, k_sn, nk - lr, k, lr, lc);
+        cp_async_commit();
+        load_tile<BN>(sV, v_ld, v_sn, nk - lr, v, lr, lc);
+        cp_async_commit();
+    }
+
+    for (int j = 0; j < n_tiles; ++j) {
+        // ---- K_j (and Q) have landed; every warp is done with V_{j-1}: start V_j (V_0 is
+        //      already in flight from the prologue) ----
+        if (j == 0) {
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (j > 0) {
+            v_ld += BN * v_sn;
+            load_tile<BN>(sV, v_ld, v_sn, nk - j * BN - lr, v, lr, lc);
+            cp_async_commit();
+        }
+
+        if (Q_IN_REGS && j == 0) {
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) ldsm_x4(q_frag[kk], a_base + frag_col_off(kk, frag_w));
+        }
+
+        // ---- S = Q K_j^T ----
+        acc_t acc_s[MT][NT][ACC_REGS];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) acc_zero(acc_s[mt][nt]);
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (Q_IN_REGS) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[Q_IN_REGS ? kk : 0][i];
+                } else {
+                    ldsm_x4(a[mt], a_base + mt * 16 * CPR * 16 + frag_col_off(kk, frag_w));
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 bk[4];
+                ldsm_x4(bk, k_base + np * 16 * CPR * 16 + frag_col_off(kk, frag_w));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816(acc_s[mt][2 * np], a[mt], bk[0], bk[2]);
+                    mma_16816(acc_s[mt][2 * np + 1], a[mt], bk[1], bk[3]);
+                }
+            }
+        }
+        // ---- mask: invisible keys (causal edge, keys >= nk) score -inf ----
+        if (j >= mask_from) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int last = fc_last_key(row_g + mt * 16 + 8 * hf, nq, nk) - (j * BN + 2 * t);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (nt * 8 + e > last) acc_set_neg_inf(acc_s[mt][nt], 2 * hf + e);
+                }
+        }
+
+        // ---- online softmax, one row (mt, hf) at a time. P goes straight into the A fragments
+        //      of P V (element type): the k16 step kk of P V is S tiles 2kk (a0: row g, a1: row
+        //      g+8) and 2kk+1 (a2, a3), so S dies as P is made and never leaves registers ----
+        float alpha[MT][2];
+        u32 p_frag[MT][BN / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+#if FC_ABLATE_MAX_SUBTRACTION
+                // Ablated: the max subtraction. Raw scores are exponentiated on one fixed scale,
+                // so nothing is ever rescaled (alpha = 1) and no max is tracked.
+                const float sub = 0.f;
+                alpha[mt][hf] = 1.f;
+#else
+                float mx = -INFINITY;  // rowmax(S_j), quad-reduced (a row lives in 4 lanes)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    mx = fmaxf(mx, fmaxf(acc_get(acc_s[mt][nt], 2 * hf), acc_get(acc_s[mt][nt], 2 * hf + 1)));
+                mx = quad_max(mx);
+                const float m_new = fmaxf(m_run[mt][hf], mx);
+#if FC_ABLATE_RESCALING
+                // Ablated: the rescaling. Each tile subtracts its own max and the running state is
+                // never rescaled (alpha = 1); m still tracks the max over tiles for lse.
+                const float sub = fc_safe_max(mx) * scale_log2;
+                alpha[mt][hf] = 1.f;
+#else
+                const float sub = fc_safe_max(m_new) * scale_log2;
+                alpha[mt][hf] = fc_exp2(m_run[mt][hf] * scale_log2 - sub);  // 0 while m was -inf
+#endif
+                m_run[mt][hf] = m_new;
+#endif
+                // P = exp2(S c - sub) in fp32; l takes the rowsum of the fp32 P
+                float rs = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const float p0 = fc_exp2(fmaf(acc_get(acc_s[mt][nt], 2 * hf), scale_log2, -sub));
+                    const float p1 = fc_exp2(fmaf(acc_get(acc_s[mt][nt], 2 * hf + 1), scale_log2, -sub));
+                    rs += p0;
+                    rs += p1;
+                    p_frag[mt][nt >> 1][hf + 2 * (nt & 1)] = pack_elem2(p0, p1);
+                }
+#if FC_ACCUM_F16
+                // l at fp16 precision: full row sum, alpha * l + rowsum in fp32, rounded once
+                rs = quad_sum(rs);
+                l_run[mt][hf] = fc_round_acc(__fadd_rn(__fmul_rn(alpha[mt][hf], l_run[mt][hf]), rs));
+#else
+                l_run[mt][hf] = alpha[mt][hf] * l_run[mt][hf] + rs;  // per-lane partial, reduced at the end
+#endif
+            }
+        }
+
+#if !FC_ABLATE_MAX_SUBTRACTION && !FC_ABLATE_RESCALING
+        // ---- the rescaling: O *= alpha (skipped, warp-uniformly, when every alpha is exactly 1:
+        //      a multiplication by 1 is exact, so the result is bitwise the same) ----
+        {
+            bool rescale = false;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) rescale |= (alpha[mt][0] != 1.f) | (alpha[mt][1] != 1.f);
+            if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int on = 0; on < ON; ++on) acc_scale(acc_o[mt][on], alpha[mt][0], alpha[mt][1]);
+            }
+        }
+#endif
+
+        // ---- V_j has landed; every warp is done with K_j: start K_{j+1} ----
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 1 < n_tiles) {
+            k_ld += BN * k_sn;
+            load_tile<BN>(sK, k_ld, k_sn, nk - (j + 1) * BN - lr, k, lr, lc);
+            cp_async_commit();
+        }
+
+        // ---- O += P V_j ----
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < KS; ++dp) {
+                u32 bv[4];
+                ldsm_x4_trans(bv, v_base + kk * 16 * CPR * 16 + frag_col_off(dp, frag_w));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816(acc_o[mt][2 * dp], p_frag[mt][kk], bv[0], bv[1]);
+                    mma_16816(acc_o[mt][2 * dp + 1], p_frag[mt][kk], bv[2], bv[3]);
+                }
+            }
+        }
+    }
+
+    // ---- epilogue: o = O / l (0 where l == 0), staged through the warp's own Q rows (only this
+    //      warp ever reads them, and no copy is in flight) for 16-byte coalesced stores ----
+    const long long row_base = ((long long)b * gridDim.y + h) * nq;  // (b, h, row 0) in o and lse
+    __syncwarp();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float inv[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            float l = l_run[mt][hf];
+#if !FC_ACCUM_F16
+            l = quad_sum(l);
+#endif
+            inv[hf] = (l == 0.f) ? 0.f : rcp_approx(l);
+            const int row = row_g + mt * 16 + 8 * hf;
+            if (t == 0 && row < nq) {
+#if FC_ABLATE_MAX_SUBTRACTION
+                const float lse_v = logf(l);  // everything sits on the fixed scale exp(0)
+#else
+                const float lse_v = m_run[mt][hf] * (scale_log2 * 0.693147180559945309f) + logf(l);
+#endif
+                lse[row_base + row] = (l == 0.f) ? -INFINITY : lse_v;
+            }
+        }
+#pragma unroll
+        for (int on = 0; on < ON; ++on) {
+            const acc_t(&c)[ACC_REGS] = acc_o[mt][on];
+            const int r = wrow + mt * 16 + g;
+            *reinterpret_cast<u32 *>(smem + smem_off(r, on) + 4 * t) =
+                pack_elem2(acc_get(c, 0) * inv[0], acc_get(c, 1) * inv[0]);
+            *reinterpret_cast<u32 *>(smem + smem_off(r + 8, on) + 4 * t) =
+                pack_elem2(acc_get(c, 2) * inv[1], acc_get(c, 3) * inv[1]);
+        }
+    }
+    __syncwarp();
+    elem_t *og = o + (row_base + m0 + wrow) * FC_HEAD_DIM;
+#pragma unroll
+    for (int it = 0; it < (RW * CH + 31) / 32; ++it) {
+        const int idx = lane + it * 32;
+        const int r = idx / CH, c = idx - (idx / CH) * CH;
+        if (((RW * CH) % 32 == 0 || idx < RW * CH) && m0 + wrow + r < nq)
+            *reinterpret_cast<uint4 *>(og + (long long)r * FC_HEAD_DIM + c * 8) =
+                *reinterpret_cast<const uint4 *>(smem + smem_off(wrow + r, c));
+    }
+}

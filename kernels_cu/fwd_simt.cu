@@ -1,0 +1,331 @@
+// fwd_simt.cu: the FlashAttention forward pass with scalar fp32 FMAs (no tensor cores).
+//
+// This is flashcupy's teaching kernel. One CTA owns BM query rows of one (batch, head) and streams
+// the keys/values past them in tiles of BN rows, never materialising the nq x nk score matrix.
+// For every KV tile j, with S_j = Q K_j^T (raw, unscaled scores) and per query row:
+//
+//     m_new = max(m, rowmax(S_j))          running max of the scores seen so far
+//     alpha = exp(m - m_new)               how much the old state shrinks under the new max
+//     P     = exp(S_j - m_new)             this tile's unnormalised probabilities
+//     l     = alpha * l + rowsum(P)        running softmax denominator
+//     O     = alpha * O + P V_j            running unnormalised output
+//     m     = m_new
+//
+// and at the end  o = O / l,  lse = m * scale + ln(l).  Exponentials are taken base 2 with the
+// softmax scale folded in: exp(scale * x) = exp2(x * scale_log2).  The rounding model (fp32 or
+// fp16 accumulators) is the one stated in flash_common.cuh.  The two ablations are #if branches
+// at exactly the lines they remove (search for FC_ABLATE_).
+//
+// Launch contract (what flashcupy computes on the Python side):
+//   FC_NUM_THREADS = min(4 * BM, 256)          (64, 128, 256, 256 for BM = 16, 32, 64, 128)
+//   DP             = 16 * ceil(FC_HEAD_DIM / 16)
+//   dynamic smem   = 4 * (BM * DP + BN * (DP + 4) + BM * (BN + 4))  bytes
+//                    [ Q tile ]  [ K_j, then V_j ]  [ S_j, then P_j ], all fp32
+//   BM = 128 requires FC_HEAD_DIM <= 128 (its O accumulators would not fit in registers).
+//
+// Thread layout: a row group is half a warp (16 lanes, c = threadIdx.x % 16) and owns TM = 4
+// consecutive query rows (TM = 8 at BM = 128). In S_j lane c owns keys c, c+16, c+32, ...; in O
+// it owns head-dim columns c, c+16, c+32, ... Row statistics (max, sum) are reduced across the
+// 16 lanes with xor shuffles, which leave every lane with the same bits, so all 16 lanes keep
+// identical copies of m and l for their rows.
+//
+// Shared memory holds fp32 (converted once when staged), padded for conflict-free access: K rows
+// are read as float4 by 16 different lanes (pitch DP + 4 = an odd number of 16-byte units); S/P
+// rows of the two row groups of a warp sit 16 banks apart (pitch BN + 4; at TM = 8 they share
+// banks, a 2-way conflict on the softmax's few scalar accesses only); Q and P reads in the inner
+// loops are broadcasts and V reads are consecutive. The head dim is zero-padded to DP, so every
+// S chunk is 16 wide; the padded products are exact zeros and change no sum.
+#include "flash_common.cuh"
+
+namespace fwd_simt {
+
+constexpr int BM = FC_BLOCK_M;
+constexpr int BN = FC_BLOCK_N;
+constexpr int D = FC_HEAD_DIM;
+constexpr int DP = (D + 15) / 16 * 16;  // head dim padded to whole 16-chunks (shared memory only)
+
+constexpr int TN = 16;                          // lanes sharing a row group (half a warp)
+constexpr int TM = BM * TN / FC_NUM_THREADS;    // query rows per row group: 4, or 8 at BM = 128
+constexpr int KPT = BN / TN;   // keys of S_j per thread:       key  = c + TN * i
+constexpr int DPT = DP / TN;   // head-dim columns per thread:  dim  = c + TN * i
+constexpr int CHUNK = 16;      // products per fp32 partial sum (the mma.m16n8k16 k-extent)
+
+constexpr int GS = KPT < 2 ? KPT : 2;  // keys per register block in Q K^T
+constexpr int GO = DPT < 2 ? DPT : 2;  // head-dim columns per register block in P V
+
+constexpr int Q_PITCH = DP;
+constexpr int KV_PITCH = DP + 4;
+constexpr int S_PITCH = BN + 4;
+
+static_assert(BM == 16 || BM == 32 || BM == 64 || BM == 128, "FC_BLOCK_M must be 16, 32, 64 or 128");
+static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128, "FC_BLOCK_N must be 16, 32, 64 or 128");
+static_assert(FC_NUM_THREADS == (BM < 64 ? 4 * BM : 256), "fwd_simt needs FC_NUM_THREADS == min(4 * BM, 256)");
+static_assert(FC_HEAD_DIM_PAD == FC_HEAD_DIM, "fwd_simt computes with the true head dim");
+static_assert(BM < 128 || D <= 128, "fwd_simt: FC_BLOCK_M = 128 needs FC_HEAD_DIM <= 128");
+
+__device__ __forceinline__ float component(const float4& v, int j) {
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// Max / sum over the 16 lanes of a row group.
+__device__ __forceinline__ float row_group_max(float x) {
+#pragma unroll
+    for (int off = TN / 2; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    return x;
+}
+__device__ __forceinline__ float row_group_sum(float x) {
+#pragma unroll
+    for (int off = TN / 2; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+// Stage a ROWS x D tile (global, row stride `stride` elements, last axis contiguous) into shared
+// memory as fp32 with row pitch PITCH. Rows >= n_valid and columns >= D are written as zeros.
+// Consecutive threads read consecutive 16-byte vectors; unaligned views fall back to scalars.
+template <int ROWS, int PITCH>
+__device__ __forceinline__ void stage_tile(float* __restrict__ dst, const elem_t* __restrict__ src,
+                                           long long stride, int n_valid) {
+    constexpr int VEC = 16 / sizeof(elem_t);  // 4 fp32 or 8 fp16/bf16; divides D (a multiple of 8)
+    constexpr int VPR = DP / VEC;             // vectors per padded row
+    const bool vec_ok = reinterpret_cast<unsigned long long>(src) % 16 == 0 && stride % VEC == 0;
+    for (int idx = threadIdx.x; idx < ROWS * VPR; idx += FC_NUM_THREADS) {
+        const int r = idx / VPR, d = idx % VPR * VEC;
+        float x[VEC];
+        if (r < n_valid && d < D) {
+            const elem_t* p = src + r * stride + d;
+            alignas(16) elem_t e[VEC];
+            if (vec_ok) {
+                *reinterpret_cast<int4*>(e) = *reinterpret_cast<const int4*>(p);
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) e[j] = p[j];
+            }
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) x[j] = fc_to_float(e[j]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) x[j] = 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; j += 4)
+            *reinterpret_cast<float4*>(dst + r * PITCH + d + j) = make_float4(x[j], x[j + 1], x[j + 2], x[j + 3]);
+    }
+}
+
+// S_j = Q K_j^T for this thread's TM rows x KPT keys, in accumulator precision: products are
+// summed in fp32 over 16 head-dim columns, and each partial sum enters the accumulator with one
+// rounding (fc_round_acc, the identity for fp32 accumulators). Keys a row may not see (past nk,
+// or past its causal diagonal) score -inf. The scores go to this thread's own slots of s_s.
+__device__ __forceinline__ void scores_tile(const float* __restrict__ q_s, const float* __restrict__ k_s,
+                                            float* __restrict__ s_s, int rg, int c, int row0, int key0,
+                                            int nq, int nk) {
+    const float* q_rows = q_s + rg * TM * Q_PITCH;
+    const float* k_rows = k_s + c * KV_PITCH;
+#pragma unroll
+    for (int i0 = 0; i0 < KPT; i0 += GS) {
+        float acc[TM][GS] = {};
+#pragma unroll 1
+        for (int d0 = 0; d0 < DP; d0 += CHUNK) {
+            float part[TM][GS] = {};
+#pragma unroll
+            for (int d = d0; d < d0 + CHUNK; d += 4) {
+                float4 kv[GS];
+#pragma unroll
+                for (int g = 0; g < GS; ++g)
+                    kv[g] = *reinterpret_cast<const float4*>(k_rows + (i0 + g) * TN * KV_PITCH + d);
+#pragma unroll
+                for (int t = 0; t < TM; ++t) {
+                    const float4 qv = *reinterpret_cast<const float4*>(q_rows + t * Q_PITCH + d);
+#pragma unroll
+                    for (int g = 0; g < GS; ++g) {
+                        part[t][g] += qv.x * kv[g].x;
+                        part[t][g] += qv.y * kv[g].y;
+                        part[t][g] += qv.z * kv[g].z;
+                        part[t][g] += qv.w * kv[g].w;
+                    }
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < TM; ++t)
+#pragma unroll
+                for (int g = 0; g < GS; ++g) acc[t][g] = fc_round_acc(acc[t][g] + part[t][g]);
+        }
+#pragma unroll
+        for (int t = 0; t < TM; ++t)
+#pragma unroll
+            for (int g = 0; g < GS; ++g) {
+                const int key = key0 + (i0 + g) * TN;
+                const bool visible = key <= fc_last_key(row0 + t, nq, nk);
+                s_s[(rg * TM + t) * S_PITCH + c + (i0 + g) * TN] = visible ? acc[t][g] : -INFINITY;
+            }
+    }
+}
+
+// O += P_j V_j for this thread's TM rows x DPT head-dim columns: products summed in fp32 over
+// 16 keys, each partial sum added to the accumulator with one rounding. Only the first n_keys
+// keys of the tile are visited: past them P is 0 for every row of the CTA (round(O + 0) == O).
+__device__ __forceinline__ void pv_tile(const float* __restrict__ p_s, const float* __restrict__ v_s,
+                                        int rg, int c, int n_keys, float (&o)[TM][DPT]) {
+    const float* p_rows = p_s + rg * TM * S_PITCH;
+    const float* v_cols = v_s + c;
+#pragma unroll
+    for (int i0 = 0; i0 < DPT; i0 += GO) {
+        // Reload P for every column block rather than let the compiler keep a whole 16-key chunk
+        // of P (TM x 16 floats) live in registers next to O.
+        asm volatile("" ::: "memory");
+#pragma unroll 1
+        for (int k0 = 0; k0 < n_keys; k0 += CHUNK) {
+            float part[TM][GO] = {};
+#pragma unroll
+            for (int kk = k0; kk < k0 + CHUNK; kk += 4) {
+                float4 pv[TM];
+#pragma unroll
+                for (int t = 0; t < TM; ++t) pv[t] = *reinterpret_cast<const float4*>(p_rows + t * S_PITCH + kk);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float vv[GO];
+#pragma unroll
+                    for (int g = 0; g < GO; ++g)
+                        vv[g] = i0 + g < DPT ? v_cols[(kk + j) * KV_PITCH + (i0 + g) * TN] : 0.f;
+#pragma unroll
+                    for (int t = 0; t < TM; ++t)
+#pragma unroll
+                        for (int g = 0; g < GO; ++g) part[t][g] += component(pv[t], j) * vv[g];
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < TM; ++t)
+#pragma unroll
+                for (int g = 0; g < GO; ++g)
+                    if (i0 + g < DPT) o[t][i0 + g] = fc_round_acc(o[t][i0 + g] + part[t][g]);
+        }
+    }
+}
+
+}  // namespace fwd_simt
+
+extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(FC_FWD_PARAMS) {
+    using namespace fwd_simt;
+
+    extern __shared__ float4 smem_f4[];
+    float* q_s = reinterpret_cast<float*>(smem_f4);  // [BM][Q_PITCH]   Q tile, staged once
+    float* kv_s = q_s + BM * Q_PITCH;                 // [BN][KV_PITCH]  K_j, then V_j (same buffer)
+    float* s_s = kv_s + BN * KV_PITCH;                // [BM][S_PITCH]   S_j, then P_j (in place)
+
+    const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
+    const int m0 = blockIdx.x * BM;  // first query row of this CTA
+    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const elem_t* k_head = k + b * k_sb + h_kv * k_sh;
+    const elem_t* v_head = v + b * v_sb + h_kv * v_sh;
+
+    // Keys this CTA visits: up to the last key its last real row may see (causal: fewer tiles;
+    // none at all when every row sees nothing).
+    const int n_keys = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) + 1;
+    const int n_tiles = n_keys > 0 ? (n_keys + BN - 1) / BN : 0;
+
+    // Running state of this thread's rows: m, l (identical in the 16 lanes of the row group) and
+    // its DPT columns of O.
+    float m[TM], l[TM], o_acc[TM][DPT];
+#pragma unroll
+    for (int t = 0; t < TM; ++t) {
+        m[t] = -INFINITY;
+        l[t] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) o_acc[t][i] = 0.f;
+    }
+
+    stage_tile<BM, Q_PITCH>(q_s, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, nq - m0);
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int n0 = j * BN;  // first key of tile j
+
+        // 1. K_j -> shared memory (the first pass also publishes Q).
+        stage_tile<BN, KV_PITCH>(kv_s, k_head + n0 * k_sn, k_sn, nk - n0);
+        __syncthreads();
+
+        // 2. S_j = Q K_j^T (masked) into s_s. Each thread later reads back only its own slots.
+        scores_tile(q_s, kv_s, s_s, rg, c, m0 + rg * TM, n0 + c, nq, nk);
+        __syncthreads();  // every thread is done with K_j
+
+        // 3. V_j -> shared memory (over K_j), while each row group runs the online softmax and
+        //    turns its S_j slots into P_j.
+        stage_tile<BN, KV_PITCH>(kv_s, v_head + n0 * v_sn, v_sn, nk - n0);
+#pragma unroll
+        for (int t = 0; t < TM; ++t) {
+            float* s_row = s_s + (rg * TM + t) * S_PITCH + c;  // keys c + TN * i of this row
+            float s[KPT];
+#pragma unroll
+            for (int i = 0; i < KPT; ++i) s[i] = s_row[TN * i];
+
+            float tile_max = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < KPT; ++i) tile_max = fmaxf(tile_max, s[i]);
+            tile_max = row_group_max(tile_max);
+
+            // m_new = max(m, rowmax(S_j))
+            const float m_new = fmaxf(m[t], tile_max);
+
+            // alpha = exp(m - m_new)
+#if FC_ABLATE_MAX_SUBTRACTION || FC_ABLATE_RESCALING
+            const float alpha = 1.f;  // RESCALING removed: l and O are never brought to the new max
+#else
+            const float alpha = fc_exp2(m[t] * scale_log2 - fc_safe_max(m_new) * scale_log2);
+#endif
+
+            // P = exp(S_j - m_new), with the subtracted max in scaled log2 units
+#if FC_ABLATE_MAX_SUBTRACTION
+            const float max_log2 = 0.f;  // MAX SUBTRACTION removed: raw scores are exponentiated
+#elif FC_ABLATE_RESCALING
+            const float max_log2 = fc_safe_max(tile_max) * scale_log2;  // each tile its own max
+#else
+            const float max_log2 = fc_safe_max(m_new) * scale_log2;
+#endif
+            float row_sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < KPT; ++i) {
+                const float p = fc_exp2(s[i] * scale_log2 - max_log2);
+                row_sum += p;
+                s_row[TN * i] = fc_round_elem(p);  // P enters P V_j at the element precision
+            }
+            row_sum = row_group_sum(row_sum);
+
+            // l = alpha * l + rowsum(P)   (from the fp32 P)
+            l[t] = fc_round_acc(alpha * l[t] + row_sum);
+
+            // O = alpha * O   (+ P V_j in step 4)
+#pragma unroll
+            for (int i = 0; i < DPT; ++i) o_acc[t][i] = fc_round_acc(alpha * o_acc[t][i]);
+
+            // m = m_new
+            m[t] = m_new;
+        }
+        __syncthreads();
+
+        // 4. O += P_j V_j
+        pv_tile(s_s, kv_s, rg, c, min(BN, n_keys - n0), o_acc);
+        __syncthreads();  // V_j and P_j are overwritten by the next tile
+    }
+
+    // Epilogue: o = O / l,  lse = m * scale + ln(l);  rows that saw no key get o = 0, lse = -inf.
+    const float scale = scale_log2 * 0.693147180559945309f;  // ln 2
+    const long long hq = gridDim.y;
+#pragma unroll
+    for (int t = 0; t < TM; ++t) {
+        const int row = m0 + rg * TM + t;
+        if (row >= nq) continue;
+        const long long row_id = (b * hq + h) * nq + row;
+        const bool empty = l[t] == 0.f;
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) {
+            const int d = c + TN * i;
+            if (d < D) o[row_id * D + d] = fc_from_float<elem_t>(empty ? 0.f : o_acc[t][i] / l[t]);
+        }
+        if (c == 0) {
+#if FC_ABLATE_MAX_SUBTRACTION
+            lse[row_id] = empty ? -INFINITY : logf(l[t]);  // MAX SUBTRACTION removed: l is on the raw scale
+#else
+            lse[row_id] = empty ? -INFINITY : m[t] * scale + logf(l[t]);
+#endif
+        }
+    }
+}
