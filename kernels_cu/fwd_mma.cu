@@ -37,7 +37,8 @@
 // Head dims: copies move the FC_HEAD_DIM real columns only; the math runs over
 // DK = FC_HEAD_DIM rounded up to 16 (columns [FC_HEAD_DIM, DK) are zeroed once in shared memory,
 // columns >= DK are never touched), which gives the same result as computing over the full pad.
-// Final division: o = O * rcp(l) (rcp.approx, <= 1 ulp) instead of an IEEE divide per element.
+// Final division: o = O * (1/l) with one correctly rounded reciprocal per row (__frcp_rn) instead of an
+// IEEE divide per element.
 
 #include "flash_common.cuh"
 
@@ -183,13 +184,6 @@ __device__ __forceinline__ u32 pack_elem2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
 #endif
     return *reinterpret_cast<u32 *>(&v);
-}
-
-// 1 / x, approximate (<= 1 ulp), subnormal results kept: no slow path (an IEEE divide calls one).
-__device__ __forceinline__ float rcp_approx(float x) {
-    float y;
-    asm("rcp.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 __device__ __forceinline__ float quad_max(float x) {
@@ -469,7 +463,9 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
 #if !FC_ACCUM_F16
             l = quad_sum(l);
 #endif
-            inv[hf] = (l == 0.f) ? 0.f : rcp_approx(l);
+            // IEEE reciprocal, once per row: rcp.approx returns 0 for l > 2^126 (a subnormal 1/l),
+            // which the max-subtraction break reaches in bf16 before exp overflows at ln(max) ~ 88.7.
+            inv[hf] = (l == 0.f) ? 0.f : __frcp_rn(l);
             const int row = row_g + mt * 16 + 8 * hf;
             if (t == 0 && row < nq) {
 #if FC_ABLATE_MAX_SUBTRACTION

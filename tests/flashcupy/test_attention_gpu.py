@@ -185,7 +185,8 @@ def test_kernels_agree_with_numpy_twin(rng, combo, ablate):
 
 @pytest.mark.parametrize("kernel,dname,threshold", [("mma", "f16", math.log(65504.0)),
                                                     ("simt", "f16", math.log(65504.0)),
-                                                    ("mma", "bf16", 88.72), ("simt", "f32", 88.72)])
+                                                    ("mma", "bf16", 88.72), ("simt", "f32", 88.72),
+                                                    ("simt", "bf16", 88.72)])
 def test_max_subtraction_break_overflows_past_threshold(kernel, dname, threshold):
     import cupy
 
