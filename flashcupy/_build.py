@@ -316,7 +316,8 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
     arch = arch or variant.fam.arch
     src = source_text(variant.fam.source)
     prog = nvrtc.createProgram(src, variant.fam.source, [], [])
-    opts = list(compile_options(variant)) + [f"-arch={arch}", "--ptxas-options=-v"]
+    # cupy.RawModule always appends -ftz=true (subnormals flushed); the report compiles the same code.
+    opts = list(compile_options(variant)) + [f"-arch={arch}", "-ftz=true", "--ptxas-options=-v"]
     try:
         try:
             nvrtc.compileProgram(prog, opts)

@@ -20,6 +20,7 @@
 //               stored as fp16 and each update (alpha*l + rowsum, alpha*O) is computed in fp32 and
 //               rounded once. P, alpha are computed in fp32 from the fp16 state; P is rounded to the
 //               element type before P V.
+//   Subnormal fp32 values are flushed to zero (cupy.RawModule compiles with -ftz=true).
 //   Final: o = O / l in fp32, rounded to the element type; o = 0 and lse = -inf where l == 0.
 //   lse = m * scale + ln(l) (natural log); with FC_ABLATE_MAX_SUBTRACTION, lse = ln(l).
 #pragma once

@@ -38,7 +38,7 @@
 // DK = FC_HEAD_DIM rounded up to 16 (columns [FC_HEAD_DIM, DK) are zeroed once in shared memory,
 // columns >= DK are never touched), which gives the same result as computing over the full pad.
 // Final division: o = O * (1/l) with one correctly rounded reciprocal per row (__frcp_rn) instead of an
-// IEEE divide per element.
+// IEEE divide per element (kept normal under -ftz by a 2^-64 prescale when l > 2^126).
 
 #include "flash_common.cuh"
 
@@ -456,16 +456,18 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
     __syncwarp();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        float inv[2];
+        float inv[2], pre[2];
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             float l = l_run[mt][hf];
 #if !FC_ACCUM_F16
             l = quad_sum(l);
 #endif
-            // IEEE reciprocal, once per row: rcp.approx returns 0 for l > 2^126 (a subnormal 1/l),
-            // which the max-subtraction break reaches in bf16 before exp overflows at ln(max) ~ 88.7.
-            inv[hf] = (l == 0.f) ? 0.f : __frcp_rn(l);
+            // o = (O * pre) * (1 / (l * pre)): one IEEE reciprocal per row. CuPy compiles with
+            // -ftz=true, so 1/l must stay normal: for l > 2^126 (reached by the max-subtraction
+            // break in bf16 before exp overflows at ln(max) ~ 88.7) both are scaled by 2^-64 first.
+            pre[hf] = (l > 0x1p126f) ? 0x1p-64f : 1.f;
+            inv[hf] = (l == 0.f) ? 0.f : __frcp_rn(l * pre[hf]);
             const int row = row_g + mt * 16 + 8 * hf;
             if (t == 0 && row < nq) {
 #if FC_ABLATE_MAX_SUBTRACTION
@@ -481,9 +483,9 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
             const acc_t(&c)[ACC_REGS] = acc_o[mt][on];
             const int r = wrow + mt * 16 + g;
             *reinterpret_cast<u32 *>(smem + smem_off(r, on) + 4 * t) =
-                pack_elem2(acc_get(c, 0) * inv[0], acc_get(c, 1) * inv[0]);
+                pack_elem2(acc_get(c, 0) * pre[0] * inv[0], acc_get(c, 1) * pre[0] * inv[0]);
             *reinterpret_cast<u32 *>(smem + smem_off(r + 8, on) + 4 * t) =
-                pack_elem2(acc_get(c, 2) * inv[1], acc_get(c, 3) * inv[1]);
+                pack_elem2(acc_get(c, 2) * pre[1] * inv[1], acc_get(c, 3) * pre[1] * inv[1]);
         }
     }
     __syncwarp();
