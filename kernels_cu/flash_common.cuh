@@ -103,3 +103,27 @@ __device__ __forceinline__ float fc_safe_max(float m) { return m == -INFINITY ? 
         const int group, const long long q_sb, const long long q_sh, const long long q_sn,        \
         const long long k_sb, const long long k_sh, const long long k_sn, const long long v_sb,   \
         const long long v_sh, const long long v_sn, const float scale_log2
+
+// ------------------------------------------------------------------------------------------------
+// Backward pass (kernels_cu/bwd_*.cu). Each backward family source holds two kernels:
+//   flash_bwd_dkdv_<family>: grid (ceil(nk / FC_BLOCK_N), Hkv, B). One CTA owns FC_BLOCK_N keys of
+//       one kv head and loops over the `group` query heads that share it and over their query tiles
+//       of FC_BLOCK_M rows, accumulating dK and dV on chip (sums over the group included: no atomics).
+//   flash_bwd_dq_<family>:   grid (ceil(nq / FC_BLOCK_M), Hq, B). One CTA owns FC_BLOCK_M query rows
+//       and loops over key tiles of FC_BLOCK_N, accumulating dQ on chip.
+// Both recompute P from the saved LSE and never store P, dP or dS in device memory:
+//   P  = exp2(S * scale_log2 - lse_i * log2(e))     (P = 0 for rows with lse_i = -inf: they see no key)
+//   dV = sum_i P^T dO          dP = dO V^T          dS = P * (dP - delta_i)
+//   dK = scale * sum_i dS^T Q  dQ = scale * dS K    with delta_i = rowsum(dO_i * O_i) (fp32, given)
+// Rounding model: as the forward. P and dS are computed in fp32 and rounded to the element type
+// before they enter a product; accum fp32 accumulates S, dP, dV, dK, dQ in fp32; accum fp16 keeps
+// them in fp16 accumulators rounded after every 16 products of the reduction axis. dq, dk, dv are
+// written in the element type, contiguous: dq (B, Hq, nq, D), dk and dv (B, Hkv, nk, D).
+#define FC_BWD_PARAMS                                                                             \
+    const elem_t *__restrict__ q, const elem_t *__restrict__ k, const elem_t *__restrict__ v,     \
+        const elem_t *__restrict__ dout, const float *__restrict__ lse,                           \
+        const float *__restrict__ delta, elem_t *__restrict__ dq, elem_t *__restrict__ dk,        \
+        elem_t *__restrict__ dv, const int nq, const int nk, const int group, const long long q_sb, \
+        const long long q_sh, const long long q_sn, const long long k_sb, const long long k_sh,   \
+        const long long k_sn, const long long v_sb, const long long v_sh, const long long v_sn,   \
+        const long long do_sb, const long long do_sh, const long long do_sn, const float scale_log2
