@@ -7,9 +7,9 @@ with NVRTC) on CuPy arrays, and the NumPy twin of the same tiled algorithm on Nu
 from __future__ import annotations
 
 from . import reference
-from ._checks import _check_bool, check_forward
+from ._checks import _check_bool, check_backward, check_forward
 
-__all__ = ["attention", "reference"]
+__all__ = ["attention", "attention_backward", "reference"]
 __version__ = "0.1.0"
 
 
@@ -45,6 +45,31 @@ def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, 
     if problem.backend == "numpy":
         from ._twin import forward
     else:
-        from ._forward import forward
+        from ._launch import forward
     o, lse = forward(q, k, v, problem)
     return (o, lse) if return_lse else o
+
+
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m=None, block_n=None,
+                       accum="fp32", kernel="auto", deterministic=False):
+    """FlashAttention backward: the gradients (dq, dk, dv) of ``sum(do * attention(q, k, v))``.
+
+    ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same q, k,
+    v, causal and scale. Shapes, dtypes, strides, GQA and causal as in ``attention``; dk and dv have
+    k's shape and are summed over the query heads that share a key/value head. CuPy arrays run the
+    backward kernels, NumPy arrays the NumPy twin, with the same knobs.
+
+    The algorithm (FlashAttention-2's): delta_i = rowsum(dO_i * O_i) in fp32, then, recomputing
+    P = exp(scale * q k^T - lse) tile by tile from the saved LSE (P, dP and dS never reach device memory):
+    dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dK = scale * dS^T Q,  dQ = scale * dS K.
+    dK/dV are accumulated on chip by a key-tile-outer kernel, dQ by a query-tile-outer kernel: no
+    floating-point atomics anywhere, so every call is bitwise reproducible and ``deterministic=True``
+    (accepted for API compatibility) costs nothing.
+    """
+    problem = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
+                             block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic)
+    if problem.backend == "numpy":
+        from ._twin import backward
+    else:
+        from ._launch import backward
+    return backward(do, q, k, v, o, lse, problem)

@@ -27,7 +27,7 @@ ACCUMS = ("fp32", "fp16")
 ABLATIONS = (None, "max_subtraction", "rescaling")
 
 _DEFAULT_SMEM_LIMIT = 48 * 1024        # without opting in
-_H200_SMEM_OPTIN = 227 * 1024          # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
+SMEM_LIMIT = 227 * 1024                # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
 
 
 def _round_up(x: int, m: int) -> int:
@@ -39,19 +39,20 @@ class Family:
     """One kernel source and what its variants may be.
 
     ``threads``, ``smem_bytes`` and ``head_dim_pad`` restate the formulas written at the top of the
-    source file; ``no_spill`` says for which variants the compile check treats spills as a failure.
+    source file (``smem_bytes(variant, kernel)``: a backward source holds two kernels);
+    ``no_spill`` says for which variants the compile check treats spills as a failure.
     """
 
     name: str
     source: str
-    kernel: str
+    kernels: tuple[str, ...]
     dtypes: tuple[str, ...]
     block_m: tuple[int, ...]
     block_n: tuple[int, ...]
     accums: Callable[[str], tuple[str, ...]]
     head_dim_pad: Callable[[int], int]
     threads: Callable[["Variant"], int]
-    smem_bytes: Callable[["Variant"], int]
+    smem_bytes: Callable[["Variant", str], int]
     default_blocks: Callable[[str, int], tuple[int, int]]
     no_spill: Callable[["Variant"], bool]
     limits: Callable[["Variant"], str | None] = lambda v: None
@@ -64,7 +65,7 @@ def _mma_threads(v: "Variant") -> int:
     return 256 if (v.block_m == 128 and v.head_dim_pad > 128) else 128
 
 
-def _mma_smem(v: "Variant") -> int:
+def _mma_smem(v: "Variant", kernel: str) -> int:
     return (v.block_m + 2 * v.block_n) * v.head_dim_pad * DTYPES[v.dtype][1]
 
 
@@ -77,7 +78,7 @@ def _simt_threads(v: "Variant") -> int:
     return min(4 * v.block_m, 256)
 
 
-def _simt_smem(v: "Variant") -> int:
+def _simt_smem(v: "Variant", kernel: str) -> int:
     # fp32 tiles: Q (BM x DP), one K_j-then-V_j buffer (BN x (DP+4)), S_j/P_j (BM x (BN+4))
     dp = _round_up(v.head_dim, 16)
     return 4 * (v.block_m * dp + v.block_n * (dp + 4) + v.block_m * (v.block_n + 4))
@@ -96,7 +97,7 @@ def _simt_defaults(dtype: str, d: int) -> tuple[int, int]:
 
 FAMILIES: dict[str, Family] = {
     "fwd_mma": Family(
-        name="fwd_mma", source="fwd_mma.cu", kernel="flash_fwd_mma",
+        name="fwd_mma", source="fwd_mma.cu", kernels=("flash_fwd_mma",),
         dtypes=("f16", "bf16"), block_m=(64, 128), block_n=(32, 64, 128),
         # mma.sync has no bf16 x bf16 -> f16 form: bf16 needs f32 accumulators.
         accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
@@ -107,12 +108,33 @@ FAMILIES: dict[str, Family] = {
         no_spill=lambda v: v.block_m == 128 and v.block_n == 64,
     ),
     "fwd_simt": Family(
-        name="fwd_simt", source="fwd_simt.cu", kernel="flash_fwd_simt",
+        name="fwd_simt", source="fwd_simt.cu", kernels=("flash_fwd_simt",),
         dtypes=("f32", "f16", "bf16"), block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128),
         accums=lambda dtype: ACCUMS,
         head_dim_pad=lambda d: d,
         threads=_simt_threads, smem_bytes=_simt_smem, default_blocks=_simt_defaults,
         no_spill=lambda v: True, limits=_simt_limits,
+    ),
+    # Backward families: formulas restated from the headers of bwd_mma.cu / bwd_simt.cu.
+    "bwd_mma": Family(
+        name="bwd_mma", source="bwd_mma.cu", kernels=("flash_bwd_dkdv_mma", "flash_bwd_dq_mma"),
+        dtypes=("f16", "bf16"), block_m=(64, 128), block_n=(64, 128),
+        accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
+        head_dim_pad=lambda d: _round_up(d, 32),
+        threads=lambda v: 256,
+        smem_bytes=lambda v, kernel: (2 * v.block_m + 2 * v.block_n) * v.head_dim_pad * 2,
+        default_blocks=lambda dtype, d: (64, 128) if d <= 128 else (64, 64),
+        no_spill=lambda v: True,
+    ),
+    "bwd_simt": Family(
+        name="bwd_simt", source="bwd_simt.cu", kernels=("flash_bwd_dkdv_simt", "flash_bwd_dq_simt"),
+        dtypes=("f32", "f16", "bf16"), block_m=(16, 32, 64), block_n=(16, 32, 64),
+        accums=lambda dtype: ACCUMS,
+        head_dim_pad=lambda d: d,
+        threads=lambda v: 256,
+        smem_bytes=lambda v, kernel: 4 * (2 * v.block_m + 2 * v.block_n) * v.head_dim,
+        default_blocks=lambda dtype, d: (32, 32),
+        no_spill=lambda v: True,
     ),
 }
 
@@ -164,7 +186,11 @@ class Variant:
 
     @property
     def smem_bytes(self) -> int:
-        return self.fam.smem_bytes(self)
+        """The largest dynamic shared memory any kernel of the variant needs."""
+        return max(self.fam.smem_bytes(self, name) for name in self.fam.kernels)
+
+    def smem_for(self, kernel: str) -> int:
+        return self.fam.smem_bytes(self, kernel)
 
     @property
     def key(self) -> str:
@@ -193,7 +219,7 @@ class Variant:
             "FC_ABLATE_RESCALING": int(self.ablate == "rescaling"),
         }
 
-    def fits(self, smem_limit: int = _H200_SMEM_OPTIN) -> bool:
+    def fits(self, smem_limit: int = SMEM_LIMIT) -> bool:
         return self.smem_bytes <= smem_limit
 
 
@@ -253,8 +279,9 @@ def compile_options(v: Variant) -> tuple[str, ...]:
 class KernelHandle:
     """A compiled kernel with its launch geometry."""
 
-    def __init__(self, variant: Variant, function, smem_bytes: int):
+    def __init__(self, variant: Variant, name: str, function, smem_bytes: int):
         self.variant = variant
+        self.name = name
         self.function = function
         self.smem_bytes = smem_bytes
         self.threads = variant.threads
@@ -264,7 +291,7 @@ class KernelHandle:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_on_device(v: Variant, device_id: int) -> KernelHandle:
+def _module_on_device(v: Variant, device_id: int):
     import cupy
 
     dev = cupy.cuda.Device(device_id)
@@ -276,17 +303,23 @@ def _kernel_on_device(v: Variant, device_id: int) -> KernelHandle:
     if v.fam.arch != "sm_90":
         options += (f"-arch={v.fam.arch}",)
     module = cupy.RawModule(code=source_text(v.fam.source), options=options)
-    fn = module.get_function(v.fam.kernel)
-    if v.smem_bytes > _DEFAULT_SMEM_LIMIT:
-        fn.max_dynamic_shared_size_bytes = v.smem_bytes
-    return KernelHandle(v, fn, v.smem_bytes)
+    handles = {}
+    for name in v.fam.kernels:
+        fn = module.get_function(name)
+        smem = v.smem_for(name)
+        if smem > _DEFAULT_SMEM_LIMIT:
+            fn.max_dynamic_shared_size_bytes = smem
+        handles[name] = KernelHandle(v, name, fn, smem)
+    return handles
 
 
-def get_kernel(v: Variant) -> KernelHandle:
-    """The compiled kernel for ``v`` on the current device (compiled once per process and device)."""
+def get_kernel(v: Variant, name: str | None = None) -> KernelHandle:
+    """A compiled kernel of ``v`` on the current device (the module is compiled once per process and
+    device); ``name`` picks one of a backward family's kernels (default: the first)."""
     import cupy
 
-    return _kernel_on_device(v, cupy.cuda.Device().id)
+    handles = _module_on_device(v, cupy.cuda.Device().id)
+    return handles[name or v.fam.kernels[0]]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -326,13 +359,22 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
         log = nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    # Only the lines after the entry of our kernel (a source holds one kernel per family).
-    rep = {"key": variant.key}
-    for name, rx in _PTXAS_LINE.items():
-        m = rx.search(log)
-        rep[name] = int(m.group(1)) if m else 0
-    rep["smem_dynamic"] = variant.smem_bytes
-    rep["threads"] = variant.threads
+    # ptxas reports each entry function in turn; a backward source holds two. Per kernel:
+    rep = {"key": variant.key, "threads": variant.threads, "kernels": {}}
+    for name in variant.fam.kernels:
+        i = log.find(f"Function properties for {name}")
+        section = log[i:] if i >= 0 else ""
+        j = section.find("Compiling entry function", 1)
+        section = section[:j] if j > 0 else section
+        krep = {}
+        for field, rx in _PTXAS_LINE.items():
+            m = rx.search(section)
+            krep[field] = int(m.group(1)) if m else 0
+        krep["smem_dynamic"] = variant.smem_for(name)
+        rep["kernels"][name] = krep
+    # summary over the kernels: the worst of each
+    for field in list(_PTXAS_LINE) + ["smem_dynamic"]:
+        rep[field] = max(k[field] for k in rep["kernels"].values())
     return rep
 
 

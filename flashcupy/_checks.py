@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ._build import ABLATIONS, ACCUMS, FAMILIES, Variant
+from ._build import ABLATIONS, ACCUMS, FAMILIES, SMEM_LIMIT, Variant
 
 KERNELS = ("auto", "mma", "simt")
 _GRID_YZ_MAX = 65535
@@ -78,8 +78,10 @@ def _check_bool(name, value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate) -> Problem:
-    """Validate the arguments of ``flashcupy.attention`` and resolve defaults."""
+def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate,
+                  direction: str = "fwd") -> Problem:
+    """Validate the arguments of ``flashcupy.attention`` (``direction="bwd"``: the q, k, v part of
+    ``flashcupy.attention_backward``) and resolve defaults."""
     arrays = {"q": q, "k": k, "v": v}
     backends = {name: _backend_of(name, x) for name, x in arrays.items()}
     if len(set(backends.values())) > 1:
@@ -135,7 +137,7 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     _check_choice("kernel", kernel, KERNELS)
     _check_choice("ablate", ablate, ABLATIONS)
 
-    family = resolve_family(kernel, dname, accum)
+    family = resolve_family(kernel, dname, accum, direction)
     fam = FAMILIES[family]
     dm, dn = fam.default_blocks(dname, d)
     bm = dm if block_m is None else block_m
@@ -150,13 +152,13 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     if not variant.fits():
         raise ValueError(f"block_m={bm}, block_n={bn} with D={d} in {dname} needs "
                          f"{variant.smem_bytes} bytes of shared memory in {family}; the limit is "
-                         f"{227 * 1024}. Choose smaller blocks.")
+                         f"{SMEM_LIMIT}. Choose smaller blocks.")
     return Problem(backend, b, hq, hkv, nq, nk, d, scale, variant)
 
 
-def resolve_family(kernel: str, dname: str, accum: str) -> str:
+def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd") -> str:
     """Which family computes this call: 'mma' where tensor cores apply, else 'simt'."""
-    mma = FAMILIES["fwd_mma"]
+    mma = FAMILIES[f"{direction}_mma"]
     if kernel == "mma":
         if dname not in mma.dtypes:
             raise ValueError(f"kernel='mma' runs float16 and bfloat16 inputs; {dname} inputs run on "
@@ -164,10 +166,34 @@ def resolve_family(kernel: str, dname: str, accum: str) -> str:
         if accum not in mma.accums(dname):
             raise ValueError("kernel='mma' with bfloat16 inputs supports accum='fp32' only (mma.sync has "
                              "no bf16 form with f16 accumulators); use kernel='simt' for accum='fp16'")
-        return "fwd_mma"
+        return mma.name
     if kernel == "simt":
-        return "fwd_simt"
+        return f"{direction}_simt"
     # auto
     if dname in mma.dtypes and accum in mma.accums(dname):
-        return "fwd_mma"
-    return "fwd_simt"
+        return mma.name
+    return f"{direction}_simt"
+
+
+def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,
+                   deterministic) -> Problem:
+    """Validate the arguments of ``flashcupy.attention_backward`` and resolve defaults."""
+    p = check_forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                      accum=accum, kernel=kernel, ablate=None, direction="bwd")
+    _check_bool("deterministic", deterministic)
+    for name, x in (("do", do), ("o", o), ("lse", lse)):
+        if _backend_of(name, x) != p.backend:
+            raise TypeError(f"{name} must be a {'CuPy' if p.backend == 'cuda' else 'NumPy'} array like q")
+    for name, x in (("do", do), ("o", o)):
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}; got {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
+        if x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+            raise ValueError(f"{name} must be contiguous along its last axis; got strides {x.strides}")
+    want = (p.batch, p.heads_q, p.nq)
+    if tuple(lse.shape) != want:
+        raise ValueError(f"lse must have shape (B, Hq, Nq) = {want}; got {tuple(lse.shape)}")
+    if lse.dtype != np.float32:
+        raise TypeError(f"lse must be float32 (as attention(..., return_lse=True) returns it); got {lse.dtype}")
+    return p

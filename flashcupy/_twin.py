@@ -112,3 +112,71 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem):
         lse = np.where(empty, -np.inf, lse)
     o = o.reshape(b, hq, nq, d).astype(elem)
     return o, lse.reshape(b, hq, nq).astype(np.float32)
+
+
+def _fp16_accumulate_rows(acc, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """acc + a^T b over query rows (axis -2 of a and b) in an fp16 accumulator, rounded after every 16
+    rows; a, b are (..., G, rows, x) and the sum also runs over the group axis G, head by head, as the
+    dK/dV kernel loops over the query heads that share a kv head."""
+    rows = a.shape[-2]
+    for g in range(a.shape[-3]):
+        for r0 in range(0, rows, _CHUNK):
+            part = np.matmul(np.swapaxes(a[..., g, r0:r0 + _CHUNK, :], -1, -2), b[..., g, r0:r0 + _CHUNK, :])
+            acc = _round_to(acc + part, np.float16)
+    return acc
+
+
+def backward(do, q, k, v, o, lse, p: Problem):
+    """The twin of the backward kernels. Returns (dq, dk, dv) in q's dtype.
+
+    Per key tile j (``block_n`` keys), for all query rows at once, with c = scale * log2(e):
+        P  = 2^(c*S - lse*log2(e))   (0 where masked or where lse = -inf)
+        dV_j += P^T dO,   dP = dO V_j^T,   dS = P * (dP - delta),   delta = rowsum(dO * O)
+        dK_j += dS^T Q,   dQ += dS K_j;    finally dK and dQ are multiplied by scale.
+    P and dS are rounded to the element type before each product; accumulators (S, dP, dV, dK, dQ)
+    are fp32, or with accum="fp16" fp16 rounded every 16 products of their reduction axis.
+    """
+    var = p.variant
+    elem = numpy_dtype(var.dtype)
+    f16 = var.accum == "fp16"
+    rnd_elem = (lambda x: x) if var.dtype == "f32" else (lambda x: _round_to(x, elem))
+    b, hq, hkv, nq, nk, d = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
+    g = p.group
+    shape_q = (b, hkv, g, nq, d)
+    qf = q.astype(np.float32).reshape(shape_q)
+    dof = do.astype(np.float32).reshape(shape_q)
+    kf = k.astype(np.float32)[:, :, None]
+    vf = v.astype(np.float32)[:, :, None]
+    delta = (dof * o.astype(np.float32).reshape(shape_q)).sum(axis=-1, keepdims=True, dtype=np.float32)
+    lse2 = (lse.astype(np.float32) * np.float32(_LOG2E)).reshape(b, hkv, g, nq, 1)
+    row_empty = np.isneginf(lse2)
+    lse2 = np.where(row_empty, np.float32(0), lse2)
+    c = np.float32(p.scale * _LOG2E)
+
+    dq = np.zeros(shape_q, dtype=np.float32)
+    dk = np.zeros((b, hkv, nk, d), dtype=np.float32)
+    dv = np.zeros((b, hkv, nk, d), dtype=np.float32)
+    rows = np.arange(nq)[:, None]
+    with np.errstate(over="ignore", invalid="ignore"):
+        for j0 in range(0, nk, var.block_n):
+            j1 = min(nk, j0 + var.block_n)
+            kj, vj = kf[..., j0:j1, :], vf[..., j0:j1, :]
+            kt, vt = np.swapaxes(kj, -1, -2), np.swapaxes(vj, -1, -2)
+            s = _fp16_accumulate(None, qf, kt) if f16 else np.matmul(qf, kt)
+            masked = row_empty
+            if var.causal:
+                masked = masked | ~(np.arange(j0, j1)[None, :] <= rows + (nk - nq))
+            pr = np.where(masked, np.float32(0), np.exp2(s * c - lse2)).astype(np.float32)
+            dp = _fp16_accumulate(None, dof, vt) if f16 else np.matmul(dof, vt)
+            ds = (pr * (dp - delta)).astype(np.float32)
+            pe, dse = rnd_elem(pr), rnd_elem(ds)
+            if f16:
+                dv[:, :, j0:j1] = _fp16_accumulate_rows(np.zeros_like(dv[:, :, j0:j1]), pe, dof)
+                dk[:, :, j0:j1] = _fp16_accumulate_rows(np.zeros_like(dk[:, :, j0:j1]), dse, qf)
+                dq = _fp16_accumulate(dq, dse, kj)
+            else:
+                dv[:, :, j0:j1] = np.einsum("bhgik,bhgid->bhkd", pe, dof, dtype=np.float32)
+                dk[:, :, j0:j1] = np.einsum("bhgik,bhgid->bhkd", dse, qf, dtype=np.float32)
+                dq = dq + np.matmul(dse, kj)
+    scale = np.float32(p.scale)
+    return ((dq * scale).reshape(b, hq, nq, d).astype(elem), (dk * scale).astype(elem), dv.astype(elem))

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_backward"]
 
 
 def _xp(x):
@@ -22,6 +22,21 @@ def _xp(x):
     import cupy
 
     return cupy
+
+
+def _probabilities(q, k, causal, scale, rnd):
+    """Same-precision P (rounded) for grouped q (B, Hkv, G, Nq, D) and k (B, Hkv, 1, Nk, D)."""
+    xp = _xp(q)
+    nq, nk = q.shape[-2], k.shape[-2]
+    s = rnd(xp.matmul(q, xp.swapaxes(k, -1, -2))) * xp.float32(scale)
+    if causal:
+        visible = xp.arange(nk)[None, :] <= (xp.arange(nq)[:, None] + (nk - nq))
+        s = xp.where(visible, s, xp.float32(-xp.inf))
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, xp.float32(0))
+    e = xp.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    return rnd(e / xp.where(l > 0, l, xp.float32(1)))
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None):
@@ -38,14 +53,38 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
     qf = q.astype(xp.float32).reshape(b, hkv, hq // hkv, nq, d)
     kf = k.astype(xp.float32)[:, :, None]
     vf = v.astype(xp.float32)[:, :, None]
-    s = rnd(xp.matmul(qf, xp.swapaxes(kf, -1, -2))) * xp.float32(scale)
-    if causal:
-        visible = xp.arange(nk)[None, :] <= (xp.arange(nq)[:, None] + (nk - nq))
-        s = xp.where(visible, s, xp.float32(-xp.inf))
-    m = s.max(axis=-1, keepdims=True)
-    m = xp.where(xp.isfinite(m), m, xp.float32(0))
-    e = xp.exp(s - m)
-    l = e.sum(axis=-1, keepdims=True)
-    p = rnd(e / xp.where(l > 0, l, xp.float32(1)))
+    p = _probabilities(qf, kf, causal, scale, rnd)
     o = rnd(xp.matmul(p, vf))
     return o.reshape(b, hq, nq, d).astype(dtype)
+
+
+def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = None):
+    """Naive same-precision gradients (dq, dk, dv) of sum(do * attention(q, k, v)).
+
+    P, O, dV, dP, dS, dQ, dK are each rounded to the input dtype once, as a framework's autograd of
+    naive attention stores them; delta = rowsum(dO * O) in float32. dk, dv are summed over the query
+    heads that share a kv head.
+    """
+    xp = _xp(q)
+    dtype = q.dtype
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+    def rnd(x):
+        return x.astype(dtype).astype(xp.float32)
+
+    shape = (b, hkv, hq // hkv, nq, d)
+    qf = q.astype(xp.float32).reshape(shape)
+    dof = do.astype(xp.float32).reshape(shape)
+    kf = k.astype(xp.float32)[:, :, None]
+    vf = v.astype(xp.float32)[:, :, None]
+    p = _probabilities(qf, kf, causal, scale, rnd)
+    o = rnd(xp.matmul(p, vf))
+    dv = rnd(xp.matmul(xp.swapaxes(p, -1, -2), dof).sum(axis=2))
+    dp = rnd(xp.matmul(dof, xp.swapaxes(vf, -1, -2)))
+    delta = (dof * o).sum(axis=-1, keepdims=True)
+    ds = rnd(p * (dp - delta))
+    dq = rnd(xp.float32(scale) * xp.matmul(ds, kf))
+    dk = rnd(xp.float32(scale) * xp.matmul(xp.swapaxes(ds, -1, -2), qf).sum(axis=2))
+    return (dq.reshape(b, hq, nq, d).astype(dtype), dk.astype(dtype), dv.astype(dtype))

@@ -10,6 +10,9 @@ The floor is 1e-6 for float32 (an fp32 kernel must land near 1e-6 on O(1) output
 score and output accumulators to fp16 after every 16 products and hold the running sum in fp16 too,
 while the naive baseline accumulates in fp32; the documented bound adds eight fp16 unit roundoffs,
 8 * 2^-11 ~ 3.9e-3, for those extra roundings (measured: ~1e-3 at N = 203, ~1.5e-3 at N = 2048).
+
+Gradients are not O(1): dK and dV sum over every query row that sees a key, so for the backward the
+floor is taken relative to the largest reference gradient, floor * max(1, max|ref|).
 """
 from __future__ import annotations
 
@@ -35,9 +38,11 @@ def max_abs_err(x, ref) -> float:
     return float(np.max(np.abs(x[finite] - ref[finite]), initial=0.0))
 
 
-def tolerance(dname: str, accum: str, naive_err: float, kind: str = "fwd") -> float:
+def tolerance(dname: str, accum: str, naive_err: float, kind: str = "fwd", magnitude: float = 1.0) -> float:
     factor = {"fwd": 2.0, "bwd": 3.0}[kind]
     floor = FP16_ACCUM_FLOOR if accum == "fp16" else FLOORS[(dname, "fp32")]
+    if kind == "bwd":
+        floor *= max(1.0, magnitude)
     return factor * naive_err + floor
 
 
@@ -45,7 +50,7 @@ def assert_accurate(out, ref, naive, dname: str, accum: str, kind: str = "fwd", 
     """Assert the GUIDE.md rule; the message carries both errors and the bound."""
     err = max_abs_err(out, ref)
     nerr = max_abs_err(naive, ref)
-    tol = tolerance(dname, accum, nerr, kind)
+    tol = tolerance(dname, accum, nerr, kind, float(np.max(np.abs(to_f64(ref)), initial=0.0)))
     assert err <= tol, (f"{what}: max abs error {err:.3e} > bound {tol:.3e} "
                         f"(naive same-precision error {nerr:.3e}, {dname}, accum={accum})")
     return err, nerr

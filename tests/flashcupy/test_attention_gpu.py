@@ -38,7 +38,7 @@ def run_poisoned(q, k, v, **kw):
     was written (no NaN left where the kernel must write a number)."""
     import cupy
 
-    from flashcupy._forward import forward
+    from flashcupy._launch import forward
 
     p = check_forward(q, k, v, **{"causal": False, "scale": None, "block_m": None, "block_n": None,
                                   "accum": "fp32", "kernel": "auto", "ablate": None, **kw})

@@ -1,4 +1,4 @@
-"""Launching the forward kernels on CuPy arrays (shapes and knobs already checked)."""
+"""Launching the kernels on CuPy arrays (shapes and knobs already checked)."""
 from __future__ import annotations
 
 import math
@@ -47,3 +47,30 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
             np.float32(p.scale * _LOG2E))
     kern(grid, args)
     return o, lse
+
+
+def backward(do, q, k, v, o, lse, p: Problem, grads=None):
+    """dq, dk, dv of the variant of ``p`` on the current CuPy stream.
+
+    delta_i = rowsum(dO_i * O_i) is computed here in fp32 (one CuPy reduction, O(N) memory); then the
+    dK/dV kernel (key-tile outer) and the dQ kernel (query-tile outer) run, neither with atomics, so the
+    gradients are bitwise reproducible. ``grads`` may hold preallocated (dq, dk, dv) (poisoned by tests).
+    """
+    import cupy
+
+    do, q, k, v = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (do, q, k, v))
+    var = p.variant
+    k_dkdv, k_dq = (get_kernel(var, name) for name in var.fam.kernels)
+    delta = cupy.sum(do.astype(cupy.float32) * o.astype(cupy.float32), axis=-1)
+    lse = cupy.ascontiguousarray(lse)
+    if grads is None:
+        grads = (cupy.empty((p.batch, p.heads_q, p.nq, p.head_dim), dtype=q.dtype),
+                 cupy.empty((p.batch, p.heads_kv, p.nk, p.head_dim), dtype=q.dtype),
+                 cupy.empty((p.batch, p.heads_kv, p.nk, p.head_dim), dtype=q.dtype))
+    dq, dk, dv = grads
+    args = (q, k, v, do, lse, delta, dq, dk, dv, np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
+            *element_strides(q), *element_strides(k), *element_strides(v), *element_strides(do),
+            np.float32(p.scale * _LOG2E))
+    k_dkdv(((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch), args)
+    k_dq(((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch), args)
+    return dq, dk, dv

@@ -1,0 +1,87 @@
+"""flashcupy.attention_backward on NumPy arrays (the twin) against float64 and finite differences."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcupy
+from flashcupy import naive, reference
+from flashcupy._checks import numpy_dtype
+from tests.numerics import assert_accurate
+
+CASES = [  # (B, Hq, Hkv, Nq, Nk, D)
+    pytest.param((1, 2, 2, 1, 1, 32), id="n1"),
+    pytest.param((2, 6, 2, 113, 203, 40), id="gqa-113x203-d40"),
+    pytest.param((1, 3, 1, 203, 113, 64), id="mqa-203x113-d64"),
+]
+
+
+def _problem(rng, shape, dname):
+    b, hq, hkv, nq, nk, d = shape
+    dt = numpy_dtype(dname)
+    q = rng.standard_normal((b, hq, nq, d)).astype(dt)
+    k = rng.standard_normal((b, hkv, nk, d)).astype(dt)
+    v = rng.standard_normal((b, hkv, nk, d)).astype(dt)
+    do = rng.standard_normal((b, hq, nq, d)).astype(dt)
+    return do, q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("accum", ["fp32", "fp16"])
+@pytest.mark.parametrize("dname", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("shape", CASES)
+def test_twin_backward_matches_reference(rng, shape, dname, accum, causal):
+    do, q, k, v = _problem(rng, shape, dname)
+    o, lse = flashcupy.attention(q, k, v, causal=causal, accum=accum, kernel="simt", return_lse=True)
+    grads = flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, accum=accum, kernel="simt",
+                                         block_n=32)
+    refs = reference.attention_backward(do, q, k, v, causal=causal)
+    naives = naive.attention_backward(do, q, k, v, causal=causal)
+    for name, g, r, n, x in zip(("dq", "dk", "dv"), grads, refs, naives, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        assert_accurate(g, r, n, dname, accum, kind="bwd", what=name)
+
+
+def test_twin_backward_matches_finite_differences(rng):
+    """fp32 twin gradients against central differences of the float64 loss sum(do * o)."""
+    do, q, k, v = _problem(rng, (1, 2, 1, 9, 12, 8), "f32")
+    o, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)
+    grads = flashcupy.attention_backward(do, q, k, v, o, lse, causal=True, block_n=16)
+    x64 = [x.astype(np.float64) for x in (q, k, v)]
+    eps = 1e-5
+    for which, g in enumerate(grads):
+        num = np.zeros_like(x64[which])
+        for idx in np.ndindex(num.shape):
+            hi = [x.copy() for x in x64]
+            lo = [x.copy() for x in x64]
+            hi[which][idx] += eps
+            lo[which][idx] -= eps
+            num[idx] = np.sum(do * (reference.attention(*hi, causal=True)
+                                    - reference.attention(*lo, causal=True))) / (2 * eps)
+        np.testing.assert_allclose(g, num, atol=2e-5, rtol=1e-4)
+
+
+def test_twin_backward_is_block_size_invariant_in_fp32(rng):
+    do, q, k, v = _problem(rng, (1, 2, 2, 150, 260, 32), "f32")
+    o, lse = flashcupy.attention(q, k, v, return_lse=True)
+    a = flashcupy.attention_backward(do, q, k, v, o, lse, kernel="simt", block_n=16)
+    b = flashcupy.attention_backward(do, q, k, v, o, lse, kernel="simt", block_n=64)
+    for x, y in zip(a, b):
+        assert np.abs(x - y).max() < 1e-5
+
+
+def test_backward_argument_checks(rng):
+    do, q, k, v = _problem(rng, (1, 2, 2, 16, 16, 32), "f16")
+    o, lse = flashcupy.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="do must have q's shape"):
+        flashcupy.attention_backward(do[:, :, :8], q, k, v, o, lse)
+    with pytest.raises(TypeError, match="o must have q's dtype"):
+        flashcupy.attention_backward(do, q, k, v, o.astype(np.float32), lse)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        flashcupy.attention_backward(do, q, k, v, o, lse[..., :4])
+    with pytest.raises(TypeError, match="lse must be float32"):
+        flashcupy.attention_backward(do, q, k, v, o, lse.astype(np.float64))
+    with pytest.raises(TypeError, match="deterministic"):
+        flashcupy.attention_backward(do, q, k, v, o, lse, deterministic="yes")
+    with pytest.raises(TypeError, match="do must be a numpy.ndarray or cupy.ndarray"):
+        flashcupy.attention_backward(do.tolist(), q, k, v, o, lse)
