@@ -25,8 +25,10 @@ def main() -> None:
                 q = cupy.asarray(rng.standard_normal((1, 4, nq, d)).astype(dt))
                 k = cupy.asarray(rng.standard_normal((1, 2, nk, d)).astype(dt))
                 v = cupy.asarray(rng.standard_normal((1, 2, nk, d)).astype(dt))
-                flashcupy.attention(q, k, v, causal=causal, kernel=kernel, accum=accum, block_m=bm,
-                                    block_n=bn, return_lse=True)
+                o, lse = flashcupy.attention(q, k, v, causal=causal, kernel=kernel, accum=accum,
+                                             block_m=bm, block_n=bn, return_lse=True)
+                do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
+                flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel, accum=accum)
     cupy.cuda.Device().synchronize()
     print("sanitizer driver: all launches done")
 

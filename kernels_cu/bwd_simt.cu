@@ -1,0 +1,423 @@
+// bwd_simt.cu: the FlashAttention backward pass with scalar fp32 FMAs (no tensor cores).
+//
+// This is flashcupy's teaching backward. Neither kernel stores the nq x nk matrices P, dP or dS:
+// both recompute them tile by tile from Q, K, V, dO and the row statistics the forward saved
+// (lse, natural log) plus delta_i = rowsum(dO_i * O_i). For a query tile i and a key tile j:
+//
+//     S  = Q_i K_j^T                                raw scores                   (1)
+//     P  = exp2(S * scale_log2 - lse_i * log2(e))   the forward's probabilities  (2)
+//     dP = dO_i V_j^T                                                            (3)
+//     dS = P * (dP - delta_i)                       softmax backward             (4)
+//     dV_j += P^T dO_i     dK_j += dS^T Q_i     dQ_i += dS K_j                   (5)
+//
+// and at the end dK and dQ are multiplied by the softmax scale. Equations (1)-(4) live in
+// p_ds_tile, shared by both kernels; (5) is three calls of accumulate_tn.
+//
+//   flash_bwd_dkdv_simt  grid (ceil(nk / BN), Hkv, B): one CTA owns BN keys of one kv head, keeps
+//                        K_j, V_j in shared memory and dK_j, dV_j in registers, and walks the
+//                        `group` query heads that share the kv head and all their query tiles.
+//   flash_bwd_dq_simt    grid (ceil(nq / BM), Hq, B): one CTA owns BM query rows, keeps Q_i, dO_i
+//                        in shared memory and dQ_i in registers, and walks the key tiles.
+// Every output element is written once by one thread: no atomics, bitwise deterministic.
+//
+// Rounding model (flash_common.cuh): P and dS are computed in fp32 (dS from the fp32 P) and
+// rounded to the element type (fc_round_elem) before they enter a product. The accumulators S, dP
+// (reduced over the head dim), dV, dK (reduced over query rows: 16-row chunks of each query tile,
+// tiles in order, query heads g = 0..group-1 in order) and dQ (reduced over keys: 16-key chunks of
+// each key tile, tiles in order) take the products in fp32 partial sums of 16 and add each partial
+// sum with one fc_round_acc (identity for fp32 accumulators, an fp16 round trip for FC_ACCUM_F16).
+// Chunks that hold only masked / padded entries contribute exact zeros and are skipped, which
+// changes no accumulator (round(acc + 0) == acc).
+//
+// Launch contract (what flashcupy computes on the Python side):
+//   FC_NUM_THREADS = 256                     (16 row groups of 16 lanes, for every tile)
+//   DP             = 16 * ceil(FC_HEAD_DIM / 16)
+//   dynamic smem, dkdv = 4 * (2 * BN * (DP + 4) + 2 * BM * DP + 2 * BM * (BN + 4) + 2 * BM)  bytes
+//                         [ K_j, V_j ]          [ Q_i, dO_i ]  [ P, dS ]            [lse, delta]
+//   dynamic smem, dq   = 4 * (2 * BM * DP + 2 * BN * (DP + 4) + BN * (BM + 4) + 2 * BM)      bytes
+//                         [ Q_i, dO_i ]  [ K_j, V_j ]          [ P, then dS^T ]  [lse, delta]
+//   Register limits: the dkdv accumulators take 2 * BN * DP / 256 registers per thread and the dq
+//   accumulator BM * DP / 256; both must stay <= 128 (BN * DP <= 16384, BM * DP <= 32768).
+//
+// Thread layout. A row group is half a warp (16 lanes, c = threadIdx.x % 16, rg = threadIdx.x / 16).
+//   In a score tile (S, P, dP, dS; BM x BN) row group rg owns the SR = BM / 16 consecutive query
+//   rows rg*SR.., and lane c the keys c, c+16, c+32, ... (as the forward's S_j).
+//   In an accumulator (dV, dK: BN x D; dQ: BM x D) row group rg owns TR = rows / 16 consecutive
+//   rows rg*TR.., and lane c the head-dim columns c, c+16, c+32, ... (as the forward's O).
+// Shared memory holds fp32 (converted once when staged), zero-padded to DP columns and to whole
+// tiles of rows. Reads in the inner loops are conflict-free: broadcasts of one row group's rows
+// (float4 along the reduction axis for S, dP; float4 along the rows for the accumulator updates),
+// K/V rows read as float4 by 16 lanes at pitch DP + 4 (an odd number of 16-byte units), and
+// consecutive columns of Q, dO, K for the accumulator updates.
+#include "flash_common.cuh"
+
+namespace bwd_simt {
+
+constexpr int BM = FC_BLOCK_M;
+constexpr int BN = FC_BLOCK_N;
+constexpr int D = FC_HEAD_DIM;
+constexpr int DP = (D + 15) / 16 * 16;  // head dim padded to whole 16-chunks (shared memory only)
+
+constexpr int TN = 16;                          // lanes per row group (half a warp)
+constexpr int NRG = FC_NUM_THREADS / TN;        // row groups per CTA: 16
+constexpr int CHUNK = 16;                       // products per fp32 partial sum (mma k-extent)
+constexpr int DPT = DP / TN;                    // accumulator columns per lane: d = c + TN * i
+constexpr int SR = BM / NRG;                    // score-tile query rows per row group
+constexpr int KPT = BN / TN;                    // score-tile keys per lane:   key = c + TN * i
+constexpr int GS = KPT < (SR <= 2 ? 4 : 2) ? KPT : (SR <= 2 ? 4 : 2);  // keys per register block
+
+constexpr int ROW_PITCH = DP;      // Q_i, dO_i      [BM][DP]
+constexpr int KV_PITCH = DP + 4;   // K_j, V_j       [BN][DP + 4]
+constexpr int S_PITCH = BN + 4;    // P, dS (dkdv)   [BM][BN + 4]
+constexpr int ST_PITCH = BM + 4;   // dS^T (dq)      [BN][BM + 4]
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+static_assert(BM == 16 || BM == 32 || BM == 64 || BM == 128, "FC_BLOCK_M must be 16, 32, 64 or 128");
+static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128, "FC_BLOCK_N must be 16, 32, 64 or 128");
+static_assert(FC_NUM_THREADS == 256, "bwd_simt needs FC_NUM_THREADS == 256");
+static_assert(FC_HEAD_DIM_PAD == FC_HEAD_DIM, "bwd_simt computes with the true head dim");
+static_assert(2 * BN * DP <= 128 * FC_NUM_THREADS, "bwd_simt: dK, dV accumulators need BN * DP <= 16384");
+static_assert(BM * DP <= 128 * FC_NUM_THREADS, "bwd_simt: dQ accumulator needs BM * DP <= 32768");
+
+// Stage a ROWS x D tile (global, row stride `stride` elements, last axis contiguous) into shared
+// memory as fp32 with row pitch PITCH. Rows >= n_valid and columns >= D are written as zeros and
+// never read from global memory. Consecutive threads move consecutive 16-byte vectors; views that
+// are not 16-byte aligned fall back to scalar loads.
+template <int ROWS, int PITCH>
+__device__ __forceinline__ void stage_tile(float* __restrict__ dst, const elem_t* __restrict__ src,
+                                           long long stride, int n_valid) {
+    constexpr int VEC = 16 / sizeof(elem_t);  // 4 fp32 or 8 fp16/bf16; divides D (a multiple of 8)
+    constexpr int VPR = DP / VEC;             // vectors per padded row
+    const bool vec_ok = reinterpret_cast<unsigned long long>(src) % 16 == 0 && stride % VEC == 0;
+    for (int idx = threadIdx.x; idx < ROWS * VPR; idx += FC_NUM_THREADS) {
+        const int r = idx / VPR, d = idx % VPR * VEC;
+        float x[VEC];
+        if (r < n_valid && d < D) {
+            const elem_t* p = src + r * stride + d;
+            alignas(16) elem_t e[VEC];
+            if (vec_ok) {
+                *reinterpret_cast<int4*>(e) = *reinterpret_cast<const int4*>(p);
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) e[j] = p[j];
+            }
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) x[j] = fc_to_float(e[j]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) x[j] = 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; j += 4)
+            *reinterpret_cast<float4*>(dst + r * PITCH + d + j) = make_float4(x[j], x[j + 1], x[j + 2], x[j + 3]);
+    }
+}
+
+// Stage the row statistics of query rows m0 .. m0+BM-1: lse in log2 units (-inf past nq: those
+// rows see no key) and delta (0 past nq).
+__device__ __forceinline__ void stage_row_stats(float* __restrict__ lse_s, float* __restrict__ delta_s,
+                                                const float* __restrict__ lse_head,
+                                                const float* __restrict__ delta_head, int m0, int nq) {
+    for (int r = threadIdx.x; r < BM; r += FC_NUM_THREADS) {
+        const int row = m0 + r;
+        lse_s[r] = row < nq ? lse_head[row] * LOG2E : -INFINITY;
+        delta_s[r] = row < nq ? delta_head[row] : 0.f;
+    }
+}
+
+// acc[t][g] = sum_d A[t][d] * B[g][d] for this row group's SR rows of A (pitch ROW_PITCH) and this
+// lane's GS rows of B (pitch KV_PITCH, TN rows apart), in accumulator precision: fp32 partial
+// sums over 16 head-dim columns, each added to the accumulator with one rounding.
+__device__ __forceinline__ void rows_dot_keys(const float* __restrict__ a_rows, const float* __restrict__ b_rows,
+                                              float (&acc)[SR][GS]) {
+#pragma unroll
+    for (int t = 0; t < SR; ++t)
+#pragma unroll
+        for (int g = 0; g < GS; ++g) acc[t][g] = 0.f;
+#pragma unroll 1
+    for (int d0 = 0; d0 < DP; d0 += CHUNK) {
+        float part[SR][GS] = {};
+#pragma unroll
+        for (int d = d0; d < d0 + CHUNK; d += 4) {
+            float4 bv[GS];
+#pragma unroll
+            for (int g = 0; g < GS; ++g) bv[g] = *reinterpret_cast<const float4*>(b_rows + g * TN * KV_PITCH + d);
+#pragma unroll
+            for (int t = 0; t < SR; ++t) {
+                const float4 av = *reinterpret_cast<const float4*>(a_rows + t * ROW_PITCH + d);
+#pragma unroll
+                for (int g = 0; g < GS; ++g) {
+                    part[t][g] += av.x * bv[g].x;
+                    part[t][g] += av.y * bv[g].y;
+                    part[t][g] += av.z * bv[g].z;
+                    part[t][g] += av.w * bv[g].w;
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < SR; ++t)
+#pragma unroll
+            for (int g = 0; g < GS; ++g) acc[t][g] = fc_round_acc(acc[t][g] + part[t][g]);
+    }
+}
+
+// Equations (1)-(4) for query rows m0.. (Q_i, dO_i, row stats staged) and keys n0.. (K_j, V_j
+// staged). TRANSPOSED = false (dkdv): round(P) goes to p_s[row][key] and round(dS) to
+// ds_s[row][key] (pitch S_PITCH). TRANSPOSED = true (dq): round(dS) goes to ds_s[key][row] (pitch
+// ST_PITCH); p_s must equal ds_s and only holds the fp32 P between the two passes.
+// Each thread reads back only slots it wrote itself, so no barrier is needed inside.
+template <bool TRANSPOSED>
+__device__ __forceinline__ void p_ds_tile(const float* __restrict__ q_s, const float* __restrict__ k_s,
+                                          const float* __restrict__ do_s, const float* __restrict__ v_s,
+                                          const float* __restrict__ lse_s, const float* __restrict__ delta_s,
+                                          float* p_s, float* ds_s, int m0, int n0, int nq, int nk,
+                                          float scale_log2) {
+    const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
+    const int r0 = rg * SR;  // first tile row of this row group
+    auto slot = [&](int t, int kcol) { return TRANSPOSED ? kcol * ST_PITCH + r0 + t : (r0 + t) * S_PITCH + kcol; };
+
+    // Pass 1: S and P, kept in fp32 in this thread's slots of p_s.
+#pragma unroll
+    for (int i0 = 0; i0 < KPT; i0 += GS) {
+        float s[SR][GS];
+        rows_dot_keys(q_s + r0 * ROW_PITCH, k_s + (c + TN * i0) * KV_PITCH, s);  // (1) S = Q K^T
+#pragma unroll
+        for (int t = 0; t < SR; ++t)
+#pragma unroll
+            for (int g = 0; g < GS; ++g) {
+                const int row = m0 + r0 + t, kcol = c + TN * (i0 + g), key = n0 + kcol;
+                const float lse_log2 = lse_s[r0 + t];
+                const bool visible = row < nq && key <= fc_last_key(row, nq, nk) && lse_log2 != -INFINITY;
+                // (2) P = exp2(S * scale_log2 - lse * log2(e)); 0 where masked or the row saw no key
+                p_s[slot(t, kcol)] = visible ? fc_exp2(s[t][g] * scale_log2 - lse_log2) : 0.f;
+            }
+    }
+
+    // Pass 2: dP and dS.
+#pragma unroll
+    for (int i0 = 0; i0 < KPT; i0 += GS) {
+        float dp[SR][GS];
+        rows_dot_keys(do_s + r0 * ROW_PITCH, v_s + (c + TN * i0) * KV_PITCH, dp);  // (3) dP = dO V^T
+#pragma unroll
+        for (int t = 0; t < SR; ++t)
+#pragma unroll
+            for (int g = 0; g < GS; ++g) {
+                const int kcol = c + TN * (i0 + g);
+                const float p = p_s[slot(t, kcol)];
+                // (4) dS = P * (dP - delta); exactly 0 where P is (masked entries never see dP)
+                const float ds = p == 0.f ? 0.f : p * (dp[t][g] - delta_s[r0 + t]);
+                if (!TRANSPOSED) p_s[slot(t, kcol)] = fc_round_elem(p);
+                ds_s[slot(t, kcol)] = fc_round_elem(ds);
+            }
+    }
+}
+
+// (5) acc[t][i] += sum_k A[k][r0 + t] * B[k][c + TN * i] over the first n_k rows k of A and B
+// (a multiple of 16), for this row group's TR accumulator rows r0 = rg * TR and this lane's
+// head-dim columns: fp32 partial sums over 16 consecutive k, each added with one rounding.
+template <int TR, int A_PITCH, int B_PITCH>
+__device__ __forceinline__ void accumulate_tn(const float* __restrict__ a, const float* __restrict__ b, int n_k,
+                                              float (&acc)[TR][DPT]) {
+    constexpr int GO_MAX = 32 / TR < 8 ? 32 / TR : 8;
+    constexpr int GO = DPT < GO_MAX ? DPT : GO_MAX;  // head-dim columns per register block
+    const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
+    const float* a_cols = a + rg * TR;
+    const float* b_cols = b + c;
+#pragma unroll
+    for (int i0 = 0; i0 < DPT; i0 += GO) {
+        // Reload A for every column block rather than keep a chunk of it live next to acc.
+        asm volatile("" ::: "memory");
+#pragma unroll 1
+        for (int k0 = 0; k0 < n_k; k0 += CHUNK) {
+            float part[TR][GO] = {};
+#pragma unroll
+            for (int kk = k0; kk < k0 + CHUNK; ++kk) {
+                float av[TR];
+                if constexpr (TR % 4 == 0) {
+#pragma unroll
+                    for (int t = 0; t < TR; t += 4) {
+                        const float4 x = *reinterpret_cast<const float4*>(a_cols + kk * A_PITCH + t);
+                        av[t] = x.x;
+                        av[t + 1] = x.y;
+                        av[t + 2] = x.z;
+                        av[t + 3] = x.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int t = 0; t < TR; ++t) av[t] = a_cols[kk * A_PITCH + t];
+                }
+                float bv[GO];
+#pragma unroll
+                for (int g = 0; g < GO; ++g) bv[g] = i0 + g < DPT ? b_cols[kk * B_PITCH + (i0 + g) * TN] : 0.f;
+#pragma unroll
+                for (int t = 0; t < TR; ++t)
+#pragma unroll
+                    for (int g = 0; g < GO; ++g) part[t][g] += av[t] * bv[g];
+            }
+#pragma unroll
+            for (int t = 0; t < TR; ++t)
+#pragma unroll
+                for (int g = 0; g < GO; ++g)
+                    if (i0 + g < DPT) acc[t][i0 + g] = fc_round_acc(acc[t][i0 + g] + part[t][g]);
+        }
+    }
+}
+
+// Number of rows (of a tile of `tile` rows starting at global row `first`, `limit` rows in all)
+// that hold data, rounded up to whole 16-row chunks.
+__device__ __forceinline__ int chunked_rows(int tile, int first, int limit) {
+    return (min(tile, limit - first) + CHUNK - 1) / CHUNK * CHUNK;
+}
+
+}  // namespace bwd_simt
+
+extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_simt(FC_BWD_PARAMS) {
+    using namespace bwd_simt;
+    constexpr int TR = BN / NRG;  // dK, dV rows (keys) per row group
+
+    extern __shared__ float4 smem_f4[];
+    float* k_s = reinterpret_cast<float*>(smem_f4);  // [BN][KV_PITCH]   K_j, staged once
+    float* v_s = k_s + BN * KV_PITCH;                 // [BN][KV_PITCH]   V_j, staged once
+    float* q_s = v_s + BN * KV_PITCH;                 // [BM][ROW_PITCH]  Q_i
+    float* do_s = q_s + BM * ROW_PITCH;               // [BM][ROW_PITCH]  dO_i
+    float* p_s = do_s + BM * ROW_PITCH;               // [BM][S_PITCH]    P (rounded)
+    float* ds_s = p_s + BM * S_PITCH;                 // [BM][S_PITCH]    dS (rounded)
+    float* lse_s = ds_s + BM * S_PITCH;               // [BM]             lse_i * log2(e)
+    float* delta_s = lse_s + BM;                      // [BM]             delta_i
+
+    const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
+    const int n0 = blockIdx.x * BN;  // first key of this CTA
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const long long hkv = gridDim.y, hq = hkv * group;
+
+    stage_tile<BN, KV_PITCH>(k_s, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, nk - n0);
+    stage_tile<BN, KV_PITCH>(v_s, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, nk - n0);
+
+    float dk_acc[TR][DPT], dv_acc[TR][DPT];
+#pragma unroll
+    for (int t = 0; t < TR; ++t)
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) dk_acc[t][i] = dv_acc[t][i] = 0.f;
+
+    // Query rows that may see a key of this tile: causal, row >= n0 - (nk - nq); start at the
+    // query tile holding the first of them (none at all when it is past nq: dK = dV = 0).
+#if FC_CAUSAL
+    const int first_row = max(0, n0 - (nk - nq));
+#else
+    const int first_row = 0;
+#endif
+    const int m_start = first_row / BM * BM;
+
+    for (int g = 0; g < group; ++g) {
+        const long long h = (long long)hk * group + g;
+        const elem_t* q_head = q + b * q_sb + h * q_sh;
+        const elem_t* do_head = dout + b * do_sb + h * do_sh;
+        const float* lse_head = lse + (b * hq + h) * nq;
+        const float* delta_head = delta + (b * hq + h) * nq;
+
+        for (int m0 = m_start; m0 < nq; m0 += BM) {
+            // 1. Q_i, dO_i and their row statistics -> shared memory (the first pass also
+            //    publishes K_j and V_j).
+            stage_tile<BM, ROW_PITCH>(q_s, q_head + m0 * q_sn, q_sn, nq - m0);
+            stage_tile<BM, ROW_PITCH>(do_s, do_head + m0 * do_sn, do_sn, nq - m0);
+            stage_row_stats(lse_s, delta_s, lse_head, delta_head, m0, nq);
+            __syncthreads();
+
+            // 2. P and dS of this (query tile, key tile) pair.
+            p_ds_tile<false>(q_s, k_s, do_s, v_s, lse_s, delta_s, p_s, ds_s, m0, n0, nq, nk, scale_log2);
+            __syncthreads();
+
+            // 3. (5) dV += P^T dO,  dK += dS^T Q  (reduced over this tile's query rows)
+            const int n_rows = chunked_rows(BM, m0, nq);
+            accumulate_tn<TR, S_PITCH, ROW_PITCH>(p_s, do_s, n_rows, dv_acc);
+            accumulate_tn<TR, S_PITCH, ROW_PITCH>(ds_s, q_s, n_rows, dk_acc);
+            __syncthreads();  // Q_i, dO_i, P, dS are overwritten by the next tile
+        }
+    }
+
+    // Epilogue: dk = scale * dK, dv = dV in the element type; keys past nk are not written.
+    const float scale = scale_log2 * LN2;
+#pragma unroll
+    for (int t = 0; t < TR; ++t) {
+        const int key = n0 + rg * TR + t;
+        if (key >= nk) continue;
+        const long long row_id = (b * hkv + hk) * nk + key;
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) {
+            const int d = c + TN * i;
+            if (d < D) {
+                dk[row_id * D + d] = fc_from_float<elem_t>(dk_acc[t][i] * scale);
+                dv[row_id * D + d] = fc_from_float<elem_t>(dv_acc[t][i]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_simt(FC_BWD_PARAMS) {
+    using namespace bwd_simt;
+    constexpr int TR = BM / NRG;  // dQ rows (queries) per row group
+
+    extern __shared__ float4 smem_f4[];
+    float* q_s = reinterpret_cast<float*>(smem_f4);  // [BM][ROW_PITCH]  Q_i, staged once
+    float* do_s = q_s + BM * ROW_PITCH;               // [BM][ROW_PITCH]  dO_i, staged once
+    float* k_s = do_s + BM * ROW_PITCH;               // [BN][KV_PITCH]   K_j
+    float* v_s = k_s + BN * KV_PITCH;                 // [BN][KV_PITCH]   V_j
+    float* ds_s = v_s + BN * KV_PITCH;                // [BN][ST_PITCH]   P, then dS^T (rounded)
+    float* lse_s = ds_s + BN * ST_PITCH;              // [BM]             lse_i * log2(e)
+    float* delta_s = lse_s + BM;                      // [BM]             delta_i
+
+    const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
+    const int m0 = blockIdx.x * BM;  // first query row of this CTA
+    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+    const long long hq = gridDim.y;
+    const elem_t* k_head = k + b * k_sb + h_kv * k_sh;
+    const elem_t* v_head = v + b * v_sb + h_kv * v_sh;
+
+    stage_tile<BM, ROW_PITCH>(q_s, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, nq - m0);
+    stage_tile<BM, ROW_PITCH>(do_s, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, nq - m0);
+    stage_row_stats(lse_s, delta_s, lse + (b * hq + h) * nq, delta + (b * hq + h) * nq, m0, nq);
+
+    float dq_acc[TR][DPT];
+#pragma unroll
+    for (int t = 0; t < TR; ++t)
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) dq_acc[t][i] = 0.f;
+
+    // Keys this CTA visits: up to the last key its last real row may see (causal: fewer tiles;
+    // none at all when every row sees nothing, and then dq = 0).
+    const int n_keys = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) + 1;
+    const int n_tiles = n_keys > 0 ? (n_keys + BN - 1) / BN : 0;
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int n0 = j * BN;  // first key of tile j
+
+        // 1. K_j, V_j -> shared memory (the first pass also publishes Q_i, dO_i, row stats).
+        stage_tile<BN, KV_PITCH>(k_s, k_head + n0 * k_sn, k_sn, nk - n0);
+        stage_tile<BN, KV_PITCH>(v_s, v_head + n0 * v_sn, v_sn, nk - n0);
+        __syncthreads();
+
+        // 2. dS^T of this (query tile, key tile) pair.
+        p_ds_tile<true>(q_s, k_s, do_s, v_s, lse_s, delta_s, ds_s, ds_s, m0, n0, nq, nk, scale_log2);
+        __syncthreads();
+
+        // 3. (5) dQ += dS K  (reduced over this tile's keys)
+        accumulate_tn<TR, ST_PITCH, KV_PITCH>(ds_s, k_s, chunked_rows(BN, n0, n_keys), dq_acc);
+        __syncthreads();  // K_j, V_j, dS^T are overwritten by the next tile
+    }
+
+    // Epilogue: dq = scale * dQ in the element type; rows past nq are not written.
+    const float scale = scale_log2 * LN2;
+#pragma unroll
+    for (int t = 0; t < TR; ++t) {
+        const int row = m0 + rg * TR + t;
+        if (row >= nq) continue;
+        const long long row_id = (b * hq + h) * nq + row;
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) {
+            const int d = c + TN * i;
+            if (d < D) dq[row_id * D + d] = fc_from_float<elem_t>(dq_acc[t][i] * scale);
+        }
+    }
+}

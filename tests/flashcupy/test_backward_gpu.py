@@ -1,0 +1,217 @@
+"""flashcupy.attention_backward on CuPy arrays: both kernel families against float64, the twin and
+themselves; the torch autograd bridge. Gradients are written into NaN-poisoned buffers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcupy
+from flashcupy import naive, reference
+from flashcupy._checks import check_backward, numpy_dtype
+from tests.numerics import assert_accurate
+
+pytestmark = pytest.mark.gpu
+
+COMBOS = [  # (kernel, dtype, accum)
+    ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("mma", "bf16", "fp32"),
+    ("simt", "f32", "fp32"), ("simt", "f32", "fp16"), ("simt", "f16", "fp32"), ("simt", "bf16", "fp16"),
+]
+SHAPES = [(1, 1), (113, 203), (203, 113), (1023, 1024)]
+
+
+def _combo_id(c):
+    return f"{c[0]}-{c[1]}-acc{c[2][2:]}"
+
+
+def _problem(rng, b, hq, hkv, nq, nk, d, dname):
+    dt = numpy_dtype(dname)
+    return tuple(rng.standard_normal(s).astype(dt) for s in
+                 ((b, hq, nq, d), (b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d)))  # do, q, k, v
+
+
+def run_backward_poisoned(do, q, k, v, o, lse, **kw):
+    import cupy
+
+    from flashcupy._launch import backward
+
+    p = check_backward(do, q, k, v, o, lse, **{"causal": False, "scale": None, "block_m": None,
+                                               "block_n": None, "accum": "fp32", "kernel": "auto",
+                                               "deterministic": False, **kw})
+    grads = tuple(cupy.full(x.shape, cupy.nan, dtype=cupy.float32).astype(x.dtype) for x in (q, k, v))
+    backward(do, q, k, v, o, lse, p, grads=grads)
+    cupy.cuda.get_current_stream().synchronize()
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert not bool(cupy.isnan(g.astype(cupy.float32)).any()), f"{p.variant.key}: {name} has unwritten elements"
+    return grads
+
+
+def _check(host, grads, dname, accum, causal, what):
+    import cupy
+
+    do, q, k, v = host
+    refs = reference.attention_backward(do, q, k, v, causal=causal)
+    naives = naive.attention_backward(*(cupy.asarray(x) for x in host), causal=causal)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        assert_accurate(g, r, n, dname, accum, kind="bwd", what=f"{what} {name}")
+
+
+def _fwd(q, k, v, causal, kernel, accum):
+    return flashcupy.attention(q, k, v, causal=causal, kernel=kernel, accum=accum, return_lse=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
+@pytest.mark.parametrize("nq,nk", SHAPES, ids=[f"{a}x{b}" for a, b in SHAPES])
+def test_backward_matches_reference(rng, nq, nk, combo, d, causal):
+    import cupy
+
+    kernel, dname, accum = combo
+    host = _problem(rng, 1, 6, 2, nq, nk, d, dname)
+    do, q, k, v = (cupy.asarray(x) for x in host)
+    o, lse = _fwd(q, k, v, causal, kernel, accum)
+    grads = run_backward_poisoned(do, q, k, v, o, lse, causal=causal, kernel=kernel, accum=accum)
+    _check(host, grads, dname, accum, causal, f"{kernel} {dname} acc={accum} d={d} {nq}x{nk}")
+
+
+@pytest.mark.parametrize("d", [8, 32, 40, 96, 256])
+@pytest.mark.parametrize("combo", [("mma", "f16", "fp32"), ("mma", "bf16", "fp32"), ("simt", "f32", "fp32")],
+                         ids=_combo_id)
+def test_backward_head_dims(rng, combo, d):
+    import cupy
+
+    kernel, dname, accum = combo
+    host = _problem(rng, 2, 4, 2, 203, 317, d, dname)
+    do, q, k, v = (cupy.asarray(x) for x in host)
+    o, lse = _fwd(q, k, v, True, kernel, accum)
+    grads = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel=kernel, accum=accum)
+    _check(host, grads, dname, accum, True, f"{kernel} {dname} d={d}")
+
+
+def _block_params():
+    from flashcupy._build import FAMILIES
+
+    out = []
+    for kernel, dname in (("mma", "f16"), ("simt", "f32")):
+        fam = FAMILIES["bwd_" + kernel]
+        for bm in fam.block_m:
+            for bn in fam.block_n:
+                out.append(pytest.param(kernel, dname, bm, bn, id=f"{kernel}-bm{bm}-bn{bn}"))
+    return out
+
+
+@pytest.mark.parametrize("kernel,dname,bm,bn", _block_params())
+def test_backward_block_sizes(rng, kernel, dname, bm, bn):
+    import cupy
+
+    host = _problem(rng, 1, 4, 2, 300, 517, 64, dname)
+    do, q, k, v = (cupy.asarray(x) for x in host)
+    for causal in (False, True):
+        o, lse = _fwd(q, k, v, causal, kernel, "fp32")
+        try:
+            grads = run_backward_poisoned(do, q, k, v, o, lse, causal=causal, kernel=kernel, block_m=bm,
+                                          block_n=bn)
+        except ValueError as e:  # a tile the family documents as unsupported at this head dim
+            pytest.skip(str(e))
+        _check(host, grads, dname, "fp32", causal, f"{kernel} bm={bm} bn={bn} causal={causal}")
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
+def test_backward_bitwise_deterministic(rng, combo):
+    import cupy
+
+    kernel, dname, accum = combo
+    do, q, k, v = (cupy.asarray(x) for x in _problem(rng, 2, 4, 2, 577, 1029, 64, dname))
+    o, lse = _fwd(q, k, v, True, kernel, accum)
+    runs = [flashcupy.attention_backward(do, q, k, v, o, lse, causal=True, kernel=kernel, accum=accum,
+                                         deterministic=True) for _ in range(5)]
+    bits = cupy.uint16 if q.itemsize == 2 else cupy.uint32
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0]):
+            assert bool((a.view(bits) == b.view(bits)).all())
+
+
+@pytest.mark.parametrize("combo", [("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("simt", "f32", "fp32"),
+                                   ("simt", "bf16", "fp16")], ids=_combo_id)
+def test_backward_agrees_with_numpy_twin(rng, combo):
+    import cupy
+
+    kernel, dname, accum = combo
+    host = _problem(rng, 1, 4, 2, 250, 390, 64, dname)
+    dev = [cupy.asarray(x) for x in host]
+    o, lse = _fwd(*dev[1:], True, kernel, accum)
+    g_gpu = flashcupy.attention_backward(*dev, o, lse, causal=True, kernel=kernel, accum=accum)
+    g_twin = flashcupy.attention_backward(*host, cupy.asnumpy(o), cupy.asnumpy(lse), causal=True,
+                                          kernel=kernel, accum=accum)
+    rel = {"f32": 1e-5, "f16": 4e-3, "bf16": 3e-2}[dname]
+    if accum == "fp16":
+        rel = max(rel, 1e-2)
+    for name, a, b in zip(("dq", "dk", "dv"), g_gpu, g_twin):
+        a, b = cupy.asnumpy(a).astype(np.float64), b.astype(np.float64)
+        diff = np.abs(a - b).max()
+        assert diff <= rel * max(1.0, np.abs(b).max()), f"{name}: gpu vs twin {diff:.3e}"
+
+
+def test_backward_empty_rows_and_unseen_keys(rng):
+    """Causal with Nq < Nk: keys past the last query's reach get dk = dv = 0; Nq > Nk: rows that see no
+    key get dq = 0."""
+    import cupy
+
+    for kernel in ("mma", "simt"):
+        do, q, k, v = (cupy.asarray(x) for x in _problem(rng, 1, 2, 2, 300, 70, 64, "f16"))
+        o, lse = _fwd(q, k, v, True, kernel, "fp32")
+        dq, dk, dv = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel=kernel)
+        assert bool((dq[:, :, :230] == 0).all())
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch bridge
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="the torch bridge needs torch")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_torch_bridge_matches_sdpa_math_in_float64(rng, causal):
+    torch = _torch()
+    import flashcupy.torch as fct
+
+    b, h, n, d = 2, 4, 97, 64
+    base = [torch.from_numpy(rng.standard_normal((b, h, n, d))).cuda() for _ in range(4)]
+    q, k, v = (x.float().requires_grad_() for x in base[:3])
+    do = base[3].float()
+    o = fct.attention(q, k, v, causal=causal, kernel="simt")
+    o.backward(do)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        o64 = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
+    o64.backward(do.double())
+    assert (o.double() - o64).abs().max().item() < 2e-6
+    for g, g64 in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert (g.double() - g64).abs().max().item() < 2e-5 * max(1.0, g64.abs().max().item())
+
+
+def test_torch_bridge_fp16_equals_flashcupy_and_runs_on_a_side_stream(rng):
+    torch = _torch()
+    import cupy
+
+    import flashcupy.torch as fct
+
+    b, h, n, d = 2, 4, 300, 64
+    host = [rng.standard_normal((b, h, n, d)).astype(np.float16) for _ in range(4)]
+    q, k, v = (torch.from_numpy(x).cuda().requires_grad_() for x in host[:3])
+    do = torch.from_numpy(host[3]).cuda()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        o = fct.attention(q, k, v, causal=True)
+        o.backward(do)
+    side.synchronize()
+    cq, ck, cv, cdo = (cupy.asarray(x) for x in host)
+    o_ref, lse = flashcupy.attention(cq, ck, cv, causal=True, return_lse=True)
+    grads = flashcupy.attention_backward(cdo, cq, ck, cv, o_ref, lse, causal=True)
+    assert bool((cupy.from_dlpack(o.detach()) == o_ref).all())
+    for g, r in zip((q.grad, k.grad, v.grad), grads):
+        assert bool((cupy.from_dlpack(g) == r).all())
