@@ -91,6 +91,18 @@ def _simt_limits(v: "Variant") -> str | None:
     return None
 
 
+def _bwd_mma_smem(v: "Variant", kernel: str) -> int:
+    # Resident tiles plus one or two stages of streamed tiles (two when they fit), per kernel:
+    # dK/dV keeps K, V and streams Q, dO, lse, delta; dQ keeps Q, dO and streams K, V.
+    row = v.head_dim_pad * 2
+    if kernel.startswith("flash_bwd_dkdv"):
+        resident, stage = 2 * v.block_n * row, 2 * v.block_m * row + 8 * v.block_m
+    else:
+        resident, stage = 2 * v.block_m * row, 2 * v.block_n * row
+    stages = 2 if resident + 2 * stage <= SMEM_LIMIT else 1
+    return resident + stages * stage
+
+
 def _simt_defaults(dtype: str, d: int) -> tuple[int, int]:
     return (64, 64)
 
@@ -122,9 +134,11 @@ FAMILIES: dict[str, Family] = {
         accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
         head_dim_pad=lambda d: _round_up(d, 32),
         threads=lambda v: 256,
-        smem_bytes=lambda v, kernel: (2 * v.block_m + 2 * v.block_n) * v.head_dim_pad * 2,
+        smem_bytes=_bwd_mma_smem,
         default_blocks=lambda dtype, d: (64, 128) if d <= 128 else (64, 64),
         no_spill=lambda v: True,
+        limits=lambda v: ("kernel='mma' backward with D > 128 supports block_n=64 only"
+                          if v.head_dim_pad > 128 and v.block_n != 64 else None),
     ),
     "bwd_simt": Family(
         name="bwd_simt", source="bwd_simt.cu", kernels=("flash_bwd_dkdv_simt", "flash_bwd_dq_simt"),

@@ -24,6 +24,8 @@ def test_variant_compiles_without_spills(variant):
 def test_sources_carry_line_directive_and_ablation_switches(family):
     src = source_text(FAMILIES[family].source)
     assert src.startswith(f'#line 1 "kernels_cu/{FAMILIES[family].source}"')
+    if not family.startswith("fwd"):
+        return  # the breaks live in the forward's online softmax
     for switch in ("FC_ABLATE_MAX_SUBTRACTION", "FC_ABLATE_RESCALING"):
         assert re.search(rf"^#\s*(if|elif)\b.*\b{switch}\b", src, re.M), f"{family} lacks an #if {switch} branch"
 

@@ -1,0 +1,634 @@
+// bwd_mma.cu: FlashAttention-2 backward pass on tensor cores (mma.sync.m16n8k16, sm_80+ / sm_90).
+//
+// Two kernels, no atomics (every sum has one fixed order, so results are bitwise reproducible):
+//   flash_bwd_dkdv_mma  grid (ceil(nk/BN), Hkv, B): one CTA owns BN keys of one kv head, loops over
+//                       the `group` query heads sharing it and over their query tiles of BM rows,
+//                       and accumulates dK, dV in registers.
+//   flash_bwd_dq_mma    grid (ceil(nq/BM), Hq, B): one CTA owns BM query rows, loops over key tiles
+//                       of BN keys and accumulates dQ in registers.
+// Both recompute P from the saved log-sum-exp (c = scale_log2, L_i = lse_i * log2 e):
+//     S  = Q K^T                      P  = exp2(S c - L_i)   (0: masked key, row >= nq, lse_i = -inf)
+//     dV = sum P^T dO                 dP = dO V^T            dS = P * (dP - delta_i)
+//     dK = scale * sum dS^T Q         dQ = scale * dS K      (delta_i = rowsum(dO_i * O_i), given)
+// P and dS are computed in fp32 and rounded to the element type before they enter a product;
+// accumulators are fp32, or with FC_ACCUM_F16 mma f16 accumulators (rounding model of
+// flash_common.cuh).
+//
+// Warp roles. Every warp owns 16 rows of the product it accumulates, so that the C fragments of
+// S (or S^T) turn into the A fragments of the next product in registers and P, dS never touch
+// shared memory:
+//   dkdv: warp (kg, dh, qs) owns keys kg*16..kg*16+15 and computes S^T = K Q^T and dP^T = V dO^T
+//         for them (16 x queries), then dV += P^T dO and dK += dS^T Q over its d tiles. With
+//         D_pad > 128 (DSPLIT = 2) the two warps of a key group share the S^T / dP^T work
+//         redundantly and each keeps half of the d16 tiles of dK, dV (interleaved: tile pairs
+//         2p + dh), which keeps the accumulators at <= 128 fp32 registers. If the CTA has more
+//         warps than key groups x DSPLIT, warp qs takes the query rows qs*BM/QSPLIT.. of every tile
+//         (QSPLIT > 1) and the partial dK, dV are summed in a fixed order at the end.
+//   dq:   warp (rg, ks) owns query rows rg*16..rg*16+15; computes S = Q K^T, dP = dO V^T over the
+//         keys ks*BN/KSPLIT.. of each key tile, dQ += dS K; KSPLIT partials summed at the end.
+//   A warp walks its query (dkdv) or key (dq) slice in chunks of QC / KC columns so that S, dP
+//   stay small next to the accumulators.
+// Operands (all tiles row-major [rows][head dim] in shared memory, 16-byte chunks XOR-swizzled
+// per row as in fwd_mma.cu; ldmatrix lane l points at row l & 15, chunk 2p + (l >> 4)):
+//   dkdv: S^T:  A = K (ldmatrix),   B = Q (ldmatrix)          dV: A = P^T (regs), B = dO (.trans)
+//         dP^T: A = V (ldmatrix),   B = dO (ldmatrix)         dK: A = dS^T (regs), B = Q (.trans)
+//   dq:   S:    A = Q,  B = K       dP: A = dO, B = V         dQ: A = dS (regs),  B = K (.trans)
+//
+// Pipelines (cp.async, 16-byte chunks; loads of the next tile overlap the math of this one when
+// two stages fit in shared memory, otherwise one stage and a load between tiles):
+//   dkdv: K, V once; per (head, query tile) Q, dO, lse, delta in STAGES_KV buffers.
+//   dq:   Q, dO once (lse, delta per row in registers); per key tile K, V in STAGES_Q buffers.
+// Causal: dkdv starts at the first query tile that can see its first key; dq stops after the
+// tile holding its last visible key. Keys no query sees get dk = dv = 0; rows that see no key
+// get dq = 0. Masking (causal edge, rows >= nq, keys >= nk) runs only on tiles that need it.
+//
+// Supported: FC_DTYPE 1 or 2; FC_ACCUM_F16 only with FC_DTYPE 1; FC_BLOCK_M, FC_BLOCK_N in {64, 128};
+// FC_NUM_THREADS = 256 (8 warps) for every supported tile; FC_BLOCK_N = 128 needs FC_HEAD_DIM_PAD
+// <= 128 (D_pad > 128: FC_BLOCK_N = 64). Geometry: DSPLIT = (D_pad > 128 ? 2 : 1);
+// dkdv needs (BN/16) * DSPLIT to divide the warp count, dq needs BM/16 to divide it.
+//
+// Dynamic shared memory (bytes; P = FC_HEAD_DIM_PAD, e = 2 = sizeof(elem_t)):
+//   dkdv: 2*BN*P*e + STAGES_KV*(2*BM*P*e + 8*BM),  STAGES_KV = 2 if that fits in 232448 else 1
+//   dq:   2*BM*P*e + STAGES_Q*(2*BN*P*e),          STAGES_Q  = 2 if that fits in 232448 else 1
+// (each kernel needs only its own figure; launching both with the max is fine.)
+
+#include "flash_common.cuh"
+
+#if FC_DTYPE != 1 && FC_DTYPE != 2
+#error "flash_bwd_mma needs FC_DTYPE 1 (float16) or 2 (bfloat16)"
+#endif
+#if FC_ACCUM_F16 && FC_DTYPE != 1
+#error "flash_bwd_mma: FC_ACCUM_F16 requires FC_DTYPE 1 (float16)"
+#endif
+
+typedef unsigned int u32;
+
+constexpr int BM = FC_BLOCK_M;
+constexpr int BN = FC_BLOCK_N;
+constexpr int NTHR = FC_NUM_THREADS;
+constexpr int NWARPS = NTHR / 32;
+constexpr int CPR = FC_HEAD_DIM_PAD / 8;  // 16-byte chunks per shared-memory row
+constexpr int CH = FC_HEAD_DIM / 8;       // chunks per row that hold data
+constexpr int ROW_BYTES = CPR * 16;
+constexpr int SMEM_MAX = 232448;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+static_assert(NTHR % 32 == 0, "FC_NUM_THREADS must be a multiple of 32");
+static_assert(BM % 16 == 0 && BN % 16 == 0, "tiles must be multiples of 16");
+static_assert(CPR % 4 == 0, "FC_HEAD_DIM_PAD must be a multiple of 32");
+
+// ---- dkdv geometry ----
+constexpr int KV_DSPLIT = FC_HEAD_DIM_PAD > 128 ? 2 : 1;           // warps sharing one key group
+constexpr int KV_KG = BN / 16;                                      // key groups (16 keys each)
+constexpr int KV_QSPLIT = NWARPS / (KV_KG * KV_DSPLIT);             // warps splitting a query tile
+constexpr int KV_DK = (FC_HEAD_DIM + 16 * KV_DSPLIT - 1) / (16 * KV_DSPLIT) * (16 * KV_DSPLIT);
+constexpr int KV_KS = KV_DK / 16;                                   // k16 steps of S^T, dP^T
+constexpr int KV_DP = KV_DK / 16 / KV_DSPLIT;                       // d16 tile pairs per warp
+constexpr int KV_QW = BM / KV_QSPLIT;                               // queries per warp per tile
+#if FC_ACCUM_F16
+constexpr int KV_QC = KV_QW < 64 ? KV_QW : 64;
+#else
+constexpr int KV_QC = (KV_DP >= 6 || KV_QW < 64) ? (KV_QW < 32 ? KV_QW : 32) : 64;  // query chunk
+#endif
+static_assert(KV_QSPLIT >= 1 && KV_KG * KV_DSPLIT * KV_QSPLIT == NWARPS,
+              "dkdv: (FC_BLOCK_N/16) * DSPLIT must divide the warp count");
+static_assert(KV_QW % KV_QC == 0 && KV_QC % 16 == 0, "dkdv: query chunking");
+static_assert(KV_DK <= FC_HEAD_DIM_PAD, "dkdv: head dim");
+
+// ---- dq geometry ----
+constexpr int Q_RG = BM / 16;                        // row groups (16 query rows each)
+constexpr int Q_KSPLIT = NWARPS / Q_RG;              // warps splitting a key tile
+constexpr int Q_DK = (FC_HEAD_DIM + 15) / 16 * 16;   // head dim multiplied (zero tail < 16)
+constexpr int Q_KS = Q_DK / 16;
+constexpr int Q_KW = BN / Q_KSPLIT;                  // keys per warp per tile
+#if FC_ACCUM_F16
+constexpr int Q_KC = Q_KW < 64 ? Q_KW : 64;
+#else
+constexpr int Q_KC = (Q_KS > 8 || Q_KW < 64) ? (Q_KW < 32 ? Q_KW : 32) : 64;  // key chunk
+#endif
+static_assert(Q_KSPLIT >= 1 && Q_RG * Q_KSPLIT == NWARPS, "dq: FC_BLOCK_M/16 must divide the warp count");
+static_assert(Q_KW % Q_KC == 0 && Q_KC % 16 == 0, "dq: key chunking");
+
+// ---- shared memory ----
+constexpr int KV_STAGE_BYTES = 2 * BM * ROW_BYTES + 8 * BM;  // Q, dO, lse, delta
+constexpr int STAGES_KV = (2 * BN * ROW_BYTES + 2 * KV_STAGE_BYTES <= SMEM_MAX) ? 2 : 1;
+constexpr int KV_SMEM = 2 * BN * ROW_BYTES + STAGES_KV * KV_STAGE_BYTES;
+constexpr int Q_STAGE_BYTES = 2 * BN * ROW_BYTES;            // K, V
+constexpr int STAGES_Q = (2 * BM * ROW_BYTES + 2 * Q_STAGE_BYTES <= SMEM_MAX) ? 2 : 1;
+constexpr int Q_SMEM = 2 * BM * ROW_BYTES + STAGES_Q * Q_STAGE_BYTES;
+static_assert(KV_SMEM <= SMEM_MAX && Q_SMEM <= SMEM_MAX, "tiles do not fit in shared memory");
+
+#if FC_ACCUM_F16
+constexpr int ACC_REGS = 2;  // two half2: row g, row g+8 of an m16n8 tile
+typedef u32 acc_t;
+#else
+constexpr int ACC_REGS = 4;  // c0 c1 (row g), c2 c3 (row g+8); columns 2t, 2t+1
+typedef float acc_t;
+#endif
+
+// Epilogue scratch: the output staging tile [rows][CPR] plus (split - 1) fp32 partials per warp slot.
+static_assert(BN * ROW_BYTES + (KV_QSPLIT - 1) * (NWARPS / KV_QSPLIT) * (2 * KV_DP) * 4 * 32 * 4 <= KV_SMEM,
+              "dkdv epilogue scratch");
+static_assert(BM * ROW_BYTES + (Q_KSPLIT - 1) * Q_RG * (2 * Q_KS) * 4 * 32 * 4 <= Q_SMEM, "dq epilogue scratch");
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory layout (as fwd_mma.cu): chunk c of row r lives at position c ^ key(r) of its row.
+// 8 consecutive rows hit 8 distinct 128-byte bank groups: key = r & 7 when CPR % 8 == 0, else
+// (CPR % 8 == 4, the pitch alternates by half a bank cycle) key = (r >> 1) & 3.
+// ---------------------------------------------------------------------------------------------
+constexpr int SWZ_GROUP = (CPR % 8 == 0) ? 8 : 4;
+__device__ __forceinline__ int swz_key(int row) { return (CPR % 8 == 0) ? (row & 7) : ((row >> 1) & 3); }
+__device__ __forceinline__ u32 smem_off(int row, int chunk) {
+    return (u32)(row * ROW_BYTES + ((chunk ^ swz_key(row)) << 4));
+}
+// Byte offset inside a row of chunk c | w' ^ ..., for a compile-time chunk index c and a lane /
+// warp dependent w (< SWZ_GROUP) that holds the XOR with the row key and the low bits that are not
+// known at compile time (bits of c below SWZ_GROUP must be disjoint from those w stands for).
+__device__ __forceinline__ u32 chunk_off(int c, int w) {
+    return (u32)((c & ~(SWZ_GROUP - 1)) * 16 + (((c & (SWZ_GROUP - 1)) ^ w) << 4));
+}
+
+// ----------------------------------------- PTX wrappers --------------------------------------
+__device__ __forceinline__ void cp_async_16(u32 dst, const void *src, bool pred) {
+    // src-size 0 zero-fills the 16 bytes without reading global memory.
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_4(u32 dst, const void *src, bool pred) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// D = A B + D for one m16n8k16 tile (A row-major, B column-major), accumulators of acc_t.
+__device__ __forceinline__ void mma_16816(acc_t (&d)[ACC_REGS], const u32 (&a)[4], u32 b0, u32 b1) {
+#if FC_ACCUM_F16
+    asm("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0, %1}, {%2, %3, %4, %5}, {%6, %7}, "
+        "{%0, %1};\n"
+        : "+r"(d[0]), "+r"(d[1])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif FC_DTYPE == 1
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// ------------------------------------ accumulator helpers ------------------------------------
+__device__ __forceinline__ void acc_zero(acc_t (&c)[ACC_REGS]) {
+#pragma unroll
+    for (int i = 0; i < ACC_REGS; ++i) c[i] = 0;
+}
+// Element i of an m16n8 accumulator in the C layout (i = 0, 1: row g; 2, 3: row g+8), as float.
+__device__ __forceinline__ float acc_get(const acc_t (&c)[ACC_REGS], int i) {
+#if FC_ACCUM_F16
+    const __half2 h = *reinterpret_cast<const __half2 *>(&c[i >> 1]);
+    return (i & 1) ? __high2float(h) : __low2float(h);
+#else
+    return c[i];
+#endif
+}
+// Two floats rounded to the element type and packed (lo in the low half: lower column index).
+__device__ __forceinline__ u32 pack_elem2(float lo, float hi) {
+#if FC_DTYPE == 1
+    __half2 v = __floats2half2_rn(lo, hi);
+#else
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+#endif
+    return *reinterpret_cast<u32 *>(&v);
+}
+// lse (natural log) -> the base-2 value subtracted from S*c; a row that sees no key (lse = -inf)
+// maps to +inf so that P = exp2(-inf) = 0 and inf - inf never occurs.
+__device__ __forceinline__ float lse_to_log2(float l) { return l == -INFINITY ? INFINITY : l * LOG2E; }
+
+// Global -> shared tile copies (as fwd_mma.cu). Thread tid copies chunk lc = tid % CHP of rows
+// lr = tid / CHP + i * LD_RSTEP; rows >= nvalid are zero-filled; chunks >= CH are never written.
+constexpr int CHP = CH <= 1 ? 1 : CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
+constexpr int LD_RSTEP = NTHR / CHP;
+
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u32 dst_tile, const elem_t *src, long long stride, int nvalid,
+                                          const elem_t *fallback, int lr, int lc) {
+#pragma unroll 4
+    for (int i = 0; i < (ROWS + LD_RSTEP - 1) / LD_RSTEP; ++i) {
+        const bool in_tile = (ROWS % LD_RSTEP == 0 || lr + i * LD_RSTEP < ROWS) && (CHP == CH || lc < CH);
+        if (in_tile) {
+            const bool ok = i * LD_RSTEP < nvalid;
+            cp_async_16(dst_tile + smem_off(lr + i * LD_RSTEP, lc), ok ? src + i * LD_RSTEP * stride : fallback, ok);
+        }
+    }
+}
+
+// Zero the chunks [CH, DKC) of `rows` rows from `tile` on: the head-dim tail the math reads but the
+// copies never write.
+template <int DKC>
+__device__ __forceinline__ void zero_tail(unsigned char *smem, u32 tile_off, int rows, int tid) {
+    constexpr int TC = DKC - CH;
+    if (TC > 0) {
+        for (int i = tid; i < rows * TC; i += NTHR)
+            *reinterpret_cast<uint4 *>(smem + tile_off + smem_off(i / TC, CH + i % TC)) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// Epilogue of both kernels: `acc` holds, per warp, 16 rows x NT8 n8 tiles (tile n at columns
+// col_of(n)); warps with split index sp > 0 hand their partials to the warp with sp = 0 through
+// shared memory (fixed order sp = 1, 2, ..: deterministic), which scales, rounds and stages the
+// tile [ROWS][CPR] for 16-byte coalesced stores of rows < nvalid. smem is free when it is called.
+template <int ROWS, int NT8, int NSPLIT, int SLOTS, int DSPL>
+__device__ __forceinline__ void store_tile(unsigned char *smem, const acc_t (&acc)[NT8][ACC_REGS], int slot, int sp,
+                                           int row0, int dh, float mul, elem_t *out, int nvalid) {
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    float *red = reinterpret_cast<float *>(smem + ROWS * ROW_BYTES);
+    __syncthreads();  // every warp is done with the previous use of smem
+    if (NSPLIT > 1 && sp > 0) {
+#pragma unroll
+        for (int n = 0; n < NT8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[((((sp - 1) * SLOTS + slot) * NT8 + n) * 4 + i) * 32 + lane] = acc_get(acc[n], i);
+    }
+    if (NSPLIT > 1) __syncthreads();
+    if (sp == 0) {
+#pragma unroll
+        for (int n = 0; n < NT8; ++n) {
+            float v[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                v[i] = acc_get(acc[n], i);
+                for (int s = 1; s < NSPLIT; ++s) v[i] += red[((((s - 1) * SLOTS + slot) * NT8 + n) * 4 + i) * 32 + lane];
+            }
+            // n8 tile n = 2 dp + x of the warp covers chunk 2 (dp * DSPL + dh) + x
+            const int chunk = 2 * ((n >> 1) * DSPL + dh) + (n & 1);
+            *reinterpret_cast<u32 *>(smem + smem_off(row0 + g, chunk) + 4 * t) = pack_elem2(v[0] * mul, v[1] * mul);
+            *reinterpret_cast<u32 *>(smem + smem_off(row0 + g + 8, chunk) + 4 * t) = pack_elem2(v[2] * mul, v[3] * mul);
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < ROWS * CH; idx += NTHR) {
+        const int r = idx / CH, c = idx - (idx / CH) * CH;
+        if (r < nvalid)
+            *reinterpret_cast<uint4 *>(out + (long long)r * FC_HEAD_DIM + c * 8) =
+                *reinterpret_cast<const uint4 *>(smem + smem_off(r, c));
+    }
+}
+
+// =============================================================================================
+// dK, dV
+// =============================================================================================
+extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_mma(FC_BWD_PARAMS) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 s_base = (u32)__cvta_generic_to_shared(smem);
+    const u32 sK = s_base;                       // [BN][CPR]
+    const u32 sV = sK + BN * ROW_BYTES;          // [BN][CPR]
+    const u32 st0 = sV + BN * ROW_BYTES;         // stages: Q [BM][CPR], dO [BM][CPR], lse [BM], delta [BM]
+    constexpr u32 ST_DO = BM * ROW_BYTES, ST_L = 2 * BM * ROW_BYTES, ST_D = ST_L + 4 * BM;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kg = warp % KV_KG, dh = (warp / KV_KG) % KV_DSPLIT, qs = warp / (KV_KG * KV_DSPLIT);
+
+    const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int Hq = gridDim.y * group;
+
+    // Query tiles [qt0, n_qt) hold a query that sees some key of this tile.
+    const int n_qt = (nq + BM - 1) / BM;
+#if FC_CAUSAL
+    const int q_first = max(n0 - (nk - nq), 0);  // first query that sees key n0
+    const int qt0 = q_first < nq ? q_first / BM : n_qt;
+#else
+    const int qt0 = 0;
+#endif
+    const int qt_per_head = n_qt - qt0;
+    const int n_it = group * qt_per_head;
+
+    const int lc = tid % CHP, lr = tid / CHP;
+
+    // ldmatrix lane addressing: row lane & 15 of a 16-row block, chunk 2p + (lane >> 4).
+    const u32 frag_row = (lane & 15) * ROW_BYTES;
+    const int frag_w = (lane >> 4) ^ swz_key(lane & 7);
+    const int frag_wd = frag_w ^ (2 * dh);                // for the interleaved d split (chunk pair 2dp+dh)
+    const u32 k_base = sK + kg * 16 * ROW_BYTES + frag_row;
+    const u32 v_base = sV + kg * 16 * ROW_BYTES + frag_row;
+
+    acc_t acc_dk[2 * KV_DP][ACC_REGS], acc_dv[2 * KV_DP][ACC_REGS];
+#pragma unroll
+    for (int n = 0; n < 2 * KV_DP; ++n) { acc_zero(acc_dk[n]); acc_zero(acc_dv[n]); }
+
+    // Loads of iteration `it` (query head hk*group + it / qt_per_head, tile qt0 + it % qt_per_head).
+    auto load_stage = [&](int it, u32 st) {
+        const int hq = hk * group + it / qt_per_head;
+        const int m0 = (qt0 + it % qt_per_head) * BM;
+        const elem_t *q_ld = q + b * q_sb + hq * q_sh + (long long)(m0 + lr) * q_sn + lc * 8;
+        const elem_t *do_ld = dout + b * do_sb + hq * do_sh + (long long)(m0 + lr) * do_sn + lc * 8;
+        load_tile<BM>(st, q_ld, q_sn, nq - m0 - lr, q, lr, lc);
+        load_tile<BM>(st + ST_DO, do_ld, do_sn, nq - m0 - lr, dout, lr, lc);
+        const long long rb = ((long long)b * Hq + hq) * nq + m0;
+        for (int i = tid; i < 2 * BM; i += NTHR) {
+            const int r = i % BM;
+            const bool ok = m0 + r < nq;
+            const float *src = (i < BM ? lse : delta) + (ok ? rb + r : 0);
+            cp_async_4(st + (i < BM ? ST_L : ST_D) + 4 * r, src, ok);
+        }
+    };
+
+    if (n_it > 0) {
+        // zero the head-dim tail the math reads ([FC_HEAD_DIM, KV_DK)), then K, V and stage 0
+        zero_tail<KV_DK / 8>(smem, 0, 2 * BN, tid);
+        for (int s = 0; s < STAGES_KV; ++s) zero_tail<KV_DK / 8>(smem, st0 - s_base + s * KV_STAGE_BYTES, 2 * BM, tid);
+        const elem_t *k_ld = k + b * k_sb + hk * k_sh + (long long)(n0 + lr) * k_sn + lc * 8;
+        const elem_t *v_ld = v + b * v_sb + hk * v_sh + (long long)(n0 + lr) * v_sn + lc * 8;
+        load_tile<BN>(sK, k_ld, k_sn, nk - n0 - lr, k, lr, lc);
+        load_tile<BN>(sV, v_ld, v_sn, nk - n0 - lr, v, lr, lc);
+        load_stage(0, st0);
+        cp_async_commit();
+    }
+
+#pragma unroll 1
+    for (int it = 0; it < n_it; ++it) {
+        const u32 st = st0 + (STAGES_KV == 2 ? (it & 1) * KV_STAGE_BYTES : 0);
+        // ---- tile `it` has landed; every warp is done with the other stage: prefetch it + 1 ----
+        cp_async_wait_all();
+        __syncthreads();
+        if (STAGES_KV == 2 && it + 1 < n_it) {
+            load_stage(it + 1, st0 + ((it + 1) & 1) * KV_STAGE_BYTES);
+            cp_async_commit();
+        }
+        const int m0 = (qt0 + it % qt_per_head) * BM;
+        // Masking is needed on tiles with rows >= nq or, causal, a query before some key's first.
+        const bool need_mask = (m0 + BM > nq) || (FC_CAUSAL && m0 < n0 + BN - 1 - (nk - nq));
+        const float *s_lse = reinterpret_cast<const float *>(smem + (st - s_base) + ST_L);
+        const float *s_del = reinterpret_cast<const float *>(smem + (st - s_base) + ST_D);
+
+#pragma unroll 1
+        for (int qc = 0; qc < KV_QW / KV_QC; ++qc) {
+            const int qr0 = qs * KV_QW + qc * KV_QC;  // first query row (in the tile) of this chunk
+            const u32 q_base = st + qr0 * ROW_BYTES + frag_row;
+            const u32 do_base = q_base + ST_DO;
+
+            // ---- S^T = K Q^T and dP^T = V dO^T (16 keys x KV_QC queries) ----
+            acc_t acc_s[KV_QC / 8][ACC_REGS], acc_p[KV_QC / 8][ACC_REGS];
+#pragma unroll
+            for (int n = 0; n < KV_QC / 8; ++n) { acc_zero(acc_s[n]); acc_zero(acc_p[n]); }
+#pragma unroll
+            for (int kk = 0; kk < KV_KS; ++kk) {
+                u32 a[4];
+                ldsm_x4(a, k_base + chunk_off(2 * kk, frag_w));
+#pragma unroll
+                for (int np = 0; np < KV_QC / 16; ++np) {
+                    u32 bq[4];
+                    ldsm_x4(bq, q_base + np * 16 * ROW_BYTES + chunk_off(2 * kk, frag_w));
+                    mma_16816(acc_s[2 * np], a, bq[0], bq[2]);
+                    mma_16816(acc_s[2 * np + 1], a, bq[1], bq[3]);
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < KV_KS; ++kk) {
+                u32 a[4];
+                ldsm_x4(a, v_base + chunk_off(2 * kk, frag_w));
+#pragma unroll
+                for (int np = 0; np < KV_QC / 16; ++np) {
+                    u32 bq[4];
+                    ldsm_x4(bq, do_base + np * 16 * ROW_BYTES + chunk_off(2 * kk, frag_w));
+                    mma_16816(acc_p[2 * np], a, bq[0], bq[2]);
+                    mma_16816(acc_p[2 * np + 1], a, bq[1], bq[3]);
+                }
+            }
+
+            // ---- P^T = exp2(S^T c - L_query), dS^T = P^T (dP^T - delta_query); both go straight
+            //      into A fragments: k16 step kk of the next products is n8 tiles 2kk, 2kk+1 ----
+            u32 p_frag[KV_QC / 16][4], ds_frag[KV_QC / 16][4];
+#pragma unroll
+            for (int n = 0; n < KV_QC / 8; ++n) {
+                const int qcol = qr0 + n * 8 + 2 * t;  // query (in the tile) of elements 0, 2; +1: 1, 3
+                const float2 l2 = *reinterpret_cast<const float2 *>(s_lse + qcol);
+                const float2 d2 = *reinterpret_cast<const float2 *>(s_del + qcol);
+                const float lq[2] = {lse_to_log2(l2.x), lse_to_log2(l2.y)};
+                const float dq2[2] = {d2.x, d2.y};
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    float p[2], ds[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        p[e] = fc_exp2(fmaf(acc_get(acc_s[n], 2 * hf + e), scale_log2, -lq[e]));
+                        if (need_mask) {
+                            const int key = n0 + kg * 16 + g + 8 * hf, query = m0 + qcol + e;
+                            const bool vis = query < nq && (!FC_CAUSAL || key <= query + (nk - nq));
+                            p[e] = vis ? p[e] : 0.f;
+                        }
+                        ds[e] = p[e] * (acc_get(acc_p[n], 2 * hf + e) - dq2[e]);
+                    }
+                    p_frag[n >> 1][hf + 2 * (n & 1)] = pack_elem2(p[0], p[1]);
+                    ds_frag[n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
+                }
+            }
+
+            // ---- dV += P^T dO, dK += dS^T Q (B operands: dO, Q rows = queries, by ldmatrix.trans) ----
+#pragma unroll
+            for (int kk = 0; kk < KV_QC / 16; ++kk) {
+#pragma unroll
+                for (int dp = 0; dp < KV_DP; ++dp) {
+                    u32 bo[4], bq[4];
+                    ldsm_x4_trans(bo, do_base + kk * 16 * ROW_BYTES + chunk_off(2 * KV_DSPLIT * dp, frag_wd));
+                    mma_16816(acc_dv[2 * dp], p_frag[kk], bo[0], bo[1]);
+                    mma_16816(acc_dv[2 * dp + 1], p_frag[kk], bo[2], bo[3]);
+                    ldsm_x4_trans(bq, q_base + kk * 16 * ROW_BYTES + chunk_off(2 * KV_DSPLIT * dp, frag_wd));
+                    mma_16816(acc_dk[2 * dp], ds_frag[kk], bq[0], bq[1]);
+                    mma_16816(acc_dk[2 * dp + 1], ds_frag[kk], bq[2], bq[3]);
+                }
+            }
+        }
+
+        if (STAGES_KV == 1 && it + 1 < n_it) {
+            __syncthreads();  // every warp is done with the single stage
+            load_stage(it + 1, st0);
+            cp_async_commit();
+        }
+    }
+
+    // ---- epilogue: sum the QSPLIT partials, dK *= scale, round, 16-byte stores of keys < nk ----
+    const long long out_off = (((long long)b * gridDim.y + hk) * nk + n0) * FC_HEAD_DIM;
+    const int slot = kg + KV_KG * dh;
+    store_tile<BN, 2 * KV_DP, KV_QSPLIT, KV_KG * KV_DSPLIT, KV_DSPLIT>(smem, acc_dv, slot, qs, kg * 16, dh, 1.f,
+                                                                        dv + out_off, nk - n0);
+    store_tile<BN, 2 * KV_DP, KV_QSPLIT, KV_KG * KV_DSPLIT, KV_DSPLIT>(smem, acc_dk, slot, qs, kg * 16, dh,
+                                                                        scale_log2 * LN2, dk + out_off, nk - n0);
+}
+
+// =============================================================================================
+// dQ
+// =============================================================================================
+extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma(FC_BWD_PARAMS) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 s_base = (u32)__cvta_generic_to_shared(smem);
+    const u32 sQ = s_base;                      // [BM][CPR]
+    const u32 sDO = sQ + BM * ROW_BYTES;        // [BM][CPR]
+    const u32 st0 = sDO + BM * ROW_BYTES;       // stages: K [BN][CPR], V [BN][CPR]
+    constexpr u32 ST_V = BN * ROW_BYTES;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int rg = warp % Q_RG, ks = warp / Q_RG;
+
+    // Causal CTAs run heaviest (last query block) first.
+#if FC_CAUSAL
+    const int mblk = gridDim.x - 1 - blockIdx.x;
+#else
+    const int mblk = blockIdx.x;
+#endif
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int m0 = mblk * BM;
+
+    // Key tiles [0, n_tiles) hold a key visible to some valid row; from mask_from on, some key is
+    // invisible to some row (causal edge or keys >= nk).
+    const int last_key = fc_last_key(min(m0 + BM, nq) - 1, nq, nk);
+    const int n_tiles = last_key >= 0 ? last_key / BN + 1 : 0;
+    const int keys_all = fc_last_key(m0, nq, nk) + 1;
+    const int mask_from = keys_all > 0 ? keys_all / BN : 0;
+
+    const int lc = tid % CHP, lr = tid / CHP;
+    const u32 frag_row = (lane & 15) * ROW_BYTES;
+    const int frag_w = (lane >> 4) ^ swz_key(lane & 7);
+    const u32 q_base = sQ + rg * 16 * ROW_BYTES + frag_row;
+    const u32 do_base = sDO + rg * 16 * ROW_BYTES + frag_row;
+
+    // Per-row L = lse * log2 e and delta of rows g, g+8 (rows >= nq: P = 0).
+    const long long row_base = ((long long)b * gridDim.y + h) * nq;
+    const int row_g = m0 + rg * 16 + g;
+    float lrow[2], drow[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int row = row_g + 8 * hf;
+        lrow[hf] = row < nq ? lse_to_log2(lse[row_base + row]) : INFINITY;
+        drow[hf] = row < nq ? delta[row_base + row] : 0.f;
+    }
+
+    acc_t acc_dq[2 * Q_KS][ACC_REGS];
+#pragma unroll
+    for (int n = 0; n < 2 * Q_KS; ++n) acc_zero(acc_dq[n]);
+
+    auto load_kv = [&](int j, u32 st) {
+        const elem_t *k_ld = k + b * k_sb + hk * k_sh + (long long)(j * BN + lr) * k_sn + lc * 8;
+        const elem_t *v_ld = v + b * v_sb + hk * v_sh + (long long)(j * BN + lr) * v_sn + lc * 8;
+        load_tile<BN>(st, k_ld, k_sn, nk - j * BN - lr, k, lr, lc);
+        load_tile<BN>(st + ST_V, v_ld, v_sn, nk - j * BN - lr, v, lr, lc);
+    };
+
+    if (n_tiles > 0) {
+        zero_tail<Q_DK / 8>(smem, 0, 2 * BM + STAGES_Q * 2 * BN, tid);
+        const elem_t *q_ld = q + b * q_sb + h * q_sh + (long long)(m0 + lr) * q_sn + lc * 8;
+        const elem_t *do_ld = dout + b * do_sb + h * do_sh + (long long)(m0 + lr) * do_sn + lc * 8;
+        load_tile<BM>(sQ, q_ld, q_sn, nq - m0 - lr, q, lr, lc);
+        load_tile<BM>(sDO, do_ld, do_sn, nq - m0 - lr, dout, lr, lc);
+        load_kv(0, st0);
+        cp_async_commit();
+    }
+
+#pragma unroll 1
+    for (int j = 0; j < n_tiles; ++j) {
+        const u32 st = st0 + (STAGES_Q == 2 ? (j & 1) * Q_STAGE_BYTES : 0);
+        // ---- K_j, V_j have landed; every warp is done with the other stage: prefetch j + 1 ----
+        cp_async_wait_all();
+        __syncthreads();
+        if (STAGES_Q == 2 && j + 1 < n_tiles) {
+            load_kv(j + 1, st0 + ((j + 1) & 1) * Q_STAGE_BYTES);
+            cp_async_commit();
+        }
+        const bool need_mask = j >= mask_from;
+
+#pragma unroll 1
+        for (int kc = 0; kc < Q_KW / Q_KC; ++kc) {
+            const int kr0 = ks * Q_KW + kc * Q_KC;  // first key (in the tile) of this chunk
+            const u32 k_base = st + kr0 * ROW_BYTES + frag_row;
+            const u32 v_base = k_base + ST_V;
+
+            // ---- S = Q K^T and dP = dO V^T (16 rows x Q_KC keys) ----
+            acc_t acc_s[Q_KC / 8][ACC_REGS], acc_p[Q_KC / 8][ACC_REGS];
+#pragma unroll
+            for (int n = 0; n < Q_KC / 8; ++n) { acc_zero(acc_s[n]); acc_zero(acc_p[n]); }
+#pragma unroll
+            for (int kk = 0; kk < Q_KS; ++kk) {
+                u32 a[4];
+                ldsm_x4(a, q_base + chunk_off(2 * kk, frag_w));
+#pragma unroll
+                for (int np = 0; np < Q_KC / 16; ++np) {
+                    u32 bk[4];
+                    ldsm_x4(bk, k_base + np * 16 * ROW_BYTES + chunk_off(2 * kk, frag_w));
+                    mma_16816(acc_s[2 * np], a, bk[0], bk[2]);
+                    mma_16816(acc_s[2 * np + 1], a, bk[1], bk[3]);
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < Q_KS; ++kk) {
+                u32 a[4];
+                ldsm_x4(a, do_base + chunk_off(2 * kk, frag_w));
+#pragma unroll
+                for (int np = 0; np < Q_KC / 16; ++np) {
+                    u32 bv[4];
+                    ldsm_x4(bv, v_base + np * 16 * ROW_BYTES + chunk_off(2 * kk, frag_w));
+                    mma_16816(acc_p[2 * np], a, bv[0], bv[2]);
+                    mma_16816(acc_p[2 * np + 1], a, bv[1], bv[3]);
+                }
+            }
+
+            // ---- P = exp2(S c - L_row) (masked: 0), dS = P (dP - delta_row) -> A fragments ----
+            u32 ds_frag[Q_KC / 16][4];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int last = fc_last_key(row_g + 8 * hf, nq, nk) - (j * BN + kr0 + 2 * t);
+#pragma unroll
+                for (int n = 0; n < Q_KC / 8; ++n) {
+                    float ds[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float p = fc_exp2(fmaf(acc_get(acc_s[n], 2 * hf + e), scale_log2, -lrow[hf]));
+                        if (need_mask && n * 8 + e > last) p = 0.f;
+                        ds[e] = p * (acc_get(acc_p[n], 2 * hf + e) - drow[hf]);
+                    }
+                    ds_frag[n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
+                }
+            }
+
+            // ---- dQ += dS K (B operand: K rows = keys, by ldmatrix.trans) ----
+#pragma unroll
+            for (int kk = 0; kk < Q_KC / 16; ++kk) {
+#pragma unroll
+                for (int dp = 0; dp < Q_KS; ++dp) {
+                    u32 bk[4];
+                    ldsm_x4_trans(bk, k_base + kk * 16 * ROW_BYTES + chunk_off(2 * dp, frag_w));
+                    mma_16816(acc_dq[2 * dp], ds_frag[kk], bk[0], bk[1]);
+                    mma_16816(acc_dq[2 * dp + 1], ds_frag[kk], bk[2], bk[3]);
+                }
+            }
+        }
+
+        if (STAGES_Q == 1 && j + 1 < n_tiles) {
+            __syncthreads();  // every warp is done with the single stage
+            load_kv(j + 1, st0);
+            cp_async_commit();
+        }
+    }
+
+    // ---- epilogue: sum the KSPLIT partials, dQ *= scale, round, 16-byte stores of rows < nq ----
+    store_tile<BM, 2 * Q_KS, Q_KSPLIT, Q_RG, 1>(smem, acc_dq, rg, ks, rg * 16, 0, scale_log2 * LN2,
+                                               dq + (row_base + m0) * FC_HEAD_DIM, nq - m0);
+}

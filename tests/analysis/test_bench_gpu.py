@@ -1,0 +1,34 @@
+"""One bench cell on the GPU: positive numbers, and ratios computed from the same run."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_bench_one_cell(tmp_path):
+    from analysis import bench
+    from analysis.common import Context, from_json_number, write_report
+
+    ctx = Context.make("cuda", True, 0, str(tmp_path))
+    rep = bench.run_bench(ctx, cells=[("f16", 1024, 64, False)])
+    write_report(ctx, rep, 0.0)
+    assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.md").exists()
+    t = rep.tables[0]
+    rows = [dict(zip(t.columns, map(from_json_number, r))) for r in t.rows]
+    assert {r["direction"] for r in rows} == {"fwd", "bwd"}
+    cells = {c["direction"]: c for c in rep.data["cells"]}
+    for r in rows:
+        ours = r["flashcupy mma TFLOP/s"]
+        assert ours > 0
+        peers = [c[: -len(" TFLOP/s")] for c in t.columns if c.endswith(" TFLOP/s") and not c.startswith("flashcupy")]
+        assert "naive" in peers
+        for p in peers:
+            theirs = r[f"{p} TFLOP/s"]
+            if theirs is None:
+                continue
+            assert theirs > 0
+            assert r[f"mma / {p}"] == pytest.approx(ours / theirs, rel=1e-9)
+            # the ratio is of times measured in this run
+            c = cells[r["direction"]]
+            assert r[f"mma / {p}"] == pytest.approx(c[p]["ms"] and c[p]["ms"] / c["flashcupy mma"]["ms"], rel=1e-9)

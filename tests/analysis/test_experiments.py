@@ -1,0 +1,220 @@
+"""Every experiment in --quick mode on the NumPy backend (one `all` run, shared by the tests below),
+asserting on what each one found, plus the report plumbing: files, index, JSON == Markdown."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+import analysis
+from analysis import EXPERIMENTS
+from analysis.__main__ import main
+from analysis.common import fmt, from_json_number
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reports")
+    rc = main(["all", "--backend", "numpy", "--quick", "--out", str(out), "--seed", "7"])
+    assert rc == 0
+    docs = {}
+    for name in EXPERIMENTS:
+        with open(out / f"{name}.json") as f:
+            docs[name] = json.load(f)
+    return out, docs
+
+
+def table(doc, title_start):
+    for t in doc["tables"]:
+        if t["title"].startswith(title_start):
+            return [dict(zip(t["columns"], (from_json_number(c) for c in r))) for r in t["rows"]]
+    raise KeyError(title_start)
+
+
+def md_tables(text):
+    """{title: rows of cell strings} parsed back from a report's Markdown."""
+    out, lines, i = {}, text.splitlines(), 0
+    while i < len(lines):
+        if lines[i].startswith("**") and lines[i].endswith("**") and i + 2 < len(lines) \
+                and lines[i + 2].startswith("| "):
+            title, rows, j = lines[i].strip("*"), [], i + 4
+            while j < len(lines) and lines[j].startswith("| "):
+                rows.append([c.strip() for c in lines[j].strip()[1:-1].split(" | ")])
+                j += 1
+            out[title] = rows
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def test_all_writes_every_report_and_the_index(reports):
+    out, docs = reports
+    index = (out / "index.md").read_text()
+    for name in EXPERIMENTS:
+        for ext in ("json", "md", "png"):
+            path = out / f"{name}.{ext}"
+            assert path.exists() and path.stat().st_size > 0, path
+            assert f"({name}.{ext})" in index
+        meta = docs[name]["meta"]
+        assert meta["seed"] == 7 and meta["backend"] == "numpy" and meta["quick"]
+        assert meta["device"].startswith("CPU (NumPy twin")
+        assert meta["versions"]["numpy"] and "cupy" in meta["versions"]
+        md = (out / f"{name}.md").read_text()
+        for needle in ("**Finding:**", "- device: CPU (NumPy twin", "- seed: 7", "- git commit:",
+                       "- versions:", "## Setup", "forced" if False else "quick"):
+            assert needle in md, (name, needle)
+        assert docs[name]["finding"] in md
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_json_holds_the_numbers_the_markdown_shows(reports, name):
+    out, docs = reports
+    shown = md_tables((out / f"{name}.md").read_text())
+    assert docs[name]["tables"]
+    for t in docs[name]["tables"]:
+        rows = shown[t["title"]]
+        assert len(rows) == len(t["rows"])
+        for md_row, js_row in zip(rows, t["rows"]):
+            assert md_row == [fmt(from_json_number(c)) for c in js_row]
+
+
+def test_overflow_at_the_predicted_threshold_and_tile(reports):
+    doc = reports[1]["overflow"]
+    summary = table(doc, "Onset")
+    assert len(summary) >= 5
+    for r in summary:
+        thr = r["predicted threshold"]
+        expected = math.log(65504.0) if (r["dtype"] == "f16" or r["accum"] == "fp16") else 88.72
+        assert abs(thr - expected) < 0.01
+        # breaks at the threshold (or just below it, where several large terms overflow the running sum)
+        assert thr - 1.0 <= r["first broken max score"] <= thr + 0.11, r
+        assert r["last clean max score"] < thr
+        pred, meas = (r["first overflow tile (float64 model)"], r["first overflow tile (kernel, prefix bisection)"])
+        assert pred is not None and meas is not None and abs(pred - meas) <= 1, r
+        assert r["intact finite"] is True and r["intact max abs err"] < 1e-2
+    sweep = doc["data"]["sweep"]
+    groups = {}
+    for p in sweep:
+        groups.setdefault((p["dtype"], p["accum"], p["N"]), []).append(p)
+        if p["max_score"] < p["threshold"] - 1.5:
+            assert p["frac_broken"] == 0
+        assert p["intact_nonfinite"] == 0
+    for pts in groups.values():
+        fr = [p["frac_broken"] for p in sorted(pts, key=lambda p: p["max_score"])]
+        assert fr == sorted(fr) and fr[-1] > fr[0]          # more rows break as the scores grow
+    # the float64 model of the broken kernel predicts which rows break
+    agree = sum(abs(p["frac_broken"] - p["frac_predicted"]) * p["rows"] < 0.5 for p in sweep)
+    assert agree >= 0.9 * len(sweep)
+
+
+def test_rescaling_wrong_with_two_tiles_exact_with_one(reports):
+    rows = table(reports[1]["rescaling"], "Error against float64")
+    for r in rows:
+        assert math.isfinite(r["max abs error (broken)"])
+        if r["KV tiles"] >= 2:
+            assert r["max abs error (broken)"] > 1e-2, r
+        elif r["dtype"] == "f32":
+            assert r["max abs error (broken)"] < 1e-5, r
+    claim = table(reports[1]["rescaling"], "The seed chapter's setup")
+    assert len(claim) == 5 and all(r["max abs error (broken)"] > 0.1 for r in claim)
+    assert ("held" in reports[1]["rescaling"]["finding"])
+
+
+def test_blocks_cover_both_families_within_the_accuracy_rule(reports):
+    doc = reports[1]["blocks"]
+    rows = table(doc, "Every supported tile size")
+    naive = {r["dtype"]: r["max abs error"] for r in table(doc, "Naive")}
+    assert {r["family"] for r in rows} == {"fwd_mma", "fwd_simt"}
+    assert len(rows) > 50
+    for r in rows:
+        if r["accum"] == "fp32":
+            assert r["max abs error"] <= 2 * naive[r["dtype"]] + 1e-5, r
+    assert "Golden" in doc["finding"] and "held" in doc["finding"]
+
+
+def test_fp16_accumulators_are_worse(reports):
+    rows = table(reports[1]["accum"], "Error against float64")
+    assert len({r["N"] for r in rows}) >= 4
+    for r in rows:
+        assert r["RMSE (fp16 acc)"] > r["RMSE (fp32 acc)"], r
+        assert r["max abs (fp16 acc)"] > r["max abs (fp32 acc)"], r
+
+
+def test_outliers_table_beside_the_paper(reports):
+    doc = reports[1]["outliers"]
+    rows = table(doc, "Measured")
+    assert len(rows) == 6 and all(0 < r["RMSE"] < 1e-2 for r in rows)
+    assert "N=" in doc["finding"] and "D=" in doc["finding"]
+    pub = table(doc, "Published")
+    assert {r["RMSE"] for r in pub} == {3.2e-4, 1.9e-4}
+
+
+def test_no_softmax_row_over_the_bhh_bound(reports):
+    rows = table(reports[1]["bounds"], "Per (dtype, accum, q scale)")
+    assert len(rows) >= 6
+    for r in rows:
+        assert r["rows over bound"] == 0, r
+        assert 0 < r["max"] < r["bound min"]
+
+
+def test_backward_measured_against_the_naive_backward(reports):
+    doc = reports[1]["backward"]
+    naive = table(doc, "Naive")
+    assert all(0 < r["dQ max abs"] < 1 for r in naive)
+    import flashcupy
+
+    if not hasattr(flashcupy, "attention_backward"):
+        assert doc["finding"].startswith("backward not available")
+        return
+    rows = table(doc, "flashcupy.attention_backward")
+    assert rows
+    for r in rows:
+        if r["accum"] == "fp32":
+            assert max(r["dQ / naive"], r["dK / naive"], r["dV / naive"]) <= 3.0, r
+
+
+def test_memory_naive_quadratic_flashcupy_linear(reports):
+    doc = reports[1]["memory"]
+    assert 1.7 < doc["data"]["slope_naive"] < 2.2
+    assert 0.7 < doc["data"]["slope_flashcupy"] < 1.3
+    assert "tracemalloc" in doc["setup"]["measured"]
+
+
+def test_drift_positive_and_larger_with_fp16_accumulators(reports):
+    rows = table(reports[1]["drift"], "Wasserstein")
+    assert all(0 < r["W1 distance"] < 1e-2 for r in rows)
+    w = {(r["method"], r["dtype"], r["accum"]): r["W1 distance"] for r in rows}
+    assert w[("flashcupy", "f16", "fp16")] > w[("flashcupy", "f16", "fp32")]
+
+
+def test_bench_tiny_config_positive_numbers(reports):
+    doc = reports[1]["bench"]
+    rows = table(doc, "TFLOP/s")
+    assert rows and {r["direction"] for r in rows} == {"fwd", "bwd"}
+    for r in rows:
+        assert r["flashcupy mma TFLOP/s"] > 0 and r["naive TFLOP/s"] > 0
+        assert r["mma / naive"] == pytest.approx(r["flashcupy mma TFLOP/s"] / r["naive TFLOP/s"], rel=1e-9)
+    assert "meaningless" in doc["finding"] or "mean nothing" in doc["finding"]
+
+
+def test_backward_not_available_is_reported_not_raised(tmp_path, monkeypatch):
+    import flashcupy
+    from analysis.common import Context
+
+    monkeypatch.delattr(flashcupy, "attention_backward", raising=False)
+    ctx = Context.make("numpy", True, 0, str(tmp_path))
+    paths, rep = analysis.run_experiment("backward", ctx)
+    assert rep.finding.startswith("backward not available")
+    assert os.path.exists(paths["json"]) and os.path.exists(paths["md"])
+
+
+def test_default_output_folders(tmp_path, monkeypatch):
+    from analysis.common import Context
+
+    monkeypatch.chdir(tmp_path)
+    assert Context.make("numpy", True).out == os.path.join("reports", "quick")
+    ctx = Context.make("numpy", False)   # the NumPy backend forces the quick sizes (and says so)
+    assert ctx.quick and ctx.forced_quick and ctx.out == os.path.join("reports", "quick")
