@@ -103,6 +103,22 @@ def _bwd_mma_smem(v: "Variant", kernel: str) -> int:
     return resident + stages * stage
 
 
+def _bwd_simt_smem(v: "Variant", kernel: str) -> int:
+    # fp32 tiles. dK/dV: K, V | Q, dO | P, dS | lse, delta. dQ: Q, dO | K, V | dS^T | lse, delta.
+    dp, bm, bn = _round_up(v.head_dim, 16), v.block_m, v.block_n
+    if kernel.startswith("flash_bwd_dkdv"):
+        return 4 * (2 * bn * (dp + 4) + 2 * bm * dp + 2 * bm * (bn + 4) + 2 * bm)
+    return 4 * (2 * bm * dp + 2 * bn * (dp + 4) + bn * (bm + 4) + 2 * bm)
+
+
+def _bwd_simt_limits(v: "Variant") -> str | None:
+    dp = _round_up(v.head_dim, 16)
+    if v.block_n * dp > 16384 or v.block_m * dp > 32768:
+        return (f"kernel='simt' backward keeps block_n x D <= 16384 and block_m x D <= 32768 values in "
+                f"registers; block_m={v.block_m}, block_n={v.block_n} with D={v.head_dim} does not fit")
+    return None
+
+
 def _simt_defaults(dtype: str, d: int) -> tuple[int, int]:
     return (64, 64)
 
@@ -142,13 +158,14 @@ FAMILIES: dict[str, Family] = {
     ),
     "bwd_simt": Family(
         name="bwd_simt", source="bwd_simt.cu", kernels=("flash_bwd_dkdv_simt", "flash_bwd_dq_simt"),
-        dtypes=("f32", "f16", "bf16"), block_m=(16, 32, 64), block_n=(16, 32, 64),
+        dtypes=("f32", "f16", "bf16"), block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128),
         accums=lambda dtype: ACCUMS,
         head_dim_pad=lambda d: d,
         threads=lambda v: 256,
-        smem_bytes=lambda v, kernel: 4 * (2 * v.block_m + 2 * v.block_n) * v.head_dim,
-        default_blocks=lambda dtype, d: (32, 32),
+        smem_bytes=_bwd_simt_smem,
+        default_blocks=lambda dtype, d: (64, 64) if d <= 160 else (32, 64),
         no_spill=lambda v: True,
+        limits=_bwd_simt_limits,
     ),
 }
 

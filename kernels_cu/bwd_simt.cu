@@ -64,7 +64,7 @@ constexpr int CHUNK = 16;                       // products per fp32 partial sum
 constexpr int DPT = DP / TN;                    // accumulator columns per lane: d = c + TN * i
 constexpr int SR = BM / NRG;                    // score-tile query rows per row group
 constexpr int KPT = BN / TN;                    // score-tile keys per lane:   key = c + TN * i
-constexpr int GS = KPT < (SR <= 2 ? 4 : 2) ? KPT : (SR <= 2 ? 4 : 2);  // keys per register block
+constexpr int GS = KPT < 2 ? KPT : 2;          // score-tile keys per register block
 
 constexpr int ROW_PITCH = DP;      // Q_i, dO_i      [BM][DP]
 constexpr int KV_PITCH = DP + 4;   // K_j, V_j       [BN][DP + 4]
@@ -179,7 +179,7 @@ __device__ __forceinline__ void p_ds_tile(const float* __restrict__ q_s, const f
     auto slot = [&](int t, int kcol) { return TRANSPOSED ? kcol * ST_PITCH + r0 + t : (r0 + t) * S_PITCH + kcol; };
 
     // Pass 1: S and P, kept in fp32 in this thread's slots of p_s.
-#pragma unroll
+#pragma unroll 1
     for (int i0 = 0; i0 < KPT; i0 += GS) {
         float s[SR][GS];
         rows_dot_keys(q_s + r0 * ROW_PITCH, k_s + (c + TN * i0) * KV_PITCH, s);  // (1) S = Q K^T
@@ -196,7 +196,7 @@ __device__ __forceinline__ void p_ds_tile(const float* __restrict__ q_s, const f
     }
 
     // Pass 2: dP and dS.
-#pragma unroll
+#pragma unroll 1
     for (int i0 = 0; i0 < KPT; i0 += GS) {
         float dp[SR][GS];
         rows_dot_keys(do_s + r0 * ROW_PITCH, v_s + (c + TN * i0) * KV_PITCH, dp);  // (3) dP = dO V^T

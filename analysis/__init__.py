@@ -1,0 +1,45 @@
+"""analysis: the break-it experiments and numerical reports of flashcupy, and the benchmark.
+
+``python -m analysis <experiment> [--backend auto|cuda|numpy] [--quick] [--out DIR] [--seed S]`` runs one
+experiment (``all`` runs every one and writes ``index.md``). Each writes ``<name>.json`` (all numbers),
+``<name>.md`` (the table a person reads, with a one-line finding) and ``<name>.png``.
+
+Experiments use only the public API of ``flashcupy`` (``attention``, ``attention_backward``,
+``reference``, ``naive``) plus the build layer's variant table and compile report for the benchmark.
+"""
+from __future__ import annotations
+
+# name -> (module, function, one-line description); imported lazily so that one broken experiment
+# never stops the others from running.
+EXPERIMENTS = {
+    "overflow": ("breaks", "run_overflow", "no max subtraction: rows break past ln(max finite)"),
+    "rescaling": ("breaks", "run_rescaling", "no rescaling: finite and wrong with two or more KV tiles"),
+    "blocks": ("accuracy", "run_blocks", "intact kernels over every tile size, dtype and accumulator"),
+    "accum": ("accuracy", "run_accum", "fp16 vs fp32 accumulators: error against N"),
+    "outliers": ("accuracy", "run_outliers", "FlashAttention-3's outlier inputs: RMSE beside the paper"),
+    "bounds": ("bounds", "run_bounds", "softmax probabilities against the Blanchard-Higham-Higham bound"),
+    "backward": ("backward", "run_backward", "dQ, dK, dV against float64 and a naive backward"),
+    "memory": ("memory", "run_memory", "peak memory of naive attention and flashcupy over N"),
+    "drift": ("accuracy", "run_drift", "Wasserstein distance of the output distributions"),
+    "bench": ("bench", "run_bench", "speed against naive CuPy and torch SDPA, same run"),
+}
+
+__all__ = ["EXPERIMENTS", "run_experiment"]
+
+
+def run_experiment(name, ctx):
+    """Run one experiment in ``ctx`` and write its report; returns the written paths."""
+    import importlib
+    import time
+
+    from .common import log, write_report
+
+    mod, fn, _ = EXPERIMENTS[name]
+    func = getattr(importlib.import_module(f"{__name__}.{mod}"), fn)
+    t0 = time.perf_counter()
+    log(f"[{name}] start ({ctx.backend}, {'quick' if ctx.quick else 'full'} sizes, seed {ctx.seed})")
+    rep = func(ctx)
+    elapsed = time.perf_counter() - t0
+    paths = write_report(ctx, rep, elapsed)
+    log(f"[{name}] done in {elapsed:.1f} s: {rep.finding}")
+    return paths, rep

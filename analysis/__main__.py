@@ -1,0 +1,69 @@
+"""``python -m analysis <experiment|all> [--backend auto|cuda|numpy] [--quick] [--out DIR] [--seed S]``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+from . import EXPERIMENTS, run_experiment
+from .common import Context, log
+
+
+def write_index(ctx, results, elapsed):
+    lines = ["# flashcupy analysis reports", "",
+             f"Backend: {ctx.backend}, sizes: {'quick' if ctx.quick else 'full'}, seed {ctx.seed}, "
+             f"total wall time {elapsed:.0f} s.", "",
+             "| experiment | finding | table | figure | data |", "|---|---|---|---|---|"]
+    for name, (paths, rep, err) in results.items():
+        if err:
+            lines.append(f"| {name} | FAILED: {err} | | | |")
+            continue
+        fig = f"[{name}.png]({name}.png)" if "png" in paths else "none"
+        finding = rep.finding.replace("|", "/")
+        lines.append(f"| {name} | {finding} | [{name}.md]({name}.md) | {fig} | [{name}.json]({name}.json) |")
+    lines.append("")
+    for name, (paths, rep, err) in results.items():
+        if not err and "png" in paths:
+            lines += [f"## {name}", "", f"![{name}]({name}.png)", ""]
+    path = os.path.join(ctx.out, "index.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.splitlines()[0])
+    ap.add_argument("experiment", choices=list(EXPERIMENTS) + ["all"])
+    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "numpy"])
+    ap.add_argument("--quick", action="store_true", help="small sizes (always on for the NumPy backend)")
+    ap.add_argument("--out", default=None, help="output folder (default reports/, or reports/quick/ "
+                                                "with --quick)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    ctx = Context.make(args.backend, args.quick, args.seed, args.out)
+    if ctx.forced_quick:
+        log("NumPy backend (no CUDA device or --backend numpy): running the --quick sizes")
+    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    t0 = time.perf_counter()
+    results, failed = {}, 0
+    for name in names:
+        try:
+            paths, rep = run_experiment(name, ctx)
+            results[name] = (paths, rep, None)
+            print(f"{name}: {rep.finding}")
+        except Exception as e:  # one failing experiment must not hide the others' reports
+            if args.experiment != "all":
+                raise
+            failed += 1
+            traceback.print_exc()
+            results[name] = ({}, None, f"{type(e).__name__}: {e}")
+    if args.experiment == "all":
+        path = write_index(ctx, results, time.perf_counter() - t0)
+        print(f"index: {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
