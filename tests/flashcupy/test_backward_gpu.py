@@ -51,8 +51,9 @@ def _check(host, grads, dname, accum, causal, what):
     do, q, k, v = host
     refs = reference.attention_backward(do, q, k, v, causal=causal)
     naives = naive.attention_backward(*(cupy.asarray(x) for x in host), causal=causal)
+    red = max(q.shape[2] * (q.shape[1] // k.shape[1]), k.shape[2])
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
-        assert_accurate(g, r, n, dname, accum, kind="bwd", what=f"{what} {name}")
+        assert_accurate(g, r, n, dname, accum, kind="bwd", what=f"{what} {name}", reduction=red)
 
 
 def _fwd(q, k, v, causal, kernel, accum):

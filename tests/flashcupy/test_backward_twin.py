@@ -39,7 +39,8 @@ def test_twin_backward_matches_reference(rng, shape, dname, accum, causal):
     naives = naive.attention_backward(do, q, k, v, causal=causal)
     for name, g, r, n, x in zip(("dq", "dk", "dv"), grads, refs, naives, (q, k, v)):
         assert g.shape == x.shape and g.dtype == x.dtype
-        assert_accurate(g, r, n, dname, accum, kind="bwd", what=name)
+        assert_accurate(g, r, n, dname, accum, kind="bwd", what=name,
+                        reduction=max(q.shape[2] * (q.shape[1] // k.shape[1]), k.shape[2]))
 
 
 def test_twin_backward_matches_finite_differences(rng):
