@@ -125,7 +125,11 @@ class Context:
 
 
 def git_commit() -> str | None:
+    """HEAD of the checkout (``+dirty`` with uncommitted changes), or FLASHCUPY_GIT_COMMIT where the
+    tree was copied without its .git (as onto a lent GPU machine)."""
     here = os.path.dirname(os.path.abspath(__file__))
+    if os.environ.get("FLASHCUPY_GIT_COMMIT"):
+        return os.environ["FLASHCUPY_GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
                              timeout=10).stdout.strip()
