@@ -33,15 +33,40 @@ def write_index(ctx, results, elapsed):
     return path
 
 
+def rebuild_index(out: str) -> str:
+    """index.md from the JSON reports already in ``out`` (after re-running single experiments)."""
+    import json
+    from types import SimpleNamespace
+
+    results = {}
+    for name in EXPERIMENTS:
+        path = os.path.join(out, f"{name}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                data = json.load(f)
+            paths = {ext: os.path.join(out, f"{name}.{ext}") for ext in ("json", "md", "png")
+                     if os.path.exists(os.path.join(out, f"{name}.{ext}"))}
+            results[name] = (paths, SimpleNamespace(finding=data["finding"]), None)
+    meta = json.load(open(os.path.join(out, next(iter(results)) + ".json")))["meta"] if results else {}
+    ctx = SimpleNamespace(out=out, backend=meta.get("backend", "?"), quick=meta.get("quick", False),
+                          seed=meta.get("seed", "?"))
+    return write_index(ctx, results, sum(json.load(open(p["json"]))["meta"].get("elapsed_s", 0.0)
+                                         for p, _, _ in results.values()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.splitlines()[0])
-    ap.add_argument("experiment", choices=list(EXPERIMENTS) + ["all"])
+    ap.add_argument("experiment", choices=list(EXPERIMENTS) + ["all", "index"],
+                    help="an experiment, all of them, or 'index' (rebuild DIR/index.md from the JSON there)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "numpy"])
     ap.add_argument("--quick", action="store_true", help="small sizes (always on for the NumPy backend)")
     ap.add_argument("--out", default=None, help="output folder (default reports/, or reports/quick/ "
                                                 "with --quick)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.experiment == "index":
+        print(f"index: {rebuild_index(args.out or 'reports')}")
+        return 0
     ctx = Context.make(args.backend, args.quick, args.seed, args.out)
     if ctx.forced_quick:
         log("NumPy backend (no CUDA device or --backend numpy): running the --quick sizes")

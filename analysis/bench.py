@@ -178,10 +178,11 @@ def run_bench(ctx: Context, cells=None) -> Report:
             sets.append(_random_set(ctx, rng, (b, h, n, d), dname))   # q, k, v, do
         res = {}   # (provider, direction) -> dict
 
-        def measure(provider, direction, fn):
+        def measure(provider, direction, fn, inputs=None):
+            inputs = sets if inputs is None else inputs
             try:
-                first = timer.first_call(fn, sets[0])
-                ms, reps = timer.median_ms(fn, sets)
+                first = timer.first_call(fn, inputs[0])
+                ms, reps = timer.median_ms(fn, inputs)
             except Exception as e:
                 if ctx.backend == "cuda":
                     import cupy
@@ -246,7 +247,7 @@ def run_bench(ctx: Context, cells=None) -> Report:
                 def tf(s, backend=backend):
                     with sdpa_kernel(backend):
                         return sdpa(s[0], s[1], s[2], is_causal=causal)
-                measure(prov, "fwd", tf)
+                measure(prov, "fwd", tf, tsets)
                 if "error" in res[(prov, "fwd")]:
                     res[(prov, "bwd")] = {"error": "forward failed"}
                     continue
@@ -259,7 +260,7 @@ def run_bench(ctx: Context, cells=None) -> Report:
 
                 def tb(s):
                     return torch.autograd.grad(s[4], (s[0], s[1], s[2]), s[3], retain_graph=True)
-                measure(prov, "bwd", tb)
+                measure(prov, "bwd", tb, gsets)
                 del gsets
             del tsets
         providers = sorted({p for p, _ in res}, key=lambda p: (not p.startswith("flashcupy"), p))
@@ -304,13 +305,19 @@ def run_bench(ctx: Context, cells=None) -> Report:
         finding = "torch is not importable: flashcupy measured against naive CuPy attention only."
     else:
         fa = [(r, r[columns.index("mma / torch flash")]) for r in table_rows if r[0] == "f16"]
-        fwd = [x for r, x in fa if r[4] == "fwd" and x is not None]
-        bwd = [x for r, x in fa if r[4] == "bwd" and x is not None]
-        miss = [r for r, x in fa if x is not None and x < 1.0]
-        finding = (f"fp16 grid, flashcupy mma / torch SDPA flash (FlashAttention-2): forward "
-                   f"{min(fwd, default=float('nan')):.2f}x to {max(fwd, default=float('nan')):.2f}x, backward "
-                   f"{min(bwd, default=float('nan')):.2f}x to {max(bwd, default=float('nan')):.2f}x; "
-                   f"{len(miss)} of {len(fa)} (cell, direction) pairs below 1.0x.")
+        fa = [(r, x) for r, x in fa if x is not None and x == x]  # cells both providers timed
+        fwd = [x for r, x in fa if r[4] == "fwd"]
+        bwd = [x for r, x in fa if r[4] == "bwd"]
+        miss = [r for r, x in fa if x < 1.0]
+        if not fa:
+            errors = sorted({str(r.get("torch flash", {}).get("error")) for r in raw if r.get("torch flash")})
+            finding = f"torch SDPA flash produced no timing ({'; '.join(errors)[:200]})."
+        else:
+            finding = (f"fp16 grid, flashcupy mma / torch SDPA flash (FlashAttention-2): forward "
+                       f"{min(fwd, default=float('nan')):.2f}x to {max(fwd, default=float('nan')):.2f}x, "
+                       f"backward {min(bwd, default=float('nan')):.2f}x to "
+                       f"{max(bwd, default=float('nan')):.2f}x; {len(miss)} of {len(fa)} (cell, direction) "
+                       "pairs below 1.0x.")
     if not has_bwd:
         finding += " Backward not available (flashcupy.attention_backward missing): backward columns are peers only."
     fig, axes = new_figure(ncols=2, width=6.5)
