@@ -39,23 +39,28 @@ def _probabilities(q, k, causal, scale, rnd):
     return rnd(e / xp.where(l > 0, l, xp.float32(1)))
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None):
-    """Naive attention; returns o in q's dtype (float16, bfloat16 or float32)."""
+def _setup(q, k, v, scale):
+    """Array module, the rounding to q's dtype, the scale, and float32 views grouped for GQA:
+    q (B, Hkv, G, Nq, D), k and v (B, Hkv, 1, Nk, D)."""
     xp = _xp(q)
     dtype = q.dtype
     b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
     def rnd(x):
         return x.astype(dtype).astype(xp.float32)
 
     qf = q.astype(xp.float32).reshape(b, hkv, hq // hkv, nq, d)
-    kf = k.astype(xp.float32)[:, :, None]
-    vf = v.astype(xp.float32)[:, :, None]
+    return xp, rnd, scale, qf, k.astype(xp.float32)[:, :, None], v.astype(xp.float32)[:, :, None]
+
+
+def attention(q, k, v, causal: bool = False, scale: float | None = None):
+    """Naive attention; returns o in q's dtype (float16, bfloat16 or float32)."""
+    xp, rnd, scale, qf, kf, vf = _setup(q, k, v, scale)
     p = _probabilities(qf, kf, causal, scale, rnd)
     o = rnd(xp.matmul(p, vf))
-    return o.reshape(b, hq, nq, d).astype(dtype)
+    return o.reshape(q.shape).astype(q.dtype)
 
 
 def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = None):
@@ -65,20 +70,9 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
     naive attention stores them; delta = rowsum(dO * O) in float32. dk, dv are summed over the query
     heads that share a kv head.
     """
-    xp = _xp(q)
+    xp, rnd, scale, qf, kf, vf = _setup(q, k, v, scale)
     dtype = q.dtype
-    b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-
-    def rnd(x):
-        return x.astype(dtype).astype(xp.float32)
-
-    shape = (b, hkv, hq // hkv, nq, d)
-    qf = q.astype(xp.float32).reshape(shape)
-    dof = do.astype(xp.float32).reshape(shape)
-    kf = k.astype(xp.float32)[:, :, None]
-    vf = v.astype(xp.float32)[:, :, None]
+    dof = do.astype(xp.float32).reshape(qf.shape)
     p = _probabilities(qf, kf, causal, scale, rnd)
     o = rnd(xp.matmul(p, vf))
     dv = rnd(xp.matmul(xp.swapaxes(p, -1, -2), dof).sum(axis=2))
@@ -87,4 +81,4 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
     ds = rnd(p * (dp - delta))
     dq = rnd(xp.float32(scale) * xp.matmul(ds, kf))
     dk = rnd(xp.float32(scale) * xp.matmul(xp.swapaxes(ds, -1, -2), qf).sum(axis=2))
-    return (dq.reshape(b, hq, nq, d).astype(dtype), dk.astype(dtype), dv.astype(dtype))
+    return (dq.reshape(q.shape).astype(dtype), dk.astype(dtype), dv.astype(dtype))
