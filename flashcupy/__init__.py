@@ -62,14 +62,23 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m
     The algorithm (FlashAttention-2's): delta_i = rowsum(dO_i * O_i) in fp32, then, recomputing
     P = exp(scale * q k^T - lse) tile by tile from the saved LSE (P, dP and dS never reach device memory):
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dK = scale * dS^T Q,  dQ = scale * dS K.
-    dK/dV are accumulated on chip by a key-tile-outer kernel, dQ by a query-tile-outer kernel: no
-    floating-point atomics anywhere, so every call is bitwise reproducible and ``deterministic=True``
-    (accepted for API compatibility) costs nothing.
+    dK/dV are accumulated on chip by a key-tile-outer kernel. dQ, a sum over key tiles, is formed one of
+    two ways:
+
+    * ``deterministic=False`` (default; kernel 'mma' with fp32 accumulators): the same kernel adds each
+      key tile's share dS K to an fp32 buffer with atomic reductions, as FlashAttention-2 does (5
+      matrix products per tile pair); the order of those additions varies, so dq may differ in its
+      last bits between runs.
+    * ``deterministic=True`` (and always for kernel 'simt' or accum 'fp16'): a second, query-tile-outer
+      kernel recomputes S and dP and accumulates dQ on chip in a fixed order (7 products per tile
+      pair): bitwise reproducible, no atomics anywhere.
     """
     problem = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
                              block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic)
     if problem.backend == "numpy":
         from ._twin import backward
-    else:
-        from ._launch import backward
-    return backward(do, q, k, v, o, lse, problem)
+
+        return backward(do, q, k, v, o, lse, problem)  # one fixed order: deterministic either way
+    from ._launch import backward
+
+    return backward(do, q, k, v, o, lse, problem, deterministic=deterministic)

@@ -57,6 +57,8 @@ class Family:
     no_spill: Callable[["Variant"], bool]
     limits: Callable[["Variant"], str | None] = lambda v: None
     arch: str = "sm_90"
+    # Which of ``kernels`` a variant's module defines (default: all of them).
+    kernels_of: Callable[["Variant"], tuple[str, ...]] | None = None
 
 
 def _mma_threads(v: "Variant") -> int:
@@ -93,19 +95,33 @@ def _simt_limits(v: "Variant") -> str | None:
 
 def _bwd_mma_smem(v: "Variant", kernel: str) -> int:
     # Resident tiles plus one or two stages of streamed tiles (two when they fit), per kernel:
-    # dK/dV keeps K, V and streams Q, dO, lse, delta; dQ keeps Q, dO and streams K, V.
+    # dK/dV keeps K, V and streams Q, dO, lse, delta (dkdvdq: plus the dS^T tile); dQ keeps Q, dO and
+    # streams K, V; the dQ conversion needs none.
     row = v.head_dim_pad * 2
+    if kernel in ("flash_bwd_prep", "flash_bwd_dq_convert_mma"):
+        return 0
     if kernel.startswith("flash_bwd_dkdv"):
         resident, stage = 2 * v.block_n * row, 2 * v.block_m * row + 8 * v.block_m
+        if kernel == "flash_bwd_dkdvdq_mma":
+            resident += 2 * v.block_n * v.block_m
     else:
         resident, stage = 2 * v.block_m * row, 2 * v.block_n * row
     stages = 2 if resident + 2 * stage <= SMEM_LIMIT else 1
     return resident + stages * stage
 
 
+# The backward mma kernels: deterministic (dK/dV, then dQ) and atomic-dQ (dK/dV with dQ partials added to
+# an fp32 buffer, then its conversion), the latter only with fp32 accumulators.
+# Every backward module also holds flash_bwd_prep (bwd_prep.cuh: delta, and zeroing the dQ buffer).
+_BWD_MMA_KERNELS = ("flash_bwd_dkdv_mma", "flash_bwd_dq_mma", "flash_bwd_prep", "flash_bwd_dkdvdq_mma",
+                    "flash_bwd_dq_convert_mma")
+
+
 def _bwd_simt_smem(v: "Variant", kernel: str) -> int:
     # fp32 tiles. dK/dV: K, V | Q, dO | P, dS | lse, delta. dQ: Q, dO | K, V | dS^T | lse, delta.
     dp, bm, bn = _round_up(v.head_dim, 16), v.block_m, v.block_n
+    if kernel == "flash_bwd_prep":
+        return 0
     if kernel.startswith("flash_bwd_dkdv"):
         return 4 * (2 * bn * (dp + 4) + 2 * bm * dp + 2 * bm * (bn + 4) + 2 * bm)
     return 4 * (2 * bm * dp + 2 * bn * (dp + 4) + bn * (bm + 4) + 2 * bm)
@@ -145,7 +161,8 @@ FAMILIES: dict[str, Family] = {
     ),
     # Backward families: formulas restated from the headers of bwd_mma.cu / bwd_simt.cu.
     "bwd_mma": Family(
-        name="bwd_mma", source="bwd_mma.cu", kernels=("flash_bwd_dkdv_mma", "flash_bwd_dq_mma"),
+        name="bwd_mma", source="bwd_mma.cu", kernels=_BWD_MMA_KERNELS,
+        kernels_of=lambda v: _BWD_MMA_KERNELS if v.accum == "fp32" else _BWD_MMA_KERNELS[:3],
         dtypes=("f16", "bf16"), block_m=(64, 128), block_n=(64, 128),
         accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
         head_dim_pad=lambda d: _round_up(d, 32),
@@ -157,7 +174,7 @@ FAMILIES: dict[str, Family] = {
                           if v.head_dim_pad > 128 and v.block_n != 64 else None),
     ),
     "bwd_simt": Family(
-        name="bwd_simt", source="bwd_simt.cu", kernels=("flash_bwd_dkdv_simt", "flash_bwd_dq_simt"),
+        name="bwd_simt", source="bwd_simt.cu", kernels=("flash_bwd_dkdv_simt", "flash_bwd_dq_simt", "flash_bwd_prep"),
         dtypes=("f32", "f16", "bf16"), block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128),
         accums=lambda dtype: ACCUMS,
         head_dim_pad=lambda d: d,
@@ -216,9 +233,14 @@ class Variant:
         return self.fam.threads(self)
 
     @property
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels this variant's module defines."""
+        return self.fam.kernels_of(self) if self.fam.kernels_of else self.fam.kernels
+
+    @property
     def smem_bytes(self) -> int:
         """The largest dynamic shared memory any kernel of the variant needs."""
-        return max(self.fam.smem_bytes(self, name) for name in self.fam.kernels)
+        return max(self.fam.smem_bytes(self, name) for name in self.kernels)
 
     def smem_for(self, kernel: str) -> int:
         return self.fam.smem_bytes(self, kernel)
@@ -335,7 +357,7 @@ def _module_on_device(v: Variant, device_id: int):
         options += (f"-arch={v.fam.arch}",)
     module = cupy.RawModule(code=source_text(v.fam.source), options=options)
     handles = {}
-    for name in v.fam.kernels:
+    for name in v.kernels:
         fn = module.get_function(name)
         smem = v.smem_for(name)
         if smem > _DEFAULT_SMEM_LIMIT:
@@ -350,7 +372,7 @@ def get_kernel(v: Variant, name: str | None = None) -> KernelHandle:
     import cupy
 
     handles = _module_on_device(v, cupy.cuda.Device().id)
-    return handles[name or v.fam.kernels[0]]
+    return handles[name or v.kernels[0]]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,17 +391,10 @@ class CompileError(RuntimeError):
     pass
 
 
-def compile_report(variant: Variant, arch: str | None = None) -> dict:
-    """Compile one variant to a cubin with NVRTC (no GPU needed) and read ptxas's resource report.
-
-    Returns a dict with key, registers, smem_static, smem_dynamic, stack, spill_stores, spill_loads.
-    Raises CompileError with the NVRTC log on failure.
-    """
+def _nvrtc_log(variant: Variant, arch: str) -> str:
     from cupy_backends.cuda.libs import nvrtc
 
-    arch = arch or variant.fam.arch
-    src = source_text(variant.fam.source)
-    prog = nvrtc.createProgram(src, variant.fam.source, [], [])
+    prog = nvrtc.createProgram(source_text(variant.fam.source), variant.fam.source, [], [])
     # cupy.RawModule always appends -ftz=true (subnormals flushed); the report compiles the same code.
     opts = list(compile_options(variant)) + [f"-arch={arch}", "-ftz=true", "--ptxas-options=-v"]
     try:
@@ -387,14 +402,28 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
             raise CompileError(f"{variant.key}: {e}\n{nvrtc.getProgramLog(prog)}") from None
-        log = nvrtc.getProgramLog(prog)
+        return nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def compile_report(variant: Variant, arch: str | None = None) -> dict:
+    """Compile one variant to a cubin with NVRTC (no GPU needed) and read ptxas's resource report.
+
+    Returns a dict with key, registers, smem_static, smem_dynamic, stack, spill_stores, spill_loads.
+    Raises CompileError with the NVRTC log on failure.
+    """
+    log = _nvrtc_log(variant, arch or variant.fam.arch)
+    if "Function properties for" not in log:
+        # Seen on the H200 machine: the first NVRTC compile of a process returned an empty log. Once more.
+        log = _nvrtc_log(variant, arch or variant.fam.arch)
     # ptxas reports each entry function in turn; a backward source holds two. Per kernel:
     rep = {"key": variant.key, "threads": variant.threads, "kernels": {}}
-    for name in variant.fam.kernels:
+    for name in variant.kernels:
         i = log.find(f"Function properties for {name}")
-        section = log[i:] if i >= 0 else ""
+        if i < 0:
+            raise CompileError(f"{variant.key}: ptxas reported no resources for {name}; NVRTC log:\n{log[:2000]}")
+        section = log[i:]
         j = section.find("Compiling entry function", 1)
         section = section[:j] if j > 0 else section
         krep = {}

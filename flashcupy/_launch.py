@@ -49,28 +49,63 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, p: Problem, grads=None):
+def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None):
     """dq, dk, dv of the variant of ``p`` on the current CuPy stream.
 
-    delta_i = rowsum(dO_i * O_i) is computed here in fp32 (one CuPy reduction, O(N) memory); then the
-    dK/dV kernel (key-tile outer) and the dQ kernel (query-tile outer) run, neither with atomics, so the
-    gradients are bitwise reproducible. ``grads`` may hold preallocated (dq, dk, dv) (poisoned by tests).
+    First flash_bwd_prep computes delta_i = rowsum(dO_i * O_i) in fp32 (O(N) memory) and zeroes the
+    atomic path's fp32 dQ buffer. Then:
+
+    * ``deterministic=True``, or fp16 accumulators, or a family without the atomic kernel: the dK/dV
+      kernel (key-tile outer) and the dQ kernel (query-tile outer), neither with atomics: bitwise
+      reproducible, at the price of computing S and dP twice.
+    * otherwise (mma, fp32 accumulators): one key-tile-outer kernel computes dK, dV and adds each
+      tile's dQ partial to an fp32 buffer with atomic reductions (FlashAttention-2's scheme), then
+      a conversion kernel scales and rounds it into dq. The order of the additions varies between
+      runs, so dq may differ in the last bits from run to run.
+
+    ``grads`` may hold preallocated (dq, dk, dv) (poisoned by tests).
     """
     import cupy
 
-    do, q, k, v = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (do, q, k, v))
+    do, q, k, v, o = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (do, q, k, v, o))
     var = p.variant
-    k_dkdv, k_dq = (get_kernel(var, name) for name in var.fam.kernels)
-    delta = cupy.sum(do.astype(cupy.float32) * o.astype(cupy.float32), axis=-1)
+    names = backward_kernels(var, deterministic)
     lse = cupy.ascontiguousarray(lse)
+    rows = p.batch * p.heads_q * p.nq
+    delta = cupy.empty((p.batch, p.heads_q, p.nq), dtype=cupy.float32)
+    dq_accum = cupy.empty((p.batch, p.heads_q, p.nq, p.head_dim), dtype=cupy.float32) \
+        if names == ATOMIC_DQ_KERNELS else None
+    get_kernel(var, "flash_bwd_prep")(((8 * rows + var.threads - 1) // var.threads,),
+                                      (do, o, delta, np.uint64(0) if dq_accum is None else dq_accum,
+                                       np.int64(rows), np.int32(p.heads_q), np.int32(p.nq),
+                                       *element_strides(do), *element_strides(o)))
     if grads is None:
         grads = (cupy.empty((p.batch, p.heads_q, p.nq, p.head_dim), dtype=q.dtype),
                  cupy.empty((p.batch, p.heads_kv, p.nk, p.head_dim), dtype=q.dtype),
                  cupy.empty((p.batch, p.heads_kv, p.nk, p.head_dim), dtype=q.dtype))
     dq, dk, dv = grads
+    scale_log2 = np.float32(p.scale * _LOG2E)
     args = (q, k, v, do, lse, delta, dq, dk, dv, np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
-            *element_strides(q), *element_strides(k), *element_strides(v), *element_strides(do),
-            np.float32(p.scale * _LOG2E))
-    k_dkdv(((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch), args)
-    k_dq(((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch), args)
+            *element_strides(q), *element_strides(k), *element_strides(v), *element_strides(do), scale_log2)
+    kv_grid = ((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch)
+    k_kv, k_q = (get_kernel(var, name) for name in names)
+    if dq_accum is not None:
+        k_kv(kv_grid, args + (dq_accum,))
+        n4 = dq_accum.size // 4
+        k_q((min((n4 + 255) // 256, 65536),), (dq_accum, dq, np.int64(n4), scale_log2))
+    else:
+        k_kv(kv_grid, args)
+        k_q(((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch), args)
     return dq, dk, dv
+
+
+ATOMIC_DQ_KERNELS = ("flash_bwd_dkdvdq_mma", "flash_bwd_dq_convert_mma")
+
+
+def backward_kernels(var, deterministic: bool) -> tuple[str, str]:
+    """The two kernels a backward call of ``var`` launches, in order: the atomic-dQ pair where the
+    variant has it and determinism is not asked for, else dK/dV then dQ."""
+    if not deterministic and set(ATOMIC_DQ_KERNELS) <= set(var.kernels):
+        return ATOMIC_DQ_KERNELS
+    kind = var.family.split("_")[1]
+    return f"flash_bwd_dkdv_{kind}", f"flash_bwd_dq_{kind}"

@@ -54,6 +54,7 @@
 
 #include "flash_common.cuh"
 #include "mma_common.cuh"
+#include "bwd_prep.cuh"
 
 #if FC_DTYPE != 1 && FC_DTYPE != 2
 #error "flash_bwd_mma needs FC_DTYPE 1 (float16) or 2 (bfloat16)"
@@ -109,20 +110,39 @@ constexpr int Q_KC = (Q_KS > 8 || Q_KW < 64) ? (Q_KW < 32 ? Q_KW : 32) : 64;  //
 static_assert(Q_KSPLIT >= 1 && Q_RG * Q_KSPLIT == NWARPS, "dq: FC_BLOCK_M/16 must divide the warp count");
 static_assert(Q_KW % Q_KC == 0 && Q_KC % 16 == 0, "dq: key chunking");
 
+// ---- dkdvdq: dQ_tile = dS K (BM x Q_DK) inside the dK/dV kernel ----
+constexpr int DQ_RG = BM / 16;                                 // row groups (16 query rows each)
+constexpr int DQ_DSPLIT = NWARPS / DQ_RG;                      // warps splitting the head dim
+constexpr int DQ_D16 = Q_DK / 16;                              // d16 column pairs of dQ
+constexpr int DQ_D16W = (DQ_D16 + DQ_DSPLIT - 1) / DQ_DSPLIT;  // per warp
+constexpr int DQ_D16C = DQ_D16W < 4 ? DQ_D16W : 4;             // per pass: <= 64 columns of accumulators
+static_assert(DQ_DSPLIT >= 1 && DQ_RG * DQ_DSPLIT == NWARPS, "dkdvdq: FC_BLOCK_M/16 must divide the warp count");
+
 // ---- shared memory ----
 constexpr int KV_STAGE_BYTES = 2 * BM * ROW_BYTES + 8 * BM;  // Q, dO, lse, delta
-constexpr int STAGES_KV = (2 * BN * ROW_BYTES + 2 * KV_STAGE_BYTES <= SMEM_MAX) ? 2 : 1;
-constexpr int KV_SMEM = 2 * BN * ROW_BYTES + STAGES_KV * KV_STAGE_BYTES;
+constexpr int DS_ROW = BM * 2;                                // dkdvdq: dS^T tile [BN][BM] elements
+constexpr int DS_BYTES = BN * DS_ROW;
+// Stages of the dK/dV kernels: two when they fit; with_ds: room for the dS^T tile (dkdvdq).
+__host__ __device__ constexpr int kv_stages(bool with_ds) {
+    return (2 * BN * ROW_BYTES + 2 * KV_STAGE_BYTES + (with_ds ? DS_BYTES : 0) <= SMEM_MAX) ? 2 : 1;
+}
+__host__ __device__ constexpr int kv_smem(bool with_ds) {
+    return 2 * BN * ROW_BYTES + kv_stages(with_ds) * KV_STAGE_BYTES + (with_ds ? DS_BYTES : 0);
+}
+constexpr int KV_SMEM = kv_smem(false);
 constexpr int Q_STAGE_BYTES = 2 * BN * ROW_BYTES;            // K, V
 constexpr int STAGES_Q = (2 * BM * ROW_BYTES + 2 * Q_STAGE_BYTES <= SMEM_MAX) ? 2 : 1;
 constexpr int Q_SMEM = 2 * BM * ROW_BYTES + STAGES_Q * Q_STAGE_BYTES;
 static_assert(KV_SMEM <= SMEM_MAX && Q_SMEM <= SMEM_MAX, "tiles do not fit in shared memory");
+static_assert(kv_smem(true) <= SMEM_MAX, "dkdvdq: tiles do not fit in shared memory");
 
 
 // Epilogue scratch: the output staging tile [rows][CPR] plus (split - 1) fp32 partials per warp slot.
 static_assert(BN * ROW_BYTES + (KV_QSPLIT - 1) * (NWARPS / KV_QSPLIT) * (2 * KV_DP) * 4 * 32 * 4 <= KV_SMEM,
               "dkdv epilogue scratch");
 static_assert(BM * ROW_BYTES + (Q_KSPLIT - 1) * Q_RG * (2 * Q_KS) * 4 * 32 * 4 <= Q_SMEM, "dq epilogue scratch");
+
+extern __shared__ __align__(128) unsigned char smem[];  // dynamic shared memory of every kernel here
 
 // ---------------------------------------------------------------------------------------------
 // Shared-memory layout (as fwd_mma.cu): chunk c of row r lives at position c ^ key(r) of its row.
@@ -168,7 +188,7 @@ __device__ __forceinline__ void load_tile(u32 dst_tile, const elem_t *src, long 
 template <int DKC>
 __device__ __forceinline__ void zero_tail(unsigned char *smem, u32 tile_off, int rows, int tid) {
     constexpr int TC = DKC - CH;
-    if (TC > 0) {
+    if constexpr (TC > 0) {
         for (int i = tid; i < rows * TC; i += NTHR)
             *reinterpret_cast<uint4 *>(smem + tile_off + smem_off(i / TC, CH + i % TC)) = make_uint4(0u, 0u, 0u, 0u);
     }
@@ -218,12 +238,18 @@ __device__ __forceinline__ void store_tile(unsigned char *smem, const acc_t (&ac
 // =============================================================================================
 // dK, dV
 // =============================================================================================
-extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_mma(FC_BWD_PARAMS) {
-    extern __shared__ __align__(128) unsigned char smem[];
+// DQ_ATOMIC (flash_bwd_dkdvdq_mma): the CTA also forms dQ_tile = dS K for every query tile it visits
+// (dS^T goes through shared memory once per tile) and adds it, unscaled, to the fp32 buffer dq_accum
+// with vector reductions (red.global.add.v2.f32); flash_bwd_dq_convert_mma then writes dq = scale *
+// dq_accum. The order of those additions varies from run to run: results are not bitwise repeatable.
+template <bool DQ_ATOMIC>
+__device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_accum) {
+    constexpr int STAGES_KV = kv_stages(DQ_ATOMIC);
     const u32 s_base = (u32)__cvta_generic_to_shared(smem);
     const u32 sK = s_base;                       // [BN][CPR]
     const u32 sV = sK + BN * ROW_BYTES;          // [BN][CPR]
     const u32 st0 = sV + BN * ROW_BYTES;         // stages: Q [BM][CPR], dO [BM][CPR], lse [BM], delta [BM]
+    const u32 sDS = st0 + STAGES_KV * KV_STAGE_BYTES;  // DQ_ATOMIC: dS^T [BN][BM], 16-byte chunks swizzled
     constexpr u32 ST_DO = BM * ROW_BYTES, ST_L = 2 * BM * ROW_BYTES, ST_D = ST_L + 4 * BM;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -362,6 +388,12 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_m
                     }
                     p_frag[n >> 1][hf + 2 * (n & 1)] = pack_elem2(p[0], p[1]);
                     ds_frag[n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
+                    if (DQ_ATOMIC && dh == 0) {
+                        // dS^T row = key kg*16 + g + 8hf, 16-byte chunk of queries qr0/8 + n, XOR g
+                        const int krow = kg * 16 + g + 8 * hf;
+                        *reinterpret_cast<u32 *>(smem + (sDS - s_base) + krow * DS_ROW +
+                                                 (((qr0 / 8 + n) ^ g) << 4) + 4 * t) = ds_frag[n >> 1][hf + 2 * (n & 1)];
+                    }
                 }
             }
 
@@ -377,6 +409,48 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_m
                     ldsm_x4_trans(bq, q_base + kk * 16 * ROW_BYTES + chunk_off(2 * KV_DSPLIT * dp, frag_wd));
                     mma_16816(acc_dk[2 * dp], ds_frag[kk], bq[0], bq[1]);
                     mma_16816(acc_dk[2 * dp + 1], ds_frag[kk], bq[2], bq[3]);
+                }
+            }
+        }
+
+        if constexpr (DQ_ATOMIC) {
+            // ---- dQ_tile += dS K, added to dq_accum. Warp (qg, qd) owns query rows qg*16.. and the
+            //      d16 pairs qd*DQ_D16W..; A = dS from the dS^T tile (ldmatrix.trans: matrix i of lane
+            //      l covers keys 8*(i >> 1).., queries 8*(i & 1)..), B = K (ldmatrix.trans) ----
+            __syncthreads();  // dS^T of every warp is in shared memory
+            const int qg = warp % DQ_RG, qd = warp / DQ_RG;
+            const u32 ds_lane = sDS + ((lane >> 4) * 8 + (lane & 7)) * DS_ROW +
+                                (((qg * 2 + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
+            const int row = m0 + qg * 16 + g;
+            float *dqa = dq_accum + (((long long)b * Hq + hk * group + it / qt_per_head) * nq + row) * FC_HEAD_DIM;
+#pragma unroll
+            for (int c0 = 0; c0 < DQ_D16W; c0 += DQ_D16C) {
+                acc_t acc_q[2 * DQ_D16C][ACC_REGS];
+#pragma unroll
+                for (int n = 0; n < 2 * DQ_D16C; ++n) acc_zero(acc_q[n]);
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk) {
+                    u32 a[4];
+                    ldsm_x4_trans(a, ds_lane + kk * 16 * DS_ROW);
+#pragma unroll
+                    for (int dp = 0; dp < DQ_D16C; ++dp) {
+                        const int d16 = qd * DQ_D16W + c0 + dp;
+                        if (c0 + dp < DQ_D16W && d16 < DQ_D16) {
+                            u32 bk[4];
+                            ldsm_x4_trans(bk, sK + kk * 16 * ROW_BYTES + frag_row + chunk_off(2 * d16, frag_w));
+                            mma_16816(acc_q[2 * dp], a, bk[0], bk[1]);
+                            mma_16816(acc_q[2 * dp + 1], a, bk[2], bk[3]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < 2 * DQ_D16C; ++n) {
+                    const int col = (2 * (qd * DQ_D16W + c0) + n) * 8 + 2 * t;
+                    if (c0 + n / 2 < DQ_D16W && col < FC_HEAD_DIM) {
+                        if (row < nq) red_add_f32x2(dqa + col, acc_get(acc_q[n], 0), acc_get(acc_q[n], 1));
+                        if (row + 8 < nq)
+                            red_add_f32x2(dqa + 8 * FC_HEAD_DIM + col, acc_get(acc_q[n], 2), acc_get(acc_q[n], 3));
+                    }
                 }
             }
         }
@@ -397,11 +471,37 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_m
                                                                         scale_log2 * LN2, dk + out_off, nk - n0);
 }
 
+extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_mma(FC_BWD_PARAMS) {
+    dkdv_body<false>(FC_BWD_ARGS, nullptr);
+}
+
+#if !FC_ACCUM_F16
+// dK, dV and the dQ partials (fp32 accumulators only: with FC_ACCUM_F16 the rounding model keeps
+// dQ in one fp16 accumulator along all keys, which the two-kernel path does). dq_accum: fp32,
+// (B, Hq, nq, FC_HEAD_DIM) contiguous, zeroed before the launch; the dq argument is not touched.
+extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1)
+    flash_bwd_dkdvdq_mma(FC_BWD_PARAMS, float *__restrict__ dq_accum) {
+    dkdv_body<true>(FC_BWD_ARGS, dq_accum);
+}
+
+// dq = (scale_log2 ln 2) * dq_accum rounded to the element type; n4 = number of elements / 4.
+extern "C" __global__ void flash_bwd_dq_convert_mma(const float *__restrict__ dq_accum, elem_t *__restrict__ dq,
+                                                   const long long n4, const float scale_log2) {
+    const float mul = scale_log2 * LN2;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+        const float4 x = reinterpret_cast<const float4 *>(dq_accum)[i];
+        uint2 out;
+        out.x = pack_elem2(x.x * mul, x.y * mul);
+        out.y = pack_elem2(x.z * mul, x.w * mul);
+        reinterpret_cast<uint2 *>(dq)[i] = out;
+    }
+}
+#endif
+
 // =============================================================================================
 // dQ
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma(FC_BWD_PARAMS) {
-    extern __shared__ __align__(128) unsigned char smem[];
     const u32 s_base = (u32)__cvta_generic_to_shared(smem);
     const u32 sQ = s_base;                      // [BM][CPR]
     const u32 sDO = sQ + BM * ROW_BYTES;        // [BM][CPR]

@@ -51,6 +51,7 @@
 // consecutive columns of Q, dO, K for the accumulator updates.
 #include "flash_common.cuh"
 #include "simt_common.cuh"
+#include "bwd_prep.cuh"
 
 namespace bwd_simt {
 

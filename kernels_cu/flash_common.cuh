@@ -127,3 +127,7 @@ __device__ __forceinline__ float fc_safe_max(float m) { return m == -INFINITY ? 
         const long long q_sh, const long long q_sn, const long long k_sb, const long long k_sh,   \
         const long long k_sn, const long long v_sb, const long long v_sh, const long long v_sn,   \
         const long long do_sb, const long long do_sh, const long long do_sn, const float scale_log2
+// The same list as arguments (a kernel handing its parameters to a device function).
+#define FC_BWD_ARGS                                                                               \
+    q, k, v, dout, lse, delta, dq, dk, dv, nq, nk, group, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, \
+        v_sh, v_sn, do_sb, do_sh, do_sn, scale_log2

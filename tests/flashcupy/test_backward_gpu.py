@@ -34,11 +34,11 @@ def run_backward_poisoned(do, q, k, v, o, lse, **kw):
 
     from flashcupy._launch import backward
 
-    p = check_backward(do, q, k, v, o, lse, **{"causal": False, "scale": None, "block_m": None,
-                                               "block_n": None, "accum": "fp32", "kernel": "auto",
-                                               "deterministic": False, **kw})
+    kw = {"causal": False, "scale": None, "block_m": None, "block_n": None, "accum": "fp32", "kernel": "auto",
+          "deterministic": False, **kw}
+    p = check_backward(do, q, k, v, o, lse, **kw)
     grads = tuple(cupy.full(x.shape, cupy.nan, dtype=cupy.float32).astype(x.dtype) for x in (q, k, v))
-    backward(do, q, k, v, o, lse, p, grads=grads)
+    backward(do, q, k, v, o, lse, p, deterministic=kw["deterministic"], grads=grads)
     cupy.cuda.get_current_stream().synchronize()
     for name, g in zip(("dq", "dk", "dv"), grads):
         assert not bool(cupy.isnan(g.astype(cupy.float32)).any()), f"{p.variant.key}: {name} has unwritten elements"
@@ -71,8 +71,11 @@ def test_backward_matches_reference(rng, nq, nk, combo, d, causal):
     host = _problem(rng, 1, 6, 2, nq, nk, d, dname)
     do, q, k, v = (cupy.asarray(x) for x in host)
     o, lse = _fwd(q, k, v, causal, kernel, accum)
-    grads = run_backward_poisoned(do, q, k, v, o, lse, causal=causal, kernel=kernel, accum=accum)
-    _check(host, grads, dname, accum, causal, f"{kernel} {dname} acc={accum} d={d} {nq}x{nk}")
+    # mma with fp32 accumulators has two dQ paths (atomic by default, deterministic on request): both
+    for det in (False, True) if (kernel, accum) == ("mma", "fp32") else (False,):
+        grads = run_backward_poisoned(do, q, k, v, o, lse, causal=causal, kernel=kernel, accum=accum,
+                                      deterministic=det)
+        _check(host, grads, dname, accum, causal, f"{kernel} {dname} acc={accum} d={d} {nq}x{nk} det={det}")
 
 
 @pytest.mark.parametrize("d", [8, 32, 40, 96, 256])
@@ -115,6 +118,37 @@ def test_backward_block_sizes(rng, kernel, dname, bm, bn):
         except ValueError as e:  # a tile the family documents as unsupported at this head dim
             pytest.skip(str(e))
         _check(host, grads, dname, "fp32", causal, f"{kernel} bm={bm} bn={bn} causal={causal}")
+
+
+@pytest.mark.parametrize("dname", ["f16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_atomic_dq_path_matches_deterministic_path(rng, monkeypatch, dname, d):
+    """The default (atomic dQ) mma backward launches the atomic kernels, gives dk, dv bit for bit equal
+    to the deterministic path's (same on-chip order) and dq equal up to the order of fp32 additions."""
+    import cupy
+
+    from flashcupy import _launch
+
+    launched = []
+    real = _launch.get_kernel
+    monkeypatch.setattr(_launch, "get_kernel", lambda var, name=None: launched.append(name) or real(var, name))
+    do, q, k, v = (cupy.asarray(x) for x in _problem(rng, 2, 4, 2, 333, 517, d, dname))
+    o, lse = _fwd(q, k, v, True, "mma", "fp32")
+    launched.clear()
+    fast = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel="mma")
+    assert launched == ["flash_bwd_prep", *_launch.ATOMIC_DQ_KERNELS]
+    launched.clear()
+    det = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel="mma", deterministic=True)
+    assert launched == ["flash_bwd_prep", "flash_bwd_dkdv_mma", "flash_bwd_dq_mma"]
+    bits = cupy.uint16
+    for name, a, b in zip(("dk", "dv"), fast[1:], det[1:]):
+        assert bool((a.view(bits) == b.view(bits)).all()), f"{name} differs between the dQ paths"
+    a, b = fast[0].astype(cupy.float32), det[0].astype(cupy.float32)
+    ulp = {"f16": 2.0 ** -10, "bf16": 2.0 ** -7}[dname]
+    diff = float(cupy.abs(a - b).max())
+    # each element: the same fp32 terms summed in another order, then one rounding to the element type
+    assert diff <= 2 * ulp * float(cupy.abs(b).max()), f"dq paths differ by {diff:.3e}"
+    assert float(cupy.abs(b).max()) > 0
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
@@ -207,12 +241,12 @@ def test_torch_bridge_fp16_equals_flashcupy_and_runs_on_a_side_stream(rng):
     do = torch.from_numpy(host[3]).cuda()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        o = fct.attention(q, k, v, causal=True)
+        o = fct.attention(q, k, v, causal=True, deterministic=True)
         o.backward(do)
     side.synchronize()
     cq, ck, cv, cdo = (cupy.asarray(x) for x in host)
     o_ref, lse = flashcupy.attention(cq, ck, cv, causal=True, return_lse=True)
-    grads = flashcupy.attention_backward(cdo, cq, ck, cv, o_ref, lse, causal=True)
+    grads = flashcupy.attention_backward(cdo, cq, ck, cv, o_ref, lse, causal=True, deterministic=True)
     assert bool((cupy.from_dlpack(o.detach()) == o_ref).all())
     for g, r in zip((q.grad, k.grad, v.grad), grads):
         assert bool((cupy.from_dlpack(g) == r).all())

@@ -28,7 +28,9 @@ def main() -> None:
                 o, lse = flashcupy.attention(q, k, v, causal=causal, kernel=kernel, accum=accum,
                                              block_m=bm, block_n=bn, return_lse=True)
                 do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
-                flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel, accum=accum)
+                for det in (False, True):  # mma fp32: the atomic-dQ kernels, then the two-kernel path
+                    flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel, accum=accum,
+                                                 deterministic=det)
     cupy.cuda.Device().synchronize()
     print("sanitizer driver: all launches done")
 

@@ -1,0 +1,42 @@
+// bwd_prep.cuh: the backward's preprocessing kernel, shared by bwd_mma.cu and bwd_simt.cu.
+//
+//   flash_bwd_prep  delta_r = sum_d dO[r, d] * O[r, d]   (fp32 products and sums) for every query row
+//                   r = (b, h, i) of the rows = B * Hq * nq rows, and, when dq_accum is not null, the
+//                   zeroing of dq_accum row r (the fp32 buffer the atomic-dQ path adds into).
+// One pass over dO and O (16-byte loads; rows need 16-byte aligned starts) instead of fp32 copies,
+// a product array and a reduction. G = 8 threads share a row (chunks c0, c0 + 8, ...), and their
+// partial sums meet by shuffles within the warp. Grid: ceil(8 * rows / blockDim.x) blocks.
+#pragma once
+
+extern "C" __global__ void flash_bwd_prep(const elem_t *__restrict__ dout, const elem_t *__restrict__ o,
+                                          float *__restrict__ delta, float *__restrict__ dq_accum,
+                                          const long long rows, const int heads, const int nq,
+                                          const long long do_sb, const long long do_sh, const long long do_sn,
+                                          const long long o_sb, const long long o_sh, const long long o_sn) {
+    constexpr int G = 8;                                // threads per row (divides the warp size)
+    constexpr int EPC = 16 / (int)sizeof(elem_t);      // elements per 16-byte chunk
+    constexpr int CHUNKS = FC_HEAD_DIM / EPC;
+    const long long r = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / G;
+    const int c0 = threadIdx.x % G;
+    float acc = 0.f;
+    if (r < rows) {
+        const int i = (int)(r % nq), h = (int)((r / nq) % heads);
+        const long long b = r / nq / heads;
+        const elem_t *dp = dout + b * do_sb + h * do_sh + i * do_sn;
+        const elem_t *op = o + b * o_sb + h * o_sh + i * o_sn;
+        for (int c = c0; c < CHUNKS; c += G) {
+            const uint4 x = *reinterpret_cast<const uint4 *>(dp + c * EPC);
+            const uint4 y = *reinterpret_cast<const uint4 *>(op + c * EPC);
+            const elem_t *ex = reinterpret_cast<const elem_t *>(&x), *ey = reinterpret_cast<const elem_t *>(&y);
+#pragma unroll
+            for (int e = 0; e < EPC; ++e) acc = fmaf(fc_to_float(ex[e]), fc_to_float(ey[e]), acc);
+        }
+        if (dq_accum != nullptr) {
+            for (int c = c0; c < FC_HEAD_DIM / 4; c += G)
+                reinterpret_cast<float4 *>(dq_accum + r * FC_HEAD_DIM)[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+#pragma unroll
+    for (int s = G / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+    if (r < rows && c0 == 0) delta[r] = acc;
+}
