@@ -1,0 +1,155 @@
+"""analysis.profile_ncu's summarize on a synthetic ``ncu --page raw --csv --print-units base`` export
+(CPU only): provider labels, units, stall ordering, missing metrics, and the Markdown it writes."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from analysis.profile_ncu import infer_provider, main, short_name, summarize_csv, write_reports
+
+NVTX = ["thread Domain:Push/Pop_Range:PL_Type:PL_Value:CLR_Type:Color:Msg_Type:Msg",
+        "Id:Domain:Start/Stop_Range:PL_Type:PL_Value:CLR_Type:Color:Msg_Type:Msg"]
+TORCH_BWD = ("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, 8, "
+             "2, 4, 2, false, false, cutlass::half_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::half_t>>, "
+             "true, false, false, false, false, false>(Flash_bwd_params)")
+STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+# metric -> (unit, values for the 4 launches: flashcupy fwd, flashcupy dkdv, torch bwd, cupy reduction)
+METRICS = {
+    "gpu__time_duration.sum": ("nsecond", ["1,234,567", "2,500,000", "1,000,000", "5,120"]),
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": ("%", ["61.5", "55", "70.25", "3.1"]),
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": ("%", ["40.2", "35", "52", "0"]),
+    "sm__warps_active.avg.pct_of_peak_sustained_active": ("%", ["12.1", "11.8", "18.7", "80"]),
+    "sm__maximum_warps_per_active_cycle_pct": ("%", ["12.5", "12.5", "18.75", "100"]),
+    "launch__registers_per_thread": ("register/thread", ["168", "255", "255", "16"]),
+    "launch__shared_mem_per_block_dynamic": ("byte/block", ["49,152", "81,920", "0", "0"]),
+    "launch__shared_mem_per_block_static": ("byte/block", ["0", "0", "98,304", "1,024"]),
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": ("", ["1,000", "0", "250", "0"]),
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": ("", ["0", "0", "250", "0"]),
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": ("", ["9,000", "4,000", "4,000", "0"]),
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum": ("", ["1,000", "1,000", "1,000", "0"]),
+    "l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum": ("sector", ["0", "128", "0", "0"]),
+    "l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum": ("sector", ["0", "64", "0", "0"]),
+    "lts__t_requests_srcunit_tex_op_red.sum": ("", ["0", "524,288", "131,072", "0"]),
+    # the DRAM metric is n/a for the torch kernel; no issue-slot or L2-throughput metric at all
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": ("%", ["20", "15", "n/a", "40"]),
+    "device__attribute_display_name": ("", ["NVIDIA H200"] * 4),
+    STALL.format("long_scoreboard"): ("", ["0.8", "1.5", "3.2", "9"]),
+    STALL.format("barrier"): ("", ["2.5", "0.2", "1.1", "0"]),
+    STALL.format("math_pipe_throttle"): ("", ["1.7", "0.9", "0.4", "0"]),
+    STALL.format("short_scoreboard"): ("", ["0.6", "2.2", "0.3", "0"]),
+    STALL.format("mio_throttle"): ("", ["0.1", "0.1", "2.0", "0"]),
+    STALL.format("selected"): ("", ["1", "1", "1", "1"]),
+}
+KERNELS = ["flash_fwd_mma", "flash_bwd_dkdv_mma", TORCH_BWD, "cupy_sum"]
+FC = '1  "<default domain>:flashcupy {} f16 N4096 D128 causal0:none:none:none:none:none:none"'
+# (push/pop range of the launching thread, process-wide start/end range): torch's autograd thread has no
+# push/pop range, only the start/end one
+RANGES = [(FC.format("fwd"), ""), (FC.format("bwd"), ""),
+          ("", '3:<default domain>:torch_flash bwd f16 N4096 D128 causal0:none:none:argb:ff76b900:none:none'),
+          (FC.format("bwd"), "")]
+
+
+def write_csv(path, nvtx):
+    ident = ["ID", "Process ID", "Process Name", "Host Name"] + (NVTX if nvtx else []) + \
+        ["Kernel Name", "Context", "Stream", "Block Size", "Grid Size", "Device", "CC"]
+    rows = [ident + list(METRICS), [""] * len(ident) + [u for u, _ in METRICS.values()]]
+    for i, name in enumerate(KERNELS):
+        rows.append([str(i), "4242", "python", "h200"] + (list(RANGES[i]) if nvtx else []) +
+                    [name, "1", "7", "(128, 1, 1)", "(32, 128, 1)", "0", "9.0"] +
+                    [vals[i] for _, vals in METRICS.values()])
+    with open(path, "w", newline="") as f:
+        csv.writer(f, quoting=csv.QUOTE_ALL).writerows(rows)
+    return path
+
+
+@pytest.fixture
+def data(tmp_path):
+    return summarize_csv(write_csv(tmp_path / "prof.csv", nvtx=False))
+
+
+def test_providers_from_kernel_names(data):
+    got = [(ln["provider"], ln["direction"], ln["cell"]) for ln in data["launches"]]
+    assert got == [("flashcupy", "fwd", "?"), ("flashcupy", "bwd", "?"), ("torch_flash", "bwd", "?"),
+                   ("other", "?", "?")]
+    assert not data["nvtx"]
+    assert data["launches"][2]["short"] == "flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<…>"
+    assert len(short_name("x" * 100)) == 60
+
+
+@pytest.mark.parametrize("name, provider", [
+    ("flash_fwd_mma", "flashcupy"), ("flash_bwd_dkdvdq_mma", "flashcupy"), ("flash_bwd_dq_convert_mma", "flashcupy"),
+    ("flash_bwd_dq_simt", "flashcupy"), (TORCH_BWD, "torch_flash"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, false>(Flash_fwd_params)",
+     "torch_flash"),
+    ("void pytorch_flash::flash_bwd_convert_dq_kernel<Flash_bwd_kernel_traits<>>(Flash_bwd_params)", "torch_flash"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0",
+     "torch_cudnn"),
+    ("cupy_sum", "other"), ("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>()", "other")])
+def test_infer_provider(name, provider):
+    assert infer_provider(name) == provider
+
+
+def test_units_and_derived_numbers(data):
+    fwd, dkdv, torch_bwd, red = (ln["metrics"] for ln in data["launches"])
+    assert fwd["duration_us"] == pytest.approx(1234.567)
+    assert red["duration_us"] == pytest.approx(5.12)
+    assert fwd["smem_kb"] == pytest.approx(48) and torch_bwd["smem_kb"] == pytest.approx(96)
+    assert fwd["bank_conflict_pct"] == pytest.approx(10.0)
+    assert torch_bwd["bank_conflict_pct"] == pytest.approx(10.0)
+    assert red["bank_conflict_pct"] is None  # no wavefronts at all
+    assert dkdv["local_bytes"] == 6144 and fwd["local_bytes"] == 0  # sectors * 32
+    assert dkdv["l2_red_requests"] == 524288 and torch_bwd["l2_red_requests"] == 131072
+    assert fwd["tensor_pct"] == pytest.approx(40.2) and fwd["regs"] == 168
+
+
+def test_missing_metrics_are_none(data, tmp_path):
+    torch_bwd = data["launches"][2]["metrics"]
+    assert torch_bwd["dram_pct"] is None  # "n/a" in the CSV
+    assert torch_bwd["issue_pct"] is None and torch_bwd["l2_pct"] is None  # column absent
+    assert data["launches"][0]["metrics"]["dram_pct"] == 20
+    paths = write_reports(data, str(tmp_path / "out"), "profile")
+    row = next(ln for ln in open(paths["md"]) if "seqk_parallel" in ln)
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    assert cells[-2] == "n/a" and cells[10] == "n/a"  # DRAM %, issue %
+
+
+def test_top_stalls_ordered(data):
+    fwd, dkdv, torch_bwd, red = data["launches"]
+    assert [r for r, _ in fwd["top_stalls"]] == ["barrier", "math_pipe_throttle", "long_scoreboard",
+                                                 "short_scoreboard"]
+    assert torch_bwd["top_stalls"][0] == ["long_scoreboard", 3.2]
+    assert [r for r, _ in torch_bwd["top_stalls"]] == ["long_scoreboard", "mio_throttle", "barrier",
+                                                       "math_pipe_throttle"]
+    assert red["top_stalls"] == [["long_scoreboard", 9.0]]  # zeros and "selected" left out
+    assert all("selected" not in ln["stalls"] for ln in data["launches"])
+
+
+def test_markdown_and_json_written(tmp_path):
+    csv_path = write_csv(tmp_path / "prof.csv", nvtx=False)
+    assert main(["summarize", str(csv_path), "--out", str(tmp_path / "rep"), "--name", "p"]) == 0
+    md = (tmp_path / "rep" / "p.md").read_text()
+    doc = json.loads((tmp_path / "rep" / "p.json").read_text())
+    assert len(doc["launches"]) == 4 and doc["device"] == "NVIDIA H200"
+    assert "| ? | flashcupy | bwd | 1 | 2500 | 2.5 |" in md
+    assert "| ? | torch_flash | bwd | 1 | 1000 | 1 |" in md
+    assert "| ? | flashcupy | fwd | 1 | 1230 | n/a |" in md
+    assert "| ? | other | ? | 1 | 5.12 | n/a |" in md
+    assert "bwd: flashcupy 2500 µs vs torch flash 1000 µs (2.5x)" in md
+    assert "barrier 2.5, math_pipe_throttle 1.7" in md
+
+
+def test_nvtx_labels_win(tmp_path):
+    data = summarize_csv(write_csv(tmp_path / "prof.csv", nvtx=True))
+    assert data["nvtx"]
+    red = data["launches"][3]
+    # CuPy's reduction inside flashcupy's backward range counts for flashcupy
+    assert (red["provider"], red["kind"], red["direction"]) == ("flashcupy", "other", "bwd")
+    assert red["cell"] == "f16 N4096 D128 causal0"
+    sums = {(s["cell"], s["provider"], s["direction"]): s for s in data["sums"]}
+    bwd = sums[("f16 N4096 D128 causal0", "flashcupy", "bwd")]
+    assert bwd["kernels"] == 2 and bwd["us"] == pytest.approx(2505.12)
+    torch_bwd = data["launches"][2]
+    assert (torch_bwd["provider"], torch_bwd["cell"]) == ("torch_flash", "f16 N4096 D128 causal0")
+    assert "f16 N4096 D128 causal0 bwd: flashcupy 2510 µs vs torch flash 1000 µs (2.51x)" in data["finding"]
