@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -46,6 +47,32 @@ def tiny_grid():
 # timing
 
 
+# The events time the device, not the host: before each timed call a one-thread kernel holds the GPU
+# for HOLD_MS while the host records the start event and enqueues the call behind it (nvbench's
+# "blocking kernel" idea). Without it, a call whose host-side work (argument checks, allocations,
+# torch's dispatch and autograd) outlasts its kernels is timed as host time: the GPU idles between
+# the start event and the first kernel. HOLD_MS must exceed the host time of one call.
+HOLD_MS = 2.0
+
+
+@functools.lru_cache(maxsize=None)
+def _hold_kernel():
+    import cupy
+
+    return cupy.RawKernel(r"""
+extern "C" __global__ void hold_gpu(const long long ns) {
+    long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}""", "hold_gpu")
+
+
+def _hold_gpu(ms: float) -> None:
+    import cupy
+
+    _hold_kernel()((1,), (1,), (cupy.int64(int(ms * 1e6)),))
+
+
 class Timer:
     def __init__(self, ctx: Context, budget_s: float, min_reps: int, max_reps: int):
         self.ctx, self.budget_s, self.min_reps, self.max_reps = ctx, budget_s, min_reps, max_reps
@@ -62,6 +89,7 @@ class Timer:
 
             def once(arg):
                 a, b = cupy.cuda.Event(), cupy.cuda.Event()
+                _hold_gpu(HOLD_MS)
                 a.record()
                 fn(arg)
                 b.record()
@@ -138,17 +166,22 @@ def _variant_report(family, dname, accum, d, causal):
         return {"key": f"{family}.{dname}", "error": f"{type(e).__name__}: {str(e)[:120]}"}
 
 
-def _summarize_report(rep):
+def _summarize_report(rep, deterministic):
+    """key, kernels launched, registers, shared memory, spill bytes ('/'-joined per launched kernel)."""
     if rep is None:
-        return ["n/a"] * 4
+        return ["n/a"] * 5
     if "error" in rep:
-        return [rep["key"], None, None, None]
-    kernels = rep.get("kernels") or {rep["key"]: rep}
-    regs = "/".join(str(k.get("registers")) for k in kernels.values())
-    smem = "/".join(str(k.get("smem_static", 0) + k.get("smem_dynamic", rep.get("smem_dynamic", 0)))
-                    for k in kernels.values())
-    spills = sum(k.get("spill_stores", 0) + k.get("spill_loads", 0) for k in kernels.values())
-    return [rep["key"], regs, smem, spills]
+        return [rep["key"], rep["error"], None, None, None]
+    kernels = rep["kernels"]
+    if rep["key"].startswith("bwd_mma"):
+        from flashcupy._launch import backward_kernels
+
+        names = backward_kernels(SimpleNamespace(kernels=tuple(kernels), family="bwd_mma"), deterministic)
+        kernels = {n: kernels[n] for n in ("flash_bwd_prep",) + names}
+    regs = "/".join(str(k["registers"]) for k in kernels.values())
+    smem = "/".join(str(k["smem_static"] + k["smem_dynamic"]) for k in kernels.values())
+    spills = sum(k["spill_stores"] + k["spill_loads"] for k in kernels.values())
+    return [rep["key"], "/".join(n.replace("flash_", "") for n in kernels), regs, smem, spills]
 
 
 def run_bench(ctx: Context, cells=None) -> Report:
@@ -207,8 +240,7 @@ def run_bench(ctx: Context, cells=None) -> Report:
             prov = f"flashcupy {kernel}"
             measure(prov, "fwd", lambda s, kernel=kernel: flashcupy.attention(s[0], s[1], s[2], causal=causal,
                                                                                kernel=kernel))
-            rep = _variant_report(fam_name, dname, "fp32", d, causal)
-            compile_rows[(prov, "fwd", dname, d, causal)] = rep
+            compile_rows[(prov, "fwd", dname, d, causal)] = (_variant_report(fam_name, dname, "fp32", d, causal), False)
             if has_bwd and f"bwd_{kernel}" in FAMILIES:
                 outs = [flashcupy.attention(s[0], s[1], s[2], causal=causal, kernel=kernel, return_lse=True)
                         for s in sets]
@@ -217,15 +249,20 @@ def run_bench(ctx: Context, cells=None) -> Report:
                 def bwd(s, kernel=kernel):
                     return flashcupy.attention_backward(s[3], s[0], s[1], s[2], s[4], s[5], causal=causal,
                                                         kernel=kernel)
-                try:
-                    first = timer.first_call(bwd, bsets[0])
-                    ms, reps = timer.median_ms(bwd, bsets)
-                    res[(prov, "bwd")] = {"ms": ms, "tflops": flops(b, h, n, d, causal, "bwd") / (ms * 1e-3) / 1e12,
-                                          "reps": reps, "first_call_s": first}
-                except ValueError as e:
-                    res[(prov, "bwd")] = {"error": str(e)[:100]}
-                compile_rows[(prov, "bwd", dname, d, causal)] = _variant_report(f"bwd_{kernel}", dname, "fp32",
-                                                                                  d, causal)
+                def bwd_det(s, kernel=kernel):
+                    return flashcupy.attention_backward(s[3], s[0], s[1], s[2], s[4], s[5], causal=causal,
+                                                        kernel=kernel, deterministic=True)
+                runs = [(prov, bwd, False)] + ([(f"{prov} det", bwd_det, True)] if kernel == "mma" else [])
+                for name, fn, det in runs:
+                    try:
+                        first = timer.first_call(fn, bsets[0])
+                        ms, reps = timer.median_ms(fn, bsets)
+                        res[(name, "bwd")] = {"ms": ms, "tflops": flops(b, h, n, d, causal, "bwd") / (ms * 1e-3) / 1e12,
+                                              "reps": reps, "first_call_s": first}
+                    except ValueError as e:
+                        res[(name, "bwd")] = {"error": str(e)[:100]}
+                    compile_rows[(name, "bwd", dname, d, causal)] = (
+                        _variant_report(f"bwd_{kernel}", dname, "fp32", d, causal), det)
                 del outs, bsets
         # naive attention where it fits
         if _fits_naive(ctx, b, h, n, 4):
@@ -280,17 +317,18 @@ def run_bench(ctx: Context, cells=None) -> Report:
 
     peers = ["naive"] + ([p for p, _ in TORCH_BACKENDS] if tor is not None else [])
     ours = "flashcupy mma"
-    columns = ["dtype", "N", "D", "causal", "direction", "flashcupy mma TFLOP/s", "flashcupy simt TFLOP/s"] + \
+    mine = ["flashcupy mma", "flashcupy mma det", "flashcupy simt"]
+    columns = ["dtype", "N", "D", "causal", "direction"] + [f"{p} TFLOP/s" for p in mine] + \
               [f"{p} TFLOP/s" for p in peers] + [f"mma / {p}" for p in peers]
     table_rows = []
     for r in raw:
-        tf = {p: (r.get(p) or {}).get("tflops") for p in ["flashcupy mma", "flashcupy simt"] + peers}
+        tf = {p: (r.get(p) or {}).get("tflops") for p in mine + peers}
         ratios = [(tf[ours] / tf[p]) if tf.get(ours) and tf.get(p) else None for p in peers]
-        table_rows.append([r["dtype"], r["N"], r["D"], r["causal"], r["direction"], tf["flashcupy mma"],
-                           tf["flashcupy simt"]] + [tf[p] for p in peers] + ratios)
-    comp = [[prov, direction, dname, d, causal] + _summarize_report(rep)
+        table_rows.append([r["dtype"], r["N"], r["D"], r["causal"], r["direction"]] + [tf[p] for p in mine]
+                          + [tf[p] for p in peers] + ratios)
+    comp = [[prov, direction, dname, d, causal] + _summarize_report(rep, det)
             + [None if rep is None or "error" in rep else rep.get("nvrtc_compile_s")]
-            for (prov, direction, dname, d, causal), rep in compile_rows.items()]
+            for (prov, direction, dname, d, causal), (rep, det) in compile_rows.items()]
     # first-call (compile + load + run) times per provider, the largest over cells
     first = {}
     for r in raw:
@@ -324,7 +362,7 @@ def run_bench(ctx: Context, cells=None) -> Report:
     for ax, direction in zip(axes, ("fwd", "bwd")):
         rs = [r for r in table_rows if r[4] == direction]
         x = np.arange(len(rs))
-        for j, name in enumerate(["flashcupy mma", "flashcupy simt"] + peers):
+        for j, name in enumerate(mine + peers):
             col = columns.index(f"{name} TFLOP/s")
             ys = [r[col] if r[col] else np.nan for r in rs]
             if not np.all(np.isnan(ys)):
@@ -349,8 +387,8 @@ def run_bench(ctx: Context, cells=None) -> Report:
                         "separately (compile or CuPy's disk cache + load + one run)"}
     tables = [Table("TFLOP/s per cell and ratios flashcupy mma / peer", columns, table_rows),
               Table("Per variant (default tiles, fp32 accumulators): compile report",
-                    ["provider", "direction", "dtype", "D", "causal", "variant key", "registers per thread",
-                     "shared memory bytes", "spill bytes", "NVRTC compile s"], comp),
+                    ["provider", "direction", "dtype", "D", "causal", "variant key", "kernels launched",
+                     "registers per thread", "shared memory bytes", "spill bytes", "NVRTC compile s"], comp),
               Table("First call (compile or cache + load + run), largest over cells",
                     ["provider", "direction", "seconds"], first_rows)]
     return Report("bench", "Speed: flashcupy against naive attention and torch SDPA, same run", finding, setup,
