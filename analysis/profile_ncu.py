@@ -57,6 +57,9 @@ METRICS = {
     "smem_all_conflicts": ["l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"],
     "smem_ld_wavefronts": [WAVE + "ld.sum"], "smem_st_wavefronts": [WAVE + "st.sum"],
     "ldsm_inst": ["smsp__inst_executed_op_ldsm.sum"],
+    "warp_inst": ["smsp__inst_executed.sum"],                      # warp-level instructions executed
+    "red_inst": ["smsp__inst_executed_op_global_red.sum"],
+    "xu_pct": ["sm__inst_executed_pipe_xu" + ACT],                 # MUFU (ex2) and conversions
     "local_ld_bytes": [LOCAL.format("ld") + "*32"], "local_st_bytes": [LOCAL.format("st") + "*32"],
     "spill_inst": ["sass__inst_executed_register_spilling"],
     "dram_pct": ["gpu__dram_throughput" + ELA, "dram__throughput" + ELA],
@@ -330,7 +333,8 @@ def write_reports(data, out, name):
     md = ["# Nsight Compute: flashcupy against torch SDPA (FlashAttention-2, cuDNN)", "",
           f"**Finding:** {data['finding']}", "",
           f"Source: `{os.path.basename(data['source'])}`, {len(data['launches'])} kernel launches"
-          f"{', ' + data['device'] if data.get('device') else ''}; labels from "
+          f"{', ' + data['device'] if data.get('device') else ''}"
+          f"{', git commit ' + data['git_commit'] if data.get('git_commit') else ''}; labels from "
           f"{'NVTX ranges' if data['nvtx'] else 'kernel names (no NVTX column)'}. Top stalls: warp cycles per "
           "issued instruction (`smsp__average_warps_issue_stalled_*_per_issue_active.ratio`) where present. "
           "tensor % = tensor-pipe cycles active (busiest of `sm__pipe_tensor_op_hmma_cycles_active` and "
@@ -351,9 +355,45 @@ def write_reports(data, out, name):
     for s in sorted(data["sums"], key=lambda s: (s["cell"], s["direction"], s["provider"])):
         md.append(f"| {s['cell']} | {s['provider']} | {s['direction']} | {s['kernels']} | {g(s['us'])} "
                   f"| {g(s['vs_torch_flash'])} |")
+    md += compare_table(data)
     with open(paths["md"], "w") as f:
         f.write("\n".join(md) + "\n")
     return paths
+
+
+def compare_table(data):
+    """The longest flashcupy kernel of each (cell, direction) beside FlashAttention-2's: time, work issued
+    (warp instructions, ldmatrix) as ratios, and where the time goes (pipes, occupancy, waves, atomics)."""
+    main = {}
+    for ln in data["launches"]:
+        key = (ln["cell"], ln["provider"], ln["direction"])
+        if ln["metrics"]["duration_us"] is not None and (key not in main or ln["metrics"]["duration_us"] >
+                                                         main[key]["metrics"]["duration_us"]):
+            main[key] = ln
+    cols = ["cell", "dir", "kernel (ours / FA2)", "time ratio", "warp inst ratio", "ldmatrix ratio",
+            "tensor % (ours / FA2)", "issue %", "XU %", "occ ach %", "waves/SM", "L2 red req", "bank confl %",
+            "local B"]
+    out = ["", "**Main kernel against FlashAttention-2's (ratios ours / FA2)**", "",
+           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+    def ratio(a, b, k):
+        x, y = a["metrics"].get(k), b["metrics"].get(k)
+        return x / y if x is not None and y else None
+
+    def pair(a, b, k):
+        return f"{g(a['metrics'].get(k))} / {g(b['metrics'].get(k))}"
+
+    for (cell, prov, direction), ours in sorted(main.items()):
+        fa = main.get((cell, "torch_flash", "bwd" if direction == "bwd_det" else direction))
+        if prov != "flashcupy" or fa is None:
+            continue
+        out.append("| " + " | ".join(g(c) for c in [
+            cell, direction, f"`{ours['short']}` / `{fa['short'][:40]}`", ratio(ours, fa, "duration_us"),
+            ratio(ours, fa, "warp_inst"), ratio(ours, fa, "ldsm_inst"), pair(ours, fa, "tensor_pct"),
+            pair(ours, fa, "issue_pct"), pair(ours, fa, "xu_pct"), pair(ours, fa, "occ_achieved_pct"),
+            pair(ours, fa, "waves_per_sm"), pair(ours, fa, "l2_red_requests"), pair(ours, fa, "bank_conflict_pct"),
+            pair(ours, fa, "local_bytes")]) + " |")
+    return out
 
 
 def main(argv=None):
@@ -375,6 +415,9 @@ def main(argv=None):
         run(cells, a.b, a.h, a.seed)
     else:
         data = summarize_csv(a.csv)
+        from .common import git_commit
+
+        data["git_commit"] = git_commit()
         paths = write_reports(data, a.out, a.name)
         log(f"[profile_ncu] {data['finding']}\n[profile_ncu] wrote {paths['md']} and {paths['json']}")
     return 0
