@@ -1,11 +1,17 @@
 // bwd_mma.cu: FlashAttention-2 backward pass on tensor cores (mma.sync.m16n8k16, sm_80+ / sm_90).
 //
-// Two kernels, no atomics (every sum has one fixed order, so results are bitwise reproducible):
+// Two paths (flash_bwd_prep of bwd_prep.cuh runs first: delta, and the zeroed dQ buffer):
+// deterministic, no atomics (every sum has one fixed order, so results are bitwise reproducible):
 //   flash_bwd_dkdv_mma  grid (ceil(nk/BN), Hkv, B): one CTA owns BN keys of one kv head, loops over
 //                       the `group` query heads sharing it and over their query tiles of BM rows,
 //                       and accumulates dK, dV in registers.
 //   flash_bwd_dq_mma    grid (ceil(nq/BM), Hq, B): one CTA owns BM query rows, loops over key tiles
 //                       of BN keys and accumulates dQ in registers.
+// atomic dQ (FlashAttention-2's; fp32 accumulators only; 5 products per tile pair instead of 7):
+//   flash_bwd_dkdvdq_mma  as flash_bwd_dkdv_mma, plus per query tile dQ_tile = dS K (dS^T staged in
+//                         shared memory) added to an fp32 buffer by red.global.add.v2.f32;
+//   flash_bwd_dq_convert_mma  dq = scale * buffer, rounded. dK, dV are bitwise those of the other
+//                         path; dq's fp32 sums run in a varying order.
 // Both recompute P from the saved log-sum-exp (c = scale_log2, L_i = lse_i * log2 e):
 //     S  = Q K^T                      P  = exp2(S c - L_i)   (0: masked key, row >= nq, lse_i = -inf)
 //     dV = sum P^T dO                 dP = dO V^T            dS = P * (dP - delta_i)
@@ -49,6 +55,7 @@
 //
 // Dynamic shared memory (bytes; P = FC_HEAD_DIM_PAD, e = 2 = sizeof(elem_t)):
 //   dkdv: 2*BN*P*e + STAGES_KV*(2*BM*P*e + 8*BM),  STAGES_KV = 2 if that fits in 232448 else 1
+//   dkdvdq: as dkdv plus BN*BM*e for dS^T (the stage count decided with it included)
 //   dq:   2*BM*P*e + STAGES_Q*(2*BN*P*e),          STAGES_Q  = 2 if that fits in 232448 else 1
 // (each kernel needs only its own figure; launching both with the max is fine.)
 

@@ -108,7 +108,8 @@ __device__ __forceinline__ float fc_safe_max(float m) { return m == -INFINITY ? 
 // Backward pass (kernels_cu/bwd_*.cu). Each backward family source holds two kernels:
 //   flash_bwd_dkdv_<family>: grid (ceil(nk / FC_BLOCK_N), Hkv, B). One CTA owns FC_BLOCK_N keys of
 //       one kv head and loops over the `group` query heads that share it and over their query tiles
-//       of FC_BLOCK_M rows, accumulating dK and dV on chip (sums over the group included: no atomics).
+//       of FC_BLOCK_M rows, accumulating dK and dV on chip (sums over the group included: no atomics;
+//       bwd_mma.cu also has an atomic-dQ variant of it, see there).
 //   flash_bwd_dq_<family>:   grid (ceil(nq / FC_BLOCK_M), Hq, B). One CTA owns FC_BLOCK_M query rows
 //       and loops over key tiles of FC_BLOCK_N, accumulating dQ on chip.
 // Both recompute P from the saved LSE and never store P, dP or dS in device memory:
