@@ -1,0 +1,271 @@
+// fwd_wgmma.cu: FlashAttention forward pass on Hopper (sm_90a), FlashAttention-3's structure: TMA
+// loads from tensor maps, an mbarrier pipeline, warp specialization, wgmma, setmaxnreg.
+//
+// One CTA owns FC_BLOCK_M query rows of one (batch, query head). Its warpgroups (128 threads):
+//   warpgroup 0, the producer: gives registers back (setmaxnreg.dec) and one thread issues every TMA
+//       load: the Q tile once, then K_j and V_j for each key tile j into a ring of FC_KV_STAGES
+//       buffers, each guarded by a "full" mbarrier (TMA transaction bytes) and an "empty" mbarrier
+//       (one arrival per consumer warp once its wgmma has read the buffer).
+//   warpgroups 1 .. NCWG, the consumers (NCWG = FC_BLOCK_M / 64): take registers (setmaxnreg.inc);
+//       consumer c owns query rows 64c .. 64c+63 of the tile; per key tile j:
+//           S = Q K_j^T            wgmma m64nBNk16, A = Q, B = K_j, both from shared memory (K-major)
+//           mask, online softmax   fc_softmax_step per row, P = exp2(S c - sub) (fc_softmax_p)
+//           O *= alpha             skipped when every alpha of the warp is 1
+//           O += P V_j             wgmma m64nDk16, A = P from registers (rounded to the element type),
+//                                  B = V_j from shared memory, MN-major (transpose bit)
+//       and at the end o = O / l, lse = m * scale + ln l (o = 0, lse = -inf for rows that see no key),
+//       written straight from registers.
+// Step 1 of the family: the S and P V products of one tile are waited for before the softmax
+// (no pingpong between consumers, no softmax / GEMM overlap inside a warpgroup yet).
+//
+// Tensor maps (flashcupy/_tma.py): 4-D (D, N, H, B) over the real strides of q, k, v, box (64, rows,
+// 1, 1), 128-byte swizzle. Tiles are addressed by coordinates (64 p, n0, h, b), so rows past N come
+// back as zeros from TMA's out-of-bounds fill and (B, N, H, D) views need no copy. A tile of D
+// columns is D / 64 panels of rows x 128 bytes (wgmma_common.cuh), one TMA box each.
+//
+// Rounding model (flash_common.cuh, accum fp32): S and O in fp32 wgmma accumulators; m, l in fp32;
+// P in fp32, l takes the fp32 row sums, P is rounded to the element type before P V.
+//
+// Kernel parameters: three CUtensorMap (128 bytes, by value) for q, k, v, then FC_FWD_PARAMS
+// (the pointers and strides of q, k, v are not read: the tensor maps carry them).
+// Grid: (ceil(nq / FC_BLOCK_M), Hq, B); block: FC_NUM_THREADS = 128 * (1 + FC_BLOCK_M / 64).
+// Dynamic shared memory (bytes), to be passed at launch and as FC_SMEM_FWD:
+//     1024 (alignment slack) + (FC_BLOCK_M + 2 * FC_KV_STAGES * FC_BLOCK_N) * FC_HEAD_DIM * 2
+//     + 8 * (1 + 4 * FC_KV_STAGES)  (mbarriers)
+// Supported: FC_DTYPE 1 or 2, FC_ACCUM_F16 0, FC_HEAD_DIM in {64, 128}, FC_BLOCK_M in {64, 128, 192},
+// FC_BLOCK_N in {64, 128}, FC_KV_STAGES >= 2 (default 2).
+
+#include "flash_common.cuh"
+#include "wgmma_common.cuh"
+
+#if FC_ACCUM_F16
+#error "fwd_wgmma: FC_ACCUM_F16=1 (fp16 accumulators) is not implemented; use FC_ACCUM_F16=0"
+#endif
+#ifndef FC_KV_STAGES
+#define FC_KV_STAGES 2
+#endif
+
+constexpr int BM = FC_BLOCK_M;
+constexpr int BN = FC_BLOCK_N;
+constexpr int HD = FC_HEAD_DIM;
+constexpr int STAGES = FC_KV_STAGES;
+constexpr int NCWG = BM / 64;              // consumer warpgroups, 64 query rows each
+constexpr int NTHR = 128 * (1 + NCWG);
+constexpr int PANELS = HD / 64;            // 128-byte column panels per tile row
+constexpr int KSTEPS = HD / 16;            // k16 steps of S = Q K^T
+constexpr int PSTEPS = BN / 16;            // k16 steps of O += P V
+constexpr int SN = BN / 2;                 // fp32 S accumulators per thread
+constexpr int ON = HD / 2;                 // fp32 O accumulators per thread
+
+static_assert(HD == 64 || HD == 128, "fwd_wgmma: FC_HEAD_DIM must be 64 or 128");
+static_assert(FC_HEAD_DIM_PAD >= HD, "FC_HEAD_DIM_PAD must cover FC_HEAD_DIM");
+static_assert(BM == 64 || BM == 128 || BM == 192, "fwd_wgmma: FC_BLOCK_M must be 64, 128 or 192");
+static_assert(BN == 64 || BN == 128, "fwd_wgmma: FC_BLOCK_N must be 64 or 128");
+static_assert(STAGES >= 2, "fwd_wgmma: FC_KV_STAGES must be at least 2");
+static_assert(FC_NUM_THREADS == NTHR, "fwd_wgmma: FC_NUM_THREADS must be 128 * (1 + FC_BLOCK_M / 64)");
+
+// Shared-memory layout (offsets from a 1024-byte aligned base).
+constexpr int Q_PANEL = BM * 128, KV_PANEL = BN * 128;   // bytes of one panel
+constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
+constexpr int OFF_K = Q_BYTES;
+constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
+constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
+constexpr int N_BARS = 1 + 4 * STAGES;     // q_full, k_full[], k_empty[], v_full[], v_empty[]
+constexpr int SMEM_NEEDED = 1024 + OFF_BAR + 8 * N_BARS;
+#ifdef FC_SMEM_FWD
+static_assert(FC_SMEM_FWD >= SMEM_NEEDED, "FC_SMEM_FWD is smaller than the kernel's shared-memory layout");
+#endif
+
+// Registers per thread after setmaxnreg: the producer keeps few, the consumers share the rest of the
+// 64K-register file (128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= 65536, multiples of 8).
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = NCWG == 3 ? 160 : 240;
+
+
+extern "C" __global__ void __launch_bounds__(NTHR, 1)
+    flash_fwd_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
+                    const __grid_constant__ FcTensorMap tm_v, FC_FWD_PARAMS) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+    const u32 sQ = base, sK = base + OFF_K, sV = base + OFF_V;
+    const u32 bar_q = base + OFF_BAR;
+    // stage s: k_full = bar_q + 8 (1 + s), k_empty, v_full, v_empty follow in blocks of STAGES
+    auto k_full = [&](int s) { return bar_q + 8 * (1 + s); };
+    auto k_empty = [&](int s) { return bar_q + 8 * (1 + STAGES + s); };
+    auto v_full = [&](int s) { return bar_q + 8 * (1 + 2 * STAGES + s); };
+    auto v_empty = [&](int s) { return bar_q + 8 * (1 + 3 * STAGES + s); };
+
+    const int tid = threadIdx.x;
+    const int wg = tid / 128;
+    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int m0 = fc_query_tile() * BM;
+    // Key tiles [0, n_tiles) hold a key visible to some valid row of this CTA; from mask_from on a
+    // tile holds a key invisible to some row (causal edge or keys >= nk) and is masked.
+    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
+    const int n_tiles = tiles.n, mask_from = tiles.mask_from;
+
+    if (tid == 0) {
+        mbar_init(bar_q, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(k_full(s), 1);
+            mbar_init(v_full(s), 1);
+            mbar_init(k_empty(s), 4 * NCWG);  // one arrival per consumer warp
+            mbar_init(v_empty(s), 4 * NCWG);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ------------------------------------------------------------------ producer ----------
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (tid == 0 && n_tiles > 0) {
+            tma_prefetch_map(&tm_q);
+            tma_prefetch_map(&tm_k);
+            tma_prefetch_map(&tm_v);
+            mbar_arrive_expect_tx(bar_q, Q_BYTES);
+#pragma unroll
+            for (int p = 0; p < PANELS; ++p) tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, 64 * p, m0, h, b);
+            for (int j = 0; j < n_tiles; ++j) {
+                const int s = j % STAGES;
+                const u32 ph = (u32)((j / STAGES) & 1);
+                // buffer s was last used by tile j - STAGES; wait for every consumer warp to release it
+                if (j >= STAGES) mbar_wait(k_empty(s), ph ^ 1u);
+                mbar_arrive_expect_tx(k_full(s), KV_BYTES);
+#pragma unroll
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), 64 * p, j * BN, hk, b);
+                if (j >= STAGES) mbar_wait(v_empty(s), ph ^ 1u);
+                mbar_arrive_expect_tx(v_full(s), KV_BYTES);
+#pragma unroll
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p, j * BN, hk, b);
+            }
+        }
+    } else {
+        // ------------------------------------------------------------------ consumers ---------
+        setmaxnreg_inc<CONSUMER_REGS>();
+        const int cw = wg - 1;                       // consumer warpgroup: tile rows 64 cw ..
+        const int lt = tid & 127, lane = tid & 31;
+        const int g = lane >> 2, t = lane & 3;
+        const int row_g = m0 + 64 * cw + 16 * (lt >> 5) + g;  // query rows row_g and row_g + 8
+
+        float o_acc[ON];
+#pragma unroll
+        for (int i = 0; i < ON; ++i) o_acc[i] = 0.f;
+        float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this lane's partial sums
+
+        if (n_tiles > 0) mbar_wait(bar_q, 0);
+        const u32 q_rows = sQ + 64 * cw * 128;       // this warpgroup's 64 rows of each Q panel
+
+        for (int j = 0; j < n_tiles; ++j) {
+            const int s = j % STAGES;
+            const u32 ph = (u32)((j / STAGES) & 1);
+
+            // ---- S = Q K_j^T ----
+            float s_acc[SN];
+            mbar_wait(k_full(s), ph);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                const u32 off = (kk % 4) * 32;  // k16 step inside the panel
+                const u64 da = wg_desc_sw128(q_rows + (kk / 4) * Q_PANEL + off, 16, 1024);
+                const u64 db = wg_desc_sw128(sK + s * KV_BYTES + (kk / 4) * KV_PANEL + off, 16, 1024);
+                WgMma<BN>::ss(s_acc, da, db, kk > 0);
+            }
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(s_acc);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done reading K_j
+
+            // ---- mask: invisible keys (causal edge, keys >= nk) score -inf ----
+            if (j >= mask_from) {
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int last = fc_last_key(row_g + 8 * hf, nq, nk) - (j * BN + 2 * t);
+#pragma unroll
+                    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (8 * i + e > last) s_acc[4 * i + 2 * hf + e] = -INFINITY;
+                }
+            }
+
+            // ---- online softmax per row; P goes straight into the A fragments of P V ----
+            float alpha[2];
+            u32 p_frag[PSTEPS][4];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const float sub = fc_softmax_step(m_run[hf], alpha[hf], scale_log2, [&] {
+                    float mx = -INFINITY;  // rowmax(S_j) over the 4 lanes holding the row
+#pragma unroll
+                    for (int i = 0; i < BN / 8; ++i)
+                        mx = fmaxf(mx, fmaxf(s_acc[4 * i + 2 * hf], s_acc[4 * i + 2 * hf + 1]));
+                    return quad_max(mx);
+                });
+                float rs = 0.f;
+#pragma unroll
+                for (int i = 0; i < BN / 8; ++i) {
+                    const float p0 = fc_softmax_p(s_acc[4 * i + 2 * hf], scale_log2, sub);
+                    const float p1 = fc_softmax_p(s_acc[4 * i + 2 * hf + 1], scale_log2, sub);
+                    rs += p0;
+                    rs += p1;
+                    p_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(p0, p1);
+                }
+                l_run[hf] = fc_softmax_l(l_run[hf], alpha[hf], rs);
+            }
+
+            // ---- O *= alpha (skipped, warp-uniformly, when every alpha is exactly 1; compiled out
+            //      by both breaks) ----
+            if (FC_SOFTMAX_RESCALES) {
+                const bool rescale = (alpha[0] != 1.f) | (alpha[1] != 1.f);
+                if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+                    for (int i = 0; i < HD / 8; ++i) {
+                        o_acc[4 * i + 0] *= alpha[0];
+                        o_acc[4 * i + 1] *= alpha[0];
+                        o_acc[4 * i + 2] *= alpha[1];
+                        o_acc[4 * i + 3] *= alpha[1];
+                    }
+                }
+            }
+
+            // ---- O += P V_j ----
+            mbar_wait(v_full(s), ph);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < PSTEPS; ++kk) {
+                const u64 db = wg_desc_sw128(sV + s * KV_BYTES + kk * 16 * 128, KV_PANEL, 1024);
+                WgMma<HD>::rs_tb(o_acc, p_frag[kk], db, 1);
+            }
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(o_acc);
+#pragma unroll
+            for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(v_empty(s));  // this warp is done reading V_j
+        }
+
+        // ---- epilogue: o = O / l (0 where l == 0), lse; straight from registers ----
+        const long long row_base = ((long long)b * gridDim.y + h) * nq;  // (b, h, row 0) in o and lse
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const float l = quad_sum(l_run[hf]);
+            // o = (O * pre) * (1 / (l * pre)): one reciprocal per row, kept normal under -ftz by a
+            // 2^-64 prescale when l > 2^126 (reachable by the max-subtraction break)
+            const float pre = (l > 0x1p126f) ? 0x1p-64f : 1.f;
+            const float inv = (l == 0.f) ? 0.f : __frcp_rn(l * pre);
+            const int row = row_g + 8 * hf;
+            if (row < nq) {
+                if (t == 0) lse[row_base + row] = fc_softmax_lse(m_run[hf], l, scale_log2);
+                elem_t *orow = o + (row_base + row) * HD + 2 * t;
+#pragma unroll
+                for (int i = 0; i < HD / 8; ++i)
+                    *reinterpret_cast<u32 *>(orow + 8 * i) =
+                        pack_elem2(o_acc[4 * i + 2 * hf] * pre * inv, o_acc[4 * i + 2 * hf + 1] * pre * inv);
+            }
+        }
+    }
+}

@@ -1,0 +1,208 @@
+// wgmma_common.cuh: Hopper (sm_90a) building blocks for the wgmma family: warpgroup MMA
+// (wgmma.mma_async) wrappers and their fences, shared-memory matrix descriptors (128-byte
+// swizzle), mbarriers, TMA tensor loads from a CUtensorMap kernel parameter, named barriers,
+// the async-proxy fence and setmaxnreg. Include after flash_common.cuh (it uses FC_DTYPE).
+// Needs -arch=sm_90a (wgmma and setmaxnreg do not exist on plain sm_90).
+//
+// Conventions used by every wrapper here:
+//   * Shared-memory addresses are 32-bit .shared::cta addresses (__cvta_generic_to_shared).
+//   * A tile stored with 128-byte swizzle is a stack of "panels": rows of exactly 128 bytes
+//     (64 fp16/bf16 elements), row r of a panel at byte 128 r, the 16-byte chunk c of row r stored
+//     at chunk c ^ (r % 8) (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B). Panels start on
+//     1024-byte boundaries (the swizzle pattern repeats every 8 rows = 1024 bytes and is taken
+//     from the absolute address bits).
+//   * Accumulator fragment of m64nN (fp32), per warp w of the warpgroup (rows 16w .. 16w+15), lane
+//     l (g = l / 4, t = l % 4): d[4i + 0], d[4i + 1] = row g, columns 8i + 2t, 8i + 2t + 1;
+//     d[4i + 2], d[4i + 3] = row g + 8, same columns (i = 0 .. N/8 - 1).
+//   * A fragment from registers (m64k16, 16-bit elements), per warp: a[0] = (row g, k 2t, 2t+1),
+//     a[1] = (row g+8, k 2t, 2t+1), a[2] = (row g, k 2t+8, 2t+9), a[3] = (row g+8, k 2t+8, 2t+9):
+//     the k16 step kk of P V takes accumulator tiles 2kk (a[0], a[1]) and 2kk+1 (a[2], a[3]).
+#pragma once
+
+#if FC_DTYPE == 1
+#define WG_AB "f16"
+#elif FC_DTYPE == 2
+#define WG_AB "bf16"
+#else
+#error "the wgmma family needs FC_DTYPE 1 (float16) or 2 (bfloat16)"
+#endif
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// The 128-byte CUtensorMap, passed by value as a `const __grid_constant__` kernel parameter (the
+// TMA unit reads it from the parameter space; its generic address is what cp.async.bulk.tensor
+// takes). Built on the host by flashcupy/_tma.py.
+struct __align__(64) FcTensorMap {
+    u64 raw[16];
+};
+
+// ------------------------------------------------------------------------------- wgmma ------
+// Order for every group: wg_fence() -> WgMma<N>::... (one or more) -> wg_commit() -> wg_wait<k>().
+// wg_fence orders this warpgroup's earlier register writes (accumulators, A fragments) before the
+// async MMA reads them. After wg_wait, reg_fence() on the accumulators (and the A fragments) keeps
+// the compiler from moving their reads before the wait or reusing the registers early.
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>  // wait until at most N committed groups of this warpgroup are pending
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int R>
+__device__ __forceinline__ void reg_fence(float (&r)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void reg_fence(u32 (&r)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading byte offset (LBO),
+// stride byte offset (SBO), all >> 4, and swizzle mode 1 in bits 62-63 (base offset 0: panels are
+// 1024-byte aligned).
+//   K-major operand (rows of 128-byte panels, K contiguous): SBO = 1024 (the next 8 rows), LBO is
+//       not used; the k16 step s inside a panel starts 32 s bytes further (the hardware applies the
+//       swizzle to the full address).
+//   MN-major operand (read with the transpose bit; rows = K, 64 MN-elements per panel row):
+//       SBO = 1024 (the next 8 K rows), LBO = the byte distance between panels (the next 64 MN
+//       elements); the k16 step s starts 16 * 128 s bytes further.
+__device__ __forceinline__ u64 wg_desc_sw128(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr >> 4) & 0x3FFFu) | ((u64)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((u64)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+// Fixed-shape wrappers m64nNk16, fp32 accumulators, A and B of the element type (FC_DTYPE).
+//   ss(d, da, db, scale_d):    d = A B + (scale_d ? d : 0); A and B from shared memory, both
+//                              K-major (S = Q K^T: A = Q rows, B = K rows).
+//   rs_tb(d, a, db, scale_d):  the same with A from registers and B MN-major (transpose bit): O += P V
+//                              with V stored keys x d, d contiguous.
+// scale_d = 0 ignores the old accumulator: the first k16 step of a product needs no zeroing.
+// Each shape is written once, by WG_MMA_SHAPE below, from two operand lists shared by both forms:
+//   WG_REGS<R>: the asm string "%0, %1, ..., %R-1" of the R accumulator registers (16 a chunk),
+//   WG_ACC<R>(0): the matching operand list "+f"(d[0]), ..., "+f"(d[R - 1]).
+// The operands after the accumulators are numbered from R on; the macro takes those numbers as
+// tokens (R, R+1, .. R+5) because an asm string can only name operands by number.
+template <int N>
+struct WgMma;
+
+#define WG_REGS16_0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define WG_REGS16_1 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WG_REGS32 WG_REGS16_0 "," WG_REGS16_1
+#define WG_REGS16_2 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+#define WG_REGS16_3 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_REGS64 WG_REGS32 "," WG_REGS16_2 "," WG_REGS16_3
+#define WG_REGS16_4 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+#define WG_REGS16_5 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define WG_REGS16_6 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
+#define WG_REGS16_7 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define WG_REGS128 WG_REGS64 "," WG_REGS16_4 "," WG_REGS16_5 "," WG_REGS16_6 "," WG_REGS16_7
+
+#define WG_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define WG_ACC16(i) WG_ACC4(i), WG_ACC4(i + 4), WG_ACC4(i + 8), WG_ACC4(i + 12)
+#define WG_ACC32(i) WG_ACC16(i), WG_ACC16(i + 16)
+#define WG_ACC64(i) WG_ACC32(i), WG_ACC32(i + 32)
+#define WG_ACC128(i) WG_ACC64(i), WG_ACC64(i + 64)
+
+// "{ .reg .pred p; p = (operand I != 0)": the scale-d predicate, then the instruction of shape m64nNk16.
+#define WG_MMA_HEAD(N, I) "{\n.reg .pred p;\nsetp.ne.b32 p, %" #I ", 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." WG_AB "." WG_AB " "
+
+// WgMma<N> with R = N / 2 accumulators per thread; R0 .. R5 are the tokens R, R + 1, .. R + 5.
+//   ss:    operands {d}, da = %R0, db = %R1, scale_d = %R2; imm-scale-a/b 1, tnspA 0, tnspB 0
+//   rs_tb: operands {d}, {a} = %R0 .. %R3, db = %R4, scale_d = %R5; imm-scale-a/b 1, tnspB 1
+#define WG_MMA_SHAPE(N, R0, R1, R2, R3, R4, R5)                                                    \
+    template <> struct WgMma<N> {                                                                  \
+        static __device__ __forceinline__ void ss(float (&d)[R0], u64 da, u64 db, int scale_d) {  \
+            asm volatile(WG_MMA_HEAD(N, R2) "{" WG_REGS##R0 "}, %" #R0 ", %" #R1                   \
+                         ", p, 1, 1, 0, 0;\n}\n"                                                   \
+                         : WG_ACC##R0(0)                                                           \
+                         : "l"(da), "l"(db), "r"(scale_d));                                        \
+        }                                                                                          \
+        static __device__ __forceinline__ void rs_tb(float (&d)[R0], const u32 (&a)[4], u64 db,   \
+                                                     int scale_d) {                                \
+            asm volatile(WG_MMA_HEAD(N, R5) "{" WG_REGS##R0 "}, {%" #R0 ", %" #R1 ", %" #R2        \
+                         ", %" #R3 "}, %" #R4 ", p, 1, 1, 1;\n}\n"                                 \
+                         : WG_ACC##R0(0)                                                           \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));    \
+        }                                                                                          \
+    };
+WG_MMA_SHAPE(64, 32, 33, 34, 35, 36, 37)
+WG_MMA_SHAPE(128, 64, 65, 66, 67, 68, 69)
+WG_MMA_SHAPE(256, 128, 129, 130, 131, 132, 133)
+
+// ------------------------------------------------------------------------------ mbarrier ----
+// An mbarrier completes a phase when its pending arrivals reach 0 and its expected transaction
+// bytes have all arrived (TMA's complete_tx). Waiters poll the parity of the phase they expect
+// (0 for the first completion, then 1, 0, ...).
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Make the initialisations visible to the async proxy (TMA) and the other threads; a CTA barrier
+// must follow before first use.
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also announces `bytes` of TMA transactions for the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+
+// --------------------------------------------------------------------------------- TMA ------
+// Start loading the box at coordinates (c0 innermost .. c3) of the 4-D tensor map into shared
+// memory at dst; the bytes are counted against mbarrier `bar`. Elements outside the tensor's
+// extents arrive as zeros (and still count as transaction bytes).
+__device__ __forceinline__ void tma_load_4d(u32 dst, const FcTensorMap *map, u32 bar, int c0, int c1, int c2,
+                                            int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+// Bring the tensor map's descriptor into the TMA unit's cache ahead of the first load.
+__device__ __forceinline__ void tma_prefetch_map(const FcTensorMap *map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
+}
+
+// ----------------------------------------------------------------- fences, barriers, regs ----
+// Order this thread's ordinary (generic-proxy) shared-memory writes before later async-proxy
+// accesses (wgmma operand reads, TMA stores) of the same bytes.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Named barriers 1..15 (0 is __syncthreads): `threads` (a multiple of 32) take part.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Hand registers back (producer) or take them (consumers); every warp of the warpgroup executes it.
+// Needs __launch_bounds__(threads, 1) and one role per branch, else ptxas ignores it (C7508).
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
