@@ -1,7 +1,7 @@
 """flashcupy: FlashAttention's numerics on real GPU kernels.
 
-``attention`` runs the CUDA kernels (tensor-core ``mma`` or scalar ``simt`` family, compiled at run time
-with NVRTC) on CuPy arrays, and the NumPy twin of the same tiled algorithm on NumPy arrays.
+``attention`` runs the CUDA kernels (Hopper ``wgmma`` + TMA, tensor-core ``mma``, or scalar ``simt``
+family, compiled at run time with NVRTC) on CuPy arrays, and the NumPy twin of the same tiled algorithm on NumPy arrays.
 ``flashcupy.reference`` is the float64 truth everything is measured against.
 """
 from __future__ import annotations
@@ -30,7 +30,10 @@ def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, 
         (kernel, dtype, D). Unsupported values raise ValueError listing the supported ones.
     accum : "fp32" or "fp16": precision of the on-chip accumulators (scores, running max and sum,
         output accumulator). The rounding model is written in ``flashcupy._twin``.
-    kernel : "mma" (tensor cores, float16/bfloat16), "simt" (scalar, every dtype) or "auto".
+    kernel : "wgmma" (Hopper only: wgmma + TMA + warp specialization, FlashAttention-3's design;
+        float16/bfloat16, accum="fp32", D 64 or 128), "mma" (tensor cores through mma.sync,
+        float16/bfloat16), "simt" (scalar, every dtype) or "auto": wgmma on a compute-capability-9.0
+        GPU where it has the variant, else mma where tensor cores apply, else simt.
     ablate : None, "max_subtraction" (exponentiate raw scores, no running max, no rescaling) or
         "rescaling" (subtract each tile's own max, never rescale the running sum and output).
     return_lse : also return lse, float32 (B, Hq, Nq), the natural log of the softmax denominator.

@@ -18,7 +18,8 @@ import re
 from typing import Callable
 
 __all__ = [
-    "DTYPES", "FAMILIES", "Family", "Variant", "compile_report", "get_kernel", "source_text",
+    "ATOMIC_DQ_ROLES", "DETERMINISTIC_DQ_ROLES", "DTYPES", "FAMILIES", "Family", "Variant", "compile_report",
+    "covering_variants", "cubin", "get_kernel", "source_text",
 ]
 
 # Element types by short name: the name used in variant keys -> (FC_DTYPE code, bytes).
@@ -27,7 +28,9 @@ ACCUMS = ("fp32", "fp16")
 ABLATIONS = (None, "max_subtraction", "rescaling")
 
 _DEFAULT_SMEM_LIMIT = 48 * 1024        # without opting in
-SMEM_LIMIT = 227 * 1024                # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
+# cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB); the kernels see it as FC_SMEM_LIMIT
+SMEM_LIMIT = 227 * 1024
+CHECK_ARCH = "sm_90"                   # what the CPU compile check targets: the H200's architecture
 
 
 def _round_up(x: int, m: int) -> int:
@@ -38,14 +41,18 @@ def _round_up(x: int, m: int) -> int:
 class Family:
     """One kernel source and what its variants may be.
 
+    ``kind`` is the ``kernel=`` name of the public API ("mma", "simt", ...) and ``direction`` "fwd" or
+    "bwd"; ``roles`` maps each kernel's role to its name in the source: "fwd" for a forward family;
+    "prep", "dkdv", "dq" (and, in bwd_mma, "dkdvdq" and "dq_convert") for a backward one.
     ``threads``, ``smem_bytes`` and ``head_dim_pad`` restate the formulas written at the top of the
-    source file (``smem_bytes(variant, kernel)``: a backward source holds two kernels);
+    source file (``smem_bytes(variant, role)``: a backward source holds several kernels);
     ``no_spill`` says for which variants the compile check treats spills as a failure.
     """
 
-    name: str
+    kind: str
+    direction: str
     source: str
-    kernels: tuple[str, ...]
+    roles: dict[str, str]
     dtypes: tuple[str, ...]
     block_m: tuple[int, ...]
     block_n: tuple[int, ...]
@@ -56,9 +63,16 @@ class Family:
     default_blocks: Callable[[str, int], tuple[int, int]]
     no_spill: Callable[["Variant"], bool]
     limits: Callable[["Variant"], str | None] = lambda v: None
-    arch: str = "sm_90"
-    # Which of ``kernels`` a variant's module defines (default: all of them).
-    kernels_of: Callable[["Variant"], tuple[str, ...]] | None = None
+    # NVRTC's -arch. None: the device's own, which CuPy appends at run time (the CPU compile check
+    # targets CHECK_ARCH). A family that needs an arch-specific target (wgmma: "sm_90a") names it.
+    arch: str | None = None
+    # Which of ``roles`` a variant's module defines (default: all of them).
+    roles_of: Callable[["Variant"], tuple[str, ...]] | None = None
+
+    @property
+    def name(self) -> str:
+        """The family's name in variant keys, e.g. ``fwd_mma``."""
+        return f"{self.direction}_{self.kind}"
 
 
 def _mma_threads(v: "Variant") -> int:
@@ -67,7 +81,7 @@ def _mma_threads(v: "Variant") -> int:
     return 256 if (v.block_m == 128 and v.head_dim_pad > 128) else 128
 
 
-def _mma_smem(v: "Variant", kernel: str) -> int:
+def _mma_smem(v: "Variant", role: str) -> int:
     return (v.block_m + 2 * v.block_n) * v.head_dim_pad * DTYPES[v.dtype][1]
 
 
@@ -80,7 +94,7 @@ def _simt_threads(v: "Variant") -> int:
     return min(4 * v.block_m, 256)
 
 
-def _simt_smem(v: "Variant", kernel: str) -> int:
+def _simt_smem(v: "Variant", role: str) -> int:
     # fp32 tiles: Q (BM x DP), one K_j-then-V_j buffer (BN x (DP+4)), S_j/P_j (BM x (BN+4))
     dp = _round_up(v.head_dim, 16)
     return 4 * (v.block_m * dp + v.block_n * (dp + 4) + v.block_m * (v.block_n + 4))
@@ -93,16 +107,16 @@ def _simt_limits(v: "Variant") -> str | None:
     return None
 
 
-def _bwd_mma_smem(v: "Variant", kernel: str) -> int:
+def _bwd_mma_smem(v: "Variant", role: str) -> int:
     # Resident tiles plus one or two stages of streamed tiles (two when they fit), per kernel:
     # dK/dV keeps K, V and streams Q, dO, lse, delta (dkdvdq: plus the dS^T tile); dQ keeps Q, dO and
     # streams K, V; the dQ conversion needs none.
     row = v.head_dim_pad * 2
-    if kernel in ("flash_bwd_prep", "flash_bwd_dq_convert_mma"):
+    if role in ("prep", "dq_convert"):
         return 0
-    if kernel.startswith("flash_bwd_dkdv"):
+    if role in ("dkdv", "dkdvdq"):
         resident, stage = 2 * v.block_n * row, 2 * v.block_m * row + 8 * v.block_m
-        if kernel == "flash_bwd_dkdvdq_mma":
+        if role == "dkdvdq":
             resident += 2 * v.block_n * v.block_m
     else:
         resident, stage = 2 * v.block_m * row, 2 * v.block_n * row
@@ -110,19 +124,25 @@ def _bwd_mma_smem(v: "Variant", kernel: str) -> int:
     return resident + stages * stage
 
 
-# The backward mma kernels: deterministic (dK/dV, then dQ) and atomic-dQ (dK/dV with dQ partials added to
-# an fp32 buffer, then its conversion), the latter only with fp32 accumulators.
-# Every backward module also holds flash_bwd_prep (bwd_prep.cuh: delta, and zeroing the dQ buffer).
-_BWD_MMA_KERNELS = ("flash_bwd_dkdv_mma", "flash_bwd_dq_mma", "flash_bwd_prep", "flash_bwd_dkdvdq_mma",
-                    "flash_bwd_dq_convert_mma")
+# The two ways a backward call forms dQ, as the roles it launches after "prep": deterministic (dK/dV,
+# then dQ) and atomic (dK/dV with dQ partials added to an fp32 buffer, then its conversion), the latter
+# in bwd_mma with fp32 accumulators only. Every backward module also holds "prep" (bwd_prep.cuh: delta,
+# and zeroing the dQ buffer).
+DETERMINISTIC_DQ_ROLES = ("dkdv", "dq")
+ATOMIC_DQ_ROLES = ("dkdvdq", "dq_convert")
 
 
-def _bwd_simt_smem(v: "Variant", kernel: str) -> int:
+def _bwd_mma_roles(v: "Variant") -> tuple[str, ...]:
+    roles = FAMILIES["bwd_mma"].roles
+    return tuple(r for r in roles if v.accum == "fp32" or r not in ATOMIC_DQ_ROLES)
+
+
+def _bwd_simt_smem(v: "Variant", role: str) -> int:
     # fp32 tiles. dK/dV: K, V | Q, dO | P, dS | lse, delta. dQ: Q, dO | K, V | dS^T | lse, delta.
     dp, bm, bn = _round_up(v.head_dim, 16), v.block_m, v.block_n
-    if kernel == "flash_bwd_prep":
+    if role == "prep":
         return 0
-    if kernel.startswith("flash_bwd_dkdv"):
+    if role == "dkdv":
         return 4 * (2 * bn * (dp + 4) + 2 * bm * dp + 2 * bm * (bn + 4) + 2 * bm)
     return 4 * (2 * bm * dp + 2 * bn * (dp + 4) + bn * (bm + 4) + 2 * bm)
 
@@ -139,9 +159,27 @@ def _simt_defaults(dtype: str, d: int) -> tuple[int, int]:
     return (64, 64)
 
 
-FAMILIES: dict[str, Family] = {
-    "fwd_mma": Family(
-        name="fwd_mma", source="fwd_mma.cu", kernels=("flash_fwd_mma",),
+# fwd_wgmma.cu: K and V stream through this many shared-memory buffers (its FC_KV_STAGES default).
+WGMMA_KV_STAGES = 2
+WGMMA_HEAD_DIMS = (64, 128)
+
+
+def _wgmma_smem(v: "Variant", role: str) -> int:
+    # 1024 bytes of alignment slack, the Q tile and WGMMA_KV_STAGES K and V tiles (2-byte elements),
+    # and the mbarriers (q_full; k_full, k_empty, v_full, v_empty per stage)
+    return (1024 + (v.block_m + 2 * WGMMA_KV_STAGES * v.block_n) * v.head_dim * 2
+            + 8 * (1 + 4 * WGMMA_KV_STAGES))
+
+
+def _wgmma_limits(v: "Variant") -> str | None:
+    if v.head_dim not in WGMMA_HEAD_DIMS:
+        return f"fwd_wgmma runs head dims {WGMMA_HEAD_DIMS}, not {v.head_dim}"
+    return None
+
+
+_FAMILIES = (
+    Family(
+        kind="mma", direction="fwd", source="fwd_mma.cu", roles={"fwd": "flash_fwd_mma"},
         dtypes=("f16", "bf16"), block_m=(64, 128), block_n=(32, 64, 128),
         # mma.sync has no bf16 x bf16 -> f16 form: bf16 needs f32 accumulators.
         accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
@@ -151,8 +189,18 @@ FAMILIES: dict[str, Family] = {
         # (BN=128 with fp32 accumulators at D 96/128, some fp16-accumulator tiles): reported, allowed.
         no_spill=lambda v: v.block_m == 128 and v.block_n == 64,
     ),
-    "fwd_simt": Family(
-        name="fwd_simt", source="fwd_simt.cu", kernels=("flash_fwd_simt",),
+    Family(
+        kind="wgmma", direction="fwd", source="fwd_wgmma.cu", roles={"fwd": "flash_fwd_wgmma"},
+        dtypes=("f16", "bf16"), block_m=(64, 128, 192), block_n=(64, 128),
+        accums=lambda dtype: ("fp32",),
+        head_dim_pad=lambda d: d,
+        # a producer warpgroup and one consumer warpgroup per 64 query rows
+        threads=lambda v: 128 * (1 + v.block_m // 64),
+        smem_bytes=_wgmma_smem, default_blocks=lambda dtype, d: (128, 128),
+        no_spill=lambda v: True, limits=_wgmma_limits, arch="sm_90a",
+    ),
+    Family(
+        kind="simt", direction="fwd", source="fwd_simt.cu", roles={"fwd": "flash_fwd_simt"},
         dtypes=("f32", "f16", "bf16"), block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128),
         accums=lambda dtype: ACCUMS,
         head_dim_pad=lambda d: d,
@@ -160,9 +208,11 @@ FAMILIES: dict[str, Family] = {
         no_spill=lambda v: True, limits=_simt_limits,
     ),
     # Backward families: formulas restated from the headers of bwd_mma.cu / bwd_simt.cu.
-    "bwd_mma": Family(
-        name="bwd_mma", source="bwd_mma.cu", kernels=_BWD_MMA_KERNELS,
-        kernels_of=lambda v: _BWD_MMA_KERNELS if v.accum == "fp32" else _BWD_MMA_KERNELS[:3],
+    Family(
+        kind="mma", direction="bwd", source="bwd_mma.cu",
+        roles={"dkdv": "flash_bwd_dkdv_mma", "dq": "flash_bwd_dq_mma", "prep": "flash_bwd_prep",
+               "dkdvdq": "flash_bwd_dkdvdq_mma", "dq_convert": "flash_bwd_dq_convert_mma"},
+        roles_of=_bwd_mma_roles,
         dtypes=("f16", "bf16"), block_m=(64, 128), block_n=(64, 128),
         accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
         head_dim_pad=lambda d: _round_up(d, 32),
@@ -173,8 +223,9 @@ FAMILIES: dict[str, Family] = {
         limits=lambda v: ("kernel='mma' backward with D > 128 supports block_n=64 only"
                           if v.head_dim_pad > 128 and v.block_n != 64 else None),
     ),
-    "bwd_simt": Family(
-        name="bwd_simt", source="bwd_simt.cu", kernels=("flash_bwd_dkdv_simt", "flash_bwd_dq_simt", "flash_bwd_prep"),
+    Family(
+        kind="simt", direction="bwd", source="bwd_simt.cu",
+        roles={"dkdv": "flash_bwd_dkdv_simt", "dq": "flash_bwd_dq_simt", "prep": "flash_bwd_prep"},
         dtypes=("f32", "f16", "bf16"), block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128),
         accums=lambda dtype: ACCUMS,
         head_dim_pad=lambda d: d,
@@ -184,7 +235,8 @@ FAMILIES: dict[str, Family] = {
         no_spill=lambda v: True,
         limits=_bwd_simt_limits,
     ),
-}
+)
+FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,17 +285,27 @@ class Variant:
         return self.fam.threads(self)
 
     @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles of the kernels this variant's module defines."""
+        return self.fam.roles_of(self) if self.fam.roles_of else tuple(self.fam.roles)
+
+    def kernel_name(self, role: str) -> str:
+        """The name in the source of the kernel with this role, e.g. "dq" -> "flash_bwd_dq_mma"."""
+        return self.fam.roles[role]
+
+    @property
     def kernels(self) -> tuple[str, ...]:
-        """The kernels this variant's module defines."""
-        return self.fam.kernels_of(self) if self.fam.kernels_of else self.fam.kernels
+        """The names of the kernels this variant's module defines."""
+        return tuple(self.kernel_name(r) for r in self.roles)
 
     @property
     def smem_bytes(self) -> int:
         """The largest dynamic shared memory any kernel of the variant needs."""
-        return max(self.fam.smem_bytes(self, name) for name in self.kernels)
+        return max(self.smem_for(role) for role in self.roles)
 
-    def smem_for(self, kernel: str) -> int:
-        return self.fam.smem_bytes(self, kernel)
+    def smem_for(self, role: str) -> int:
+        """Bytes of dynamic shared memory the kernel with this role is launched with."""
+        return self.fam.smem_bytes(self, role)
 
     @property
     def key(self) -> str:
@@ -259,6 +321,8 @@ class Variant:
         return self.key
 
     def defines(self) -> dict[str, int]:
+        """The -D options: the knobs, and each kernel's dynamic shared memory (FC_SMEM_<ROLE>) with the
+        device limit (FC_SMEM_LIMIT), against which the kernels check their own layouts at compile time."""
         return {
             "FC_DTYPE": DTYPES[self.dtype][0],
             "FC_ACCUM_F16": int(self.accum == "fp16"),
@@ -270,6 +334,8 @@ class Variant:
             "FC_CAUSAL": int(self.causal),
             "FC_ABLATE_MAX_SUBTRACTION": int(self.ablate == "max_subtraction"),
             "FC_ABLATE_RESCALING": int(self.ablate == "rescaling"),
+            **{f"FC_SMEM_{role.upper()}": self.smem_for(role) for role in self.roles},
+            "FC_SMEM_LIMIT": SMEM_LIMIT,
         }
 
     def fits(self, smem_limit: int = SMEM_LIMIT) -> bool:
@@ -332,9 +398,10 @@ def compile_options(v: Variant) -> tuple[str, ...]:
 class KernelHandle:
     """A compiled kernel with its launch geometry."""
 
-    def __init__(self, variant: Variant, name: str, function, smem_bytes: int):
+    def __init__(self, variant: Variant, role: str, function, smem_bytes: int):
         self.variant = variant
-        self.name = name
+        self.role = role
+        self.name = variant.kernel_name(role)
         self.function = function
         self.smem_bytes = smem_bytes
         self.threads = variant.threads
@@ -352,27 +419,28 @@ def _module_on_device(v: Variant, device_id: int):
     if v.smem_bytes > limit:
         raise ValueError(f"{v.key} needs {v.smem_bytes} bytes of shared memory per block; this device "
                          f"allows {limit}. Choose smaller block_m/block_n.")
-    options = compile_options(v)
-    if v.fam.arch != "sm_90":
-        options += (f"-arch={v.fam.arch}",)
-    module = cupy.RawModule(code=source_text(v.fam.source), options=options)
+    # The architecture: CuPy appends the device's own -arch; a family that names one (wgmma: sm_90a)
+    # passes it here, and an explicit -arch overrides CuPy's.
+    arch = (f"-arch={v.fam.arch}",) if v.fam.arch else ()
+    module = cupy.RawModule(code=source_text(v.fam.source), options=compile_options(v) + arch)
     handles = {}
-    for name in v.kernels:
-        fn = module.get_function(name)
-        smem = v.smem_for(name)
+    for role in v.roles:
+        fn = module.get_function(v.kernel_name(role))
+        smem = v.smem_for(role)
         if smem > _DEFAULT_SMEM_LIMIT:
             fn.max_dynamic_shared_size_bytes = smem
-        handles[name] = KernelHandle(v, name, fn, smem)
+        handles[role] = KernelHandle(v, role, fn, smem)
     return handles
 
 
-def get_kernel(v: Variant, name: str | None = None) -> KernelHandle:
+def get_kernel(v: Variant, role: str | None = None) -> KernelHandle:
     """A compiled kernel of ``v`` on the current device (the module is compiled once per process and
-    device); ``name`` picks one of a backward family's kernels (default: the first)."""
+    device); ``role`` picks one of the family's kernels ("fwd"; "prep", "dkdv", "dq", ...; default: the
+    first)."""
     import cupy
 
     handles = _module_on_device(v, cupy.cuda.Device().id)
-    return handles[name or v.kernels[0]]
+    return handles[role or v.roles[0]]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -391,7 +459,8 @@ class CompileError(RuntimeError):
     pass
 
 
-def _nvrtc_log(variant: Variant, arch: str) -> str:
+def _nvrtc_compile(variant: Variant, arch: str) -> tuple[str, bytes]:
+    """NVRTC's log (with ptxas's -v report) and the cubin of one variant."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source_text(variant.fam.source), variant.fam.source, [], [])
@@ -402,24 +471,36 @@ def _nvrtc_log(variant: Variant, arch: str) -> str:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
             raise CompileError(f"{variant.key}: {e}\n{nvrtc.getProgramLog(prog)}") from None
-        return nvrtc.getProgramLog(prog)
+        return nvrtc.getProgramLog(prog), nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _nvrtc_log(variant: Variant, arch: str) -> str:
+    return _nvrtc_compile(variant, arch)[0]
+
+
+def cubin(variant: Variant, arch: str | None = None) -> bytes:
+    """The variant's cubin as NVRTC builds it (no GPU needed): for reading its SASS with cuobjdump."""
+    return _nvrtc_compile(variant, arch or variant.fam.arch or CHECK_ARCH)[1]
 
 
 def compile_report(variant: Variant, arch: str | None = None) -> dict:
     """Compile one variant to a cubin with NVRTC (no GPU needed) and read ptxas's resource report.
 
-    Returns a dict with key, registers, smem_static, smem_dynamic, stack, spill_stores, spill_loads.
+    Returns a dict with key, registers, smem_static, smem_dynamic, stack, spill_stores, spill_loads (the
+    worst over the module's kernels; per kernel under "kernels") and ptxas's warning lines.
     Raises CompileError with the NVRTC log on failure.
     """
-    log = _nvrtc_log(variant, arch or variant.fam.arch)
+    arch = arch or variant.fam.arch or CHECK_ARCH
+    log = _nvrtc_log(variant, arch)
     if "Function properties for" not in log:
         # Seen on the H200 machine: the first NVRTC compile of a process returned an empty log. Once more.
-        log = _nvrtc_log(variant, arch or variant.fam.arch)
-    # ptxas reports each entry function in turn; a backward source holds two. Per kernel:
+        log = _nvrtc_log(variant, arch)
+    # ptxas reports each entry function in turn; a backward source holds several. Per kernel:
     rep = {"key": variant.key, "threads": variant.threads, "kernels": {}}
-    for name in variant.kernels:
+    for role in variant.roles:
+        name = variant.kernel_name(role)
         i = log.find(f"Function properties for {name}")
         if i < 0:
             raise CompileError(f"{variant.key}: ptxas reported no resources for {name}; NVRTC log:\n{log[:2000]}")
@@ -430,8 +511,10 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
         for field, rx in _PTXAS_LINE.items():
             m = rx.search(section)
             krep[field] = int(m.group(1)) if m else 0
-        krep["smem_dynamic"] = variant.smem_for(name)
+        krep["smem_dynamic"] = variant.smem_for(role)
         rep["kernels"][name] = krep
+    # ptxas warnings, e.g. those that silently serialize wgmma (C7515, C7511) or ignore setmaxnreg (C7508)
+    rep["warnings"] = [line.strip() for line in log.splitlines() if "warning" in line.lower()]
     # summary over the kernels: the worst of each
     for field in list(_PTXAS_LINE) + ["smem_dynamic"]:
         rep[field] = max(k[field] for k in rep["kernels"].values())

@@ -11,9 +11,9 @@ import math
 
 import numpy as np
 
-from ._build import ABLATIONS, ACCUMS, FAMILIES, SMEM_LIMIT, Variant
+from ._build import ABLATIONS, ACCUMS, FAMILIES, SMEM_LIMIT, WGMMA_HEAD_DIMS, Variant
 
-KERNELS = ("auto", "mma", "simt")
+KERNELS = ("auto", "mma", "simt", "wgmma")
 _GRID_YZ_MAX = 65535
 
 
@@ -137,7 +137,8 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     _check_choice("kernel", kernel, KERNELS)
     _check_choice("ablate", ablate, ABLATIONS)
 
-    family = resolve_family(kernel, dname, accum, direction)
+    family = resolve_family(kernel, dname, accum, direction, head_dim=d, block_m=block_m, block_n=block_n,
+                            backend=backend)
     fam = FAMILIES[family]
     dm, dn = fam.default_blocks(dname, d)
     bm = dm if block_m is None else block_m
@@ -146,7 +147,7 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
         if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
             raise TypeError(f"{name} must be an int or None, got {type(val).__name__}")
         if val not in allowed:
-            raise ValueError(f"{name}={val} is not supported by kernel={fam.name.split('_')[-1]!r}; "
+            raise ValueError(f"{name}={val} is not supported by kernel={fam.kind!r}; "
                              f"supported: {allowed}")
     variant = Variant(family, dname, accum, int(bm), int(bn), d, bool(causal), ablate)
     if not variant.fits():
@@ -156,9 +157,48 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     return Problem(backend, b, hq, hkv, nq, nk, d, scale, variant)
 
 
-def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd") -> str:
-    """Which family computes this call: 'mma' where tensor cores apply, else 'simt'."""
+def _device_capability() -> int:
+    """Compute capability of the current CUDA device as an int (90 for Hopper)."""
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability)
+
+
+def _wgmma_problem(dname: str, accum: str, direction: str, head_dim: int | None) -> str | None:
+    """Why the wgmma family cannot run this call (None: it can, device aside)."""
+    wgmma = FAMILIES.get(f"{direction}_wgmma")
+    if wgmma is None:
+        return ("kernel='wgmma' has no backward yet; attention_backward runs kernel='mma' (float16/bfloat16) "
+                "or kernel='simt' (kernel='auto' picks mma)")
+    if dname not in wgmma.dtypes:
+        return (f"kernel='wgmma' runs float16 and bfloat16 inputs; {dname} inputs run on kernel='simt' "
+                "(or kernel='auto')")
+    if accum not in wgmma.accums(dname):
+        return ("kernel='wgmma' supports accum='fp32' only for now; accum='fp16' runs on kernel='mma' "
+                "(float16) or kernel='simt'")
+    if head_dim is not None and head_dim not in WGMMA_HEAD_DIMS:
+        return (f"kernel='wgmma' runs head dims {WGMMA_HEAD_DIMS}; D={head_dim} runs on kernel='mma' "
+                "(float16/bfloat16) or kernel='simt' (every multiple of 8 up to 256)")
+    return None
+
+
+def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", *, head_dim: int | None = None,
+                   block_m=None, block_n=None, backend: str = "numpy") -> str:
+    """Which family computes this call.
+
+    kernel='auto' picks 'wgmma' on a Hopper GPU (compute capability 9.0) where that family has the
+    variant (forward, float16/bfloat16, accum='fp32', D in 64/128, the requested tile among its tiles),
+    else 'mma' where tensor cores apply, else 'simt'. kernel='wgmma' on another GPU raises ValueError.
+    """
     mma = FAMILIES[f"{direction}_mma"]
+    if kernel == "wgmma":
+        problem = _wgmma_problem(dname, accum, direction, head_dim)
+        if problem:
+            raise ValueError(problem)
+        if backend == "cuda" and _device_capability() != 90:
+            raise ValueError(f"kernel='wgmma' needs a Hopper GPU (compute capability 9.0, sm_90a); this device "
+                             f"has compute capability {_device_capability()}. Use kernel='mma' or 'auto'")
+        return f"{direction}_wgmma"
     if kernel == "mma":
         if dname not in mma.dtypes:
             raise ValueError(f"kernel='mma' runs float16 and bfloat16 inputs; {dname} inputs run on "
@@ -170,6 +210,11 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd") 
     if kernel == "simt":
         return f"{direction}_simt"
     # auto
+    if (backend == "cuda" and _wgmma_problem(dname, accum, direction, head_dim) is None
+            and _device_capability() == 90):
+        wgmma = FAMILIES[f"{direction}_wgmma"]
+        if (block_m is None or block_m in wgmma.block_m) and (block_n is None or block_n in wgmma.block_n):
+            return wgmma.name
     if dname in mma.dtypes and accum in mma.accums(dname):
         return mma.name
     return f"{direction}_simt"

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from ._build import get_kernel
+from ._build import ATOMIC_DQ_ROLES, DETERMINISTIC_DQ_ROLES, get_kernel
 from ._checks import Problem
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -34,7 +34,7 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
     # A view whose rows are not 16-byte aligned is copied once; (B, N, H, D) views are aligned.
     q, k, v = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
     var = p.variant
-    kern = get_kernel(var)  # compiled (and checked against the device) before anything is allocated
+    kern = get_kernel(var, "fwd")  # compiled (and checked against the device) before anything is allocated
     if o is None:
         o = cupy.empty((p.batch, p.heads_q, p.nq, p.head_dim), dtype=q.dtype)
     if lse is None:
@@ -45,6 +45,13 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
     args = (q, k, v, o, lse, np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
             *element_strides(q), *element_strides(k), *element_strides(v),
             np.float32(p.scale * _LOG2E))
+    if var.fam.kind == "wgmma":
+        # The Hopper kernels load q, k, v by TMA: tensor maps over their real strides come first, by
+        # value (the pointers and strides that follow are not read). q, k, v stay alive until return.
+        from ._tma import tensor_map
+
+        args = (tensor_map(q, var.block_m, name="q"), tensor_map(k, var.block_n, name="k"),
+                tensor_map(v, var.block_n, name="v")) + args
     kern(grid, args)
     return o, lse
 
@@ -69,13 +76,13 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
 
     do, q, k, v, o = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (do, q, k, v, o))
     var = p.variant
-    names = backward_kernels(var, deterministic)
+    roles = backward_roles(var, deterministic)
     lse = cupy.ascontiguousarray(lse)
     rows = p.batch * p.heads_q * p.nq
     delta = cupy.empty((p.batch, p.heads_q, p.nq), dtype=cupy.float32)
     dq_accum = cupy.empty((p.batch, p.heads_q, p.nq, p.head_dim), dtype=cupy.float32) \
-        if names == ATOMIC_DQ_KERNELS else None
-    get_kernel(var, "flash_bwd_prep")(((8 * rows + var.threads - 1) // var.threads,),
+        if roles == ATOMIC_DQ_ROLES else None
+    get_kernel(var, "prep")(((8 * rows + var.threads - 1) // var.threads,),
                                       (do, o, delta, np.uint64(0) if dq_accum is None else dq_accum,
                                        np.int64(rows), np.int32(p.heads_q), np.int32(p.nq),
                                        *element_strides(do), *element_strides(o)))
@@ -88,7 +95,7 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
     args = (q, k, v, do, lse, delta, dq, dk, dv, np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
             *element_strides(q), *element_strides(k), *element_strides(v), *element_strides(do), scale_log2)
     kv_grid = ((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch)
-    k_kv, k_q = (get_kernel(var, name) for name in names)
+    k_kv, k_q = (get_kernel(var, role) for role in roles)
     if dq_accum is not None:
         k_kv(kv_grid, args + (dq_accum,))
         n4 = dq_accum.size // 4
@@ -99,13 +106,16 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
     return dq, dk, dv
 
 
-ATOMIC_DQ_KERNELS = ("flash_bwd_dkdvdq_mma", "flash_bwd_dq_convert_mma")
+def backward_roles(var, deterministic: bool) -> tuple[str, str]:
+    """The roles of the two kernels a backward call of ``var`` launches after "prep", in order: the
+    atomic-dQ pair where the variant has it and determinism is not asked for, else dK/dV then dQ."""
+    if not deterministic and set(ATOMIC_DQ_ROLES) <= set(var.roles):
+        return ATOMIC_DQ_ROLES
+    return DETERMINISTIC_DQ_ROLES
 
 
-def backward_kernels(var, deterministic: bool) -> tuple[str, str]:
-    """The two kernels a backward call of ``var`` launches, in order: the atomic-dQ pair where the
-    variant has it and determinism is not asked for, else dK/dV then dQ."""
-    if not deterministic and set(ATOMIC_DQ_KERNELS) <= set(var.kernels):
-        return ATOMIC_DQ_KERNELS
-    kind = var.family.split("_")[1]
-    return f"flash_bwd_dkdv_{kind}", f"flash_bwd_dq_{kind}"
+def launch_roles(var, deterministic: bool = False) -> tuple[str, ...]:
+    """The roles of every kernel a call of ``var`` launches, in order (``forward``, ``backward``)."""
+    if var.fam.direction == "fwd":
+        return ("fwd",)
+    return ("prep", *backward_roles(var, deterministic))

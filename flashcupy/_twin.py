@@ -24,6 +24,13 @@ Rounding model (the one the kernels implement, see ``kernels_cu/flash_common.cuh
   reduction axis (head dim for S, keys for O), as ``mma.m16n8k16`` with f16 accumulators does; m and l
   are stored in fp16, each update computed in float32 and rounded once; alpha*O is rounded once.
 
+Which measured facts it follows, per family (fp16/bf16 inputs, fp32 accumulators; measured on the H200):
+one k16 step of ``mma.sync`` (mma family) and of ``wgmma`` (wgmma family) aligns the 16 products and the
+accumulator to the largest term with 2 guard bits and rounds toward zero; the twin sums in float32 with
+round-to-nearest, so it agrees with both families to within the tests' twin tolerance, not bitwise. The
+simt family sums its fp32 partials in ordinary fp32 FMAs. The wgmma family has no fp16-accumulator form
+yet (its accumulation with fp16 accumulators is not measured).
+
 Numerics do not depend on ``block_m`` (query rows are independent); ``block_n`` sets the tiles the
 running statistics are updated over, which is what the "rescaling" break exposes.
 """

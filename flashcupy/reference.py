@@ -108,7 +108,6 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
     dq = np.empty(qg.shape, dtype=np.float64)
     dk = np.zeros((b, hkv, nk, d), dtype=np.float64)
     dv = np.zeros((b, hkv, nk, d), dtype=np.float64)
-    kt = np.swapaxes(k, -1, -2)
     vt = np.swapaxes(v, -1, -2)
     for r0, r1 in _chunks(nq, b, hq, nk):
         rows = np.arange(r0, r1)

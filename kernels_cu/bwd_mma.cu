@@ -54,36 +54,20 @@
 // dkdv needs (BN/16) * DSPLIT to divide the warp count, dq needs BM/16 to divide it.
 //
 // Dynamic shared memory (bytes; P = FC_HEAD_DIM_PAD, e = 2 = sizeof(elem_t)):
-//   dkdv: 2*BN*P*e + STAGES_KV*(2*BM*P*e + 8*BM),  STAGES_KV = 2 if that fits in 232448 else 1
+//   dkdv: 2*BN*P*e + STAGES_KV*(2*BM*P*e + 8*BM),  STAGES_KV = 2 if that fits in FC_SMEM_LIMIT else 1
 //   dkdvdq: as dkdv plus BN*BM*e for dS^T (the stage count decided with it included)
-//   dq:   2*BM*P*e + STAGES_Q*(2*BN*P*e),          STAGES_Q  = 2 if that fits in 232448 else 1
+//   dq:   2*BM*P*e + STAGES_Q*(2*BN*P*e),          STAGES_Q  = 2 if that fits in FC_SMEM_LIMIT else 1
 // (each kernel needs only its own figure; launching both with the max is fine.)
 
 #include "flash_common.cuh"
 #include "mma_common.cuh"
 #include "bwd_prep.cuh"
 
-#if FC_DTYPE != 1 && FC_DTYPE != 2
-#error "flash_bwd_mma needs FC_DTYPE 1 (float16) or 2 (bfloat16)"
-#endif
-#if FC_ACCUM_F16 && FC_DTYPE != 1
-#error "flash_bwd_mma: FC_ACCUM_F16 requires FC_DTYPE 1 (float16)"
-#endif
-
 constexpr int BM = FC_BLOCK_M;
 constexpr int BN = FC_BLOCK_N;
-constexpr int NTHR = FC_NUM_THREADS;
-constexpr int NWARPS = NTHR / 32;
-constexpr int CPR = FC_HEAD_DIM_PAD / 8;  // 16-byte chunks per shared-memory row
-constexpr int CH = FC_HEAD_DIM / 8;       // chunks per row that hold data
-constexpr int ROW_BYTES = CPR * 16;
-constexpr int SMEM_MAX = 232448;
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
+constexpr int SMEM_MAX = FC_SMEM_LIMIT;  // the device's opt-in limit, from the build layer
 
-static_assert(NTHR % 32 == 0, "FC_NUM_THREADS must be a multiple of 32");
 static_assert(BM % 16 == 0 && BN % 16 == 0, "tiles must be multiples of 16");
-static_assert(CPR % 4 == 0, "FC_HEAD_DIM_PAD must be a multiple of 32");
 
 // ---- dkdv geometry ----
 constexpr int KV_DSPLIT = FC_HEAD_DIM_PAD > 128 ? 2 : 1;           // warps sharing one key group
@@ -142,6 +126,12 @@ constexpr int STAGES_Q = (2 * BM * ROW_BYTES + 2 * Q_STAGE_BYTES <= SMEM_MAX) ? 
 constexpr int Q_SMEM = 2 * BM * ROW_BYTES + STAGES_Q * Q_STAGE_BYTES;
 static_assert(KV_SMEM <= SMEM_MAX && Q_SMEM <= SMEM_MAX, "tiles do not fit in shared memory");
 static_assert(kv_smem(true) <= SMEM_MAX, "dkdvdq: tiles do not fit in shared memory");
+// The layouts above against the figures the build layer launches with (flashcupy/_build.py).
+static_assert(KV_SMEM == FC_SMEM_DKDV, "dkdv shared memory differs from the build layer's FC_SMEM_DKDV");
+static_assert(Q_SMEM == FC_SMEM_DQ, "dq shared memory differs from the build layer's FC_SMEM_DQ");
+#if !FC_ACCUM_F16
+static_assert(kv_smem(true) == FC_SMEM_DKDVDQ, "dkdvdq shared memory differs from the build layer's FC_SMEM_DKDVDQ");
+#endif
 
 
 // Epilogue scratch: the output staging tile [rows][CPR] plus (split - 1) fp32 partials per warp slot.
@@ -151,43 +141,17 @@ static_assert(BM * ROW_BYTES + (Q_KSPLIT - 1) * Q_RG * (2 * Q_KS) * 4 * 32 * 4 <
 
 extern __shared__ __align__(128) unsigned char smem[];  // dynamic shared memory of every kernel here
 
-// ---------------------------------------------------------------------------------------------
-// Shared-memory layout (as fwd_mma.cu): chunk c of row r lives at position c ^ key(r) of its row.
-// 8 consecutive rows hit 8 distinct 128-byte bank groups: key = r & 7 when CPR % 8 == 0, else
-// (CPR % 8 == 4, the pitch alternates by half a bank cycle) key = (r >> 1) & 3.
-// ---------------------------------------------------------------------------------------------
-constexpr int SWZ_GROUP = (CPR % 8 == 0) ? 8 : 4;
-__device__ __forceinline__ int swz_key(int row) { return (CPR % 8 == 0) ? (row & 7) : ((row >> 1) & 3); }
-__device__ __forceinline__ u32 smem_off(int row, int chunk) {
-    return (u32)(row * ROW_BYTES + ((chunk ^ swz_key(row)) << 4));
-}
-// Byte offset inside a row of chunk c | w' ^ ..., for a compile-time chunk index c and a lane /
-// warp dependent w (< SWZ_GROUP) that holds the XOR with the row key and the low bits that are not
-// known at compile time (bits of c below SWZ_GROUP must be disjoint from those w stands for).
-__device__ __forceinline__ u32 chunk_off(int c, int w) {
-    return (u32)((c & ~(SWZ_GROUP - 1)) * 16 + (((c & (SWZ_GROUP - 1)) ^ w) << 4));
-}
-
-// lse (natural log) -> the base-2 value subtracted from S*c; a row that sees no key (lse = -inf)
-// maps to +inf so that P = exp2(-inf) = 0 and inf - inf never occurs.
-__device__ __forceinline__ float lse_to_log2(float l) { return l == -INFINITY ? INFINITY : l * LOG2E; }
-
-// Global -> shared tile copies (as fwd_mma.cu). Thread tid copies chunk lc = tid % CHP of rows
-// lr = tid / CHP + i * LD_RSTEP; rows >= nvalid are zero-filled; chunks >= CH are never written.
-constexpr int CHP = CH <= 1 ? 1 : CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
-constexpr int LD_RSTEP = NTHR / CHP;
-
-template <int ROWS>
-__device__ __forceinline__ void load_tile(u32 dst_tile, const elem_t *src, long long stride, int nvalid,
-                                          const elem_t *fallback, int lr, int lc) {
-#pragma unroll 4
-    for (int i = 0; i < (ROWS + LD_RSTEP - 1) / LD_RSTEP; ++i) {
-        const bool in_tile = (ROWS % LD_RSTEP == 0 || lr + i * LD_RSTEP < ROWS) && (CHP == CH || lc < CH);
-        if (in_tile) {
-            const bool ok = i * LD_RSTEP < nvalid;
-            cp_async_16(dst_tile + smem_off(lr + i * LD_RSTEP, lc), ok ? src + i * LD_RSTEP * stride : fallback, ok);
-        }
-    }
+// The two score products of one warp, 16 rows x 8 NT8 columns over KS k16 steps, all operands read
+// with ldmatrix from row-major tiles (rows a_s, a_p: this lane's rows of the 16-row A blocks; b_s,
+// b_p: of the (8 NT8)-row B blocks): acc_s = A_s B_s^T and acc_p = A_p B_p^T.
+//   dkdv: S^T = K Q^T and dP^T = V dO^T;   dq: S = Q K^T and dP = dO V^T.
+template <int KS, int NT8>
+__device__ __forceinline__ void scores_and_dp(acc_t (&acc_s)[1][NT8][ACC_REGS], acc_t (&acc_p)[1][NT8][ACC_REGS],
+                                              u32 a_s, u32 b_s, u32 a_p, u32 b_p, int w) {
+#pragma unroll
+    for (int n = 0; n < NT8; ++n) { acc_zero(acc_s[0][n]); acc_zero(acc_p[0][n]); }
+    warp_gemm_abt<KS, 1, NT8 / 2>(acc_s, [&](int kk, int, u32(&a)[4]) { ldsm_x4(a, a_s + chunk_off(2 * kk, w)); }, b_s, w);
+    warp_gemm_abt<KS, 1, NT8 / 2>(acc_p, [&](int kk, int, u32(&a)[4]) { ldsm_x4(a, a_p + chunk_off(2 * kk, w)); }, b_p, w);
 }
 
 // Zero the chunks [CH, DKC) of `rows` rows from `tile` on: the head-dim tail the math reads but the
@@ -286,18 +250,16 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
     const u32 k_base = sK + kg * 16 * ROW_BYTES + frag_row;
     const u32 v_base = sV + kg * 16 * ROW_BYTES + frag_row;
 
-    acc_t acc_dk[2 * KV_DP][ACC_REGS], acc_dv[2 * KV_DP][ACC_REGS];
+    acc_t acc_dk[1][2 * KV_DP][ACC_REGS], acc_dv[1][2 * KV_DP][ACC_REGS];
 #pragma unroll
-    for (int n = 0; n < 2 * KV_DP; ++n) { acc_zero(acc_dk[n]); acc_zero(acc_dv[n]); }
+    for (int n = 0; n < 2 * KV_DP; ++n) { acc_zero(acc_dk[0][n]); acc_zero(acc_dv[0][n]); }
 
     // Loads of iteration `it` (query head hk*group + it / qt_per_head, tile qt0 + it % qt_per_head).
     auto load_stage = [&](int it, u32 st) {
         const int hq = hk * group + it / qt_per_head;
         const int m0 = (qt0 + it % qt_per_head) * BM;
-        const elem_t *q_ld = q + b * q_sb + hq * q_sh + (long long)(m0 + lr) * q_sn + lc * 8;
-        const elem_t *do_ld = dout + b * do_sb + hq * do_sh + (long long)(m0 + lr) * do_sn + lc * 8;
-        load_tile<BM>(st, q_ld, q_sn, nq - m0 - lr, q, lr, lc);
-        load_tile<BM>(st + ST_DO, do_ld, do_sn, nq - m0 - lr, dout, lr, lc);
+        load_head_rows<BM>(st, q, b, q_sb, hq, q_sh, q_sn, m0, nq, lr, lc);
+        load_head_rows<BM>(st + ST_DO, dout, b, do_sb, hq, do_sh, do_sn, m0, nq, lr, lc);
         const long long rb = ((long long)b * Hq + hq) * nq + m0;
         for (int i = tid; i < 2 * BM; i += NTHR) {
             const int r = i % BM;
@@ -311,24 +273,15 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
         // zero the head-dim tail the math reads ([FC_HEAD_DIM, KV_DK)), then K, V and stage 0
         zero_tail<KV_DK / 8>(smem, 0, 2 * BN, tid);
         for (int s = 0; s < STAGES_KV; ++s) zero_tail<KV_DK / 8>(smem, st0 - s_base + s * KV_STAGE_BYTES, 2 * BM, tid);
-        const elem_t *k_ld = k + b * k_sb + hk * k_sh + (long long)(n0 + lr) * k_sn + lc * 8;
-        const elem_t *v_ld = v + b * v_sb + hk * v_sh + (long long)(n0 + lr) * v_sn + lc * 8;
-        load_tile<BN>(sK, k_ld, k_sn, nk - n0 - lr, k, lr, lc);
-        load_tile<BN>(sV, v_ld, v_sn, nk - n0 - lr, v, lr, lc);
-        load_stage(0, st0);
-        cp_async_commit();
+        load_head_rows<BN>(sK, k, b, k_sb, hk, k_sh, k_sn, n0, nk, lr, lc);
+        load_head_rows<BN>(sV, v, b, v_sb, hk, v_sh, v_sn, n0, nk, lr, lc);
     }
+    pipeline_begin(n_it, st0, load_stage);  // K, V and stage 0: the first commit group
 
 #pragma unroll 1
     for (int it = 0; it < n_it; ++it) {
-        const u32 st = st0 + (STAGES_KV == 2 ? (it & 1) * KV_STAGE_BYTES : 0);
         // ---- tile `it` has landed; every warp is done with the other stage: prefetch it + 1 ----
-        cp_async_wait_all();
-        __syncthreads();
-        if (STAGES_KV == 2 && it + 1 < n_it) {
-            load_stage(it + 1, st0 + ((it + 1) & 1) * KV_STAGE_BYTES);
-            cp_async_commit();
-        }
+        const u32 st = pipeline_top<STAGES_KV>(it, n_it, st0, KV_STAGE_BYTES, load_stage);
         const int m0 = (qt0 + it % qt_per_head) * BM;
         // Masking is needed on tiles with rows >= nq or, causal, a query before some key's first.
         const bool need_mask = (m0 + BM > nq) || (FC_CAUSAL && m0 < n0 + BN - 1 - (nk - nq));
@@ -342,82 +295,47 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
             const u32 do_base = q_base + ST_DO;
 
             // ---- S^T = K Q^T and dP^T = V dO^T (16 keys x KV_QC queries) ----
-            acc_t acc_s[KV_QC / 8][ACC_REGS], acc_p[KV_QC / 8][ACC_REGS];
-#pragma unroll
-            for (int n = 0; n < KV_QC / 8; ++n) { acc_zero(acc_s[n]); acc_zero(acc_p[n]); }
-#pragma unroll
-            for (int kk = 0; kk < KV_KS; ++kk) {
-                u32 a[4];
-                ldsm_x4(a, k_base + chunk_off(2 * kk, frag_w));
-#pragma unroll
-                for (int np = 0; np < KV_QC / 16; ++np) {
-                    u32 bq[4];
-                    ldsm_x4(bq, q_base + np * 16 * ROW_BYTES + chunk_off(2 * kk, frag_w));
-                    mma_16816(acc_s[2 * np], a, bq[0], bq[2]);
-                    mma_16816(acc_s[2 * np + 1], a, bq[1], bq[3]);
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < KV_KS; ++kk) {
-                u32 a[4];
-                ldsm_x4(a, v_base + chunk_off(2 * kk, frag_w));
-#pragma unroll
-                for (int np = 0; np < KV_QC / 16; ++np) {
-                    u32 bq[4];
-                    ldsm_x4(bq, do_base + np * 16 * ROW_BYTES + chunk_off(2 * kk, frag_w));
-                    mma_16816(acc_p[2 * np], a, bq[0], bq[2]);
-                    mma_16816(acc_p[2 * np + 1], a, bq[1], bq[3]);
-                }
-            }
+            acc_t acc_s[1][KV_QC / 8][ACC_REGS], acc_p[1][KV_QC / 8][ACC_REGS];
+            scores_and_dp<KV_KS>(acc_s, acc_p, k_base, q_base, v_base, do_base, frag_w);
 
             // ---- P^T = exp2(S^T c - L_query), dS^T = P^T (dP^T - delta_query); both go straight
             //      into A fragments: k16 step kk of the next products is n8 tiles 2kk, 2kk+1 ----
-            u32 p_frag[KV_QC / 16][4], ds_frag[KV_QC / 16][4];
+            u32 p_frag[1][KV_QC / 16][4], ds_frag[1][KV_QC / 16][4];
 #pragma unroll
             for (int n = 0; n < KV_QC / 8; ++n) {
                 const int qcol = qr0 + n * 8 + 2 * t;  // query (in the tile) of elements 0, 2; +1: 1, 3
                 const float2 l2 = *reinterpret_cast<const float2 *>(s_lse + qcol);
                 const float2 d2 = *reinterpret_cast<const float2 *>(s_del + qcol);
-                const float lq[2] = {lse_to_log2(l2.x), lse_to_log2(l2.y)};
+                const float lq[2] = {fc_lse_log2(l2.x), fc_lse_log2(l2.y)};
                 const float dq2[2] = {d2.x, d2.y};
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     float p[2], ds[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        p[e] = fc_exp2(fmaf(acc_get(acc_s[n], 2 * hf + e), scale_log2, -lq[e]));
+                        p[e] = fc_softmax_p(acc_get(acc_s[0][n], 2 * hf + e), scale_log2, lq[e]);
                         if (need_mask) {
                             const int key = n0 + kg * 16 + g + 8 * hf, query = m0 + qcol + e;
-                            const bool vis = query < nq && (!FC_CAUSAL || key <= query + (nk - nq));
+                            const bool vis = query < nq && fc_visible(query, key, nq, nk);
                             p[e] = vis ? p[e] : 0.f;
                         }
-                        ds[e] = p[e] * (acc_get(acc_p[n], 2 * hf + e) - dq2[e]);
+                        ds[e] = p[e] * (acc_get(acc_p[0][n], 2 * hf + e) - dq2[e]);
                     }
-                    p_frag[n >> 1][hf + 2 * (n & 1)] = pack_elem2(p[0], p[1]);
-                    ds_frag[n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
+                    p_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(p[0], p[1]);
+                    ds_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
                     if (DQ_ATOMIC && dh == 0) {
                         // dS^T row = key kg*16 + g + 8hf, 16-byte chunk of queries qr0/8 + n, XOR g
                         const int krow = kg * 16 + g + 8 * hf;
                         *reinterpret_cast<u32 *>(smem + (sDS - s_base) + krow * DS_ROW +
-                                                 (((qr0 / 8 + n) ^ g) << 4) + 4 * t) = ds_frag[n >> 1][hf + 2 * (n & 1)];
+                                                 (((qr0 / 8 + n) ^ g) << 4) + 4 * t) = ds_frag[0][n >> 1][hf + 2 * (n & 1)];
                     }
                 }
             }
 
             // ---- dV += P^T dO, dK += dS^T Q (B operands: dO, Q rows = queries, by ldmatrix.trans) ----
-#pragma unroll
-            for (int kk = 0; kk < KV_QC / 16; ++kk) {
-#pragma unroll
-                for (int dp = 0; dp < KV_DP; ++dp) {
-                    u32 bo[4], bq[4];
-                    ldsm_x4_trans(bo, do_base + kk * 16 * ROW_BYTES + chunk_off(2 * KV_DSPLIT * dp, frag_wd));
-                    mma_16816(acc_dv[2 * dp], p_frag[kk], bo[0], bo[1]);
-                    mma_16816(acc_dv[2 * dp + 1], p_frag[kk], bo[2], bo[3]);
-                    ldsm_x4_trans(bq, q_base + kk * 16 * ROW_BYTES + chunk_off(2 * KV_DSPLIT * dp, frag_wd));
-                    mma_16816(acc_dk[2 * dp], ds_frag[kk], bq[0], bq[1]);
-                    mma_16816(acc_dk[2 * dp + 1], ds_frag[kk], bq[2], bq[3]);
-                }
-            }
+            const auto d16 = [](int dp) { return KV_DSPLIT * dp; };  // this warp's d16 column pairs
+            warp_gemm_ab<KV_QC / 16, KV_DP>(acc_dv, p_frag, do_base, frag_wd, d16);
+            warp_gemm_ab<KV_QC / 16, KV_DP>(acc_dk, ds_frag, q_base, frag_wd, d16);
         }
 
         if constexpr (DQ_ATOMIC) {
@@ -462,20 +380,16 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
             }
         }
 
-        if (STAGES_KV == 1 && it + 1 < n_it) {
-            __syncthreads();  // every warp is done with the single stage
-            load_stage(it + 1, st0);
-            cp_async_commit();
-        }
+        pipeline_bottom<STAGES_KV>(it, n_it, st0, load_stage);
     }
 
     // ---- epilogue: sum the QSPLIT partials, dK *= scale, round, 16-byte stores of keys < nk ----
     const long long out_off = (((long long)b * gridDim.y + hk) * nk + n0) * FC_HEAD_DIM;
     const int slot = kg + KV_KG * dh;
-    store_tile<BN, 2 * KV_DP, KV_QSPLIT, KV_KG * KV_DSPLIT, KV_DSPLIT>(smem, acc_dv, slot, qs, kg * 16, dh, 1.f,
+    store_tile<BN, 2 * KV_DP, KV_QSPLIT, KV_KG * KV_DSPLIT, KV_DSPLIT>(smem, acc_dv[0], slot, qs, kg * 16, dh, 1.f,
                                                                         dv + out_off, nk - n0);
-    store_tile<BN, 2 * KV_DP, KV_QSPLIT, KV_KG * KV_DSPLIT, KV_DSPLIT>(smem, acc_dk, slot, qs, kg * 16, dh,
-                                                                        scale_log2 * LN2, dk + out_off, nk - n0);
+    store_tile<BN, 2 * KV_DP, KV_QSPLIT, KV_KG * KV_DSPLIT, KV_DSPLIT>(smem, acc_dk[0], slot, qs, kg * 16, dh,
+                                                                        scale_log2 * FC_LN2, dk + out_off, nk - n0);
 }
 
 extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_mma(FC_BWD_PARAMS) {
@@ -494,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1)
 // dq = (scale_log2 ln 2) * dq_accum rounded to the element type; n4 = number of elements / 4.
 extern "C" __global__ void flash_bwd_dq_convert_mma(const float *__restrict__ dq_accum, elem_t *__restrict__ dq,
                                                    const long long n4, const float scale_log2) {
-    const float mul = scale_log2 * LN2;
+    const float mul = scale_log2 * FC_LN2;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
         const float4 x = reinterpret_cast<const float4 *>(dq_accum)[i];
         uint2 out;
@@ -519,21 +433,13 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
     const int g = lane >> 2, t = lane & 3;
     const int rg = warp % Q_RG, ks = warp / Q_RG;
 
-    // Causal CTAs run heaviest (last query block) first.
-#if FC_CAUSAL
-    const int mblk = gridDim.x - 1 - blockIdx.x;
-#else
-    const int mblk = blockIdx.x;
-#endif
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    const int m0 = mblk * BM;
+    const int m0 = fc_query_tile() * BM;
 
     // Key tiles [0, n_tiles) hold a key visible to some valid row; from mask_from on, some key is
     // invisible to some row (causal edge or keys >= nk).
-    const int last_key = fc_last_key(min(m0 + BM, nq) - 1, nq, nk);
-    const int n_tiles = last_key >= 0 ? last_key / BN + 1 : 0;
-    const int keys_all = fc_last_key(m0, nq, nk) + 1;
-    const int mask_from = keys_all > 0 ? keys_all / BN : 0;
+    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
+    const int n_tiles = tiles.n, mask_from = tiles.mask_from;
 
     const int lc = tid % CHP, lr = tid / CHP;
     const u32 frag_row = (lane & 15) * ROW_BYTES;
@@ -548,41 +454,31 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const int row = row_g + 8 * hf;
-        lrow[hf] = row < nq ? lse_to_log2(lse[row_base + row]) : INFINITY;
+        lrow[hf] = fc_row_lse_log2(lse + row_base, row, nq);
         drow[hf] = row < nq ? delta[row_base + row] : 0.f;
     }
 
-    acc_t acc_dq[2 * Q_KS][ACC_REGS];
+    acc_t acc_dq[1][2 * Q_KS][ACC_REGS];
 #pragma unroll
-    for (int n = 0; n < 2 * Q_KS; ++n) acc_zero(acc_dq[n]);
+    for (int n = 0; n < 2 * Q_KS; ++n) acc_zero(acc_dq[0][n]);
 
     auto load_kv = [&](int j, u32 st) {
-        const elem_t *k_ld = k + b * k_sb + hk * k_sh + (long long)(j * BN + lr) * k_sn + lc * 8;
-        const elem_t *v_ld = v + b * v_sb + hk * v_sh + (long long)(j * BN + lr) * v_sn + lc * 8;
-        load_tile<BN>(st, k_ld, k_sn, nk - j * BN - lr, k, lr, lc);
-        load_tile<BN>(st + ST_V, v_ld, v_sn, nk - j * BN - lr, v, lr, lc);
+        load_head_rows<BN>(st, k, b, k_sb, hk, k_sh, k_sn, j * BN, nk, lr, lc);
+        load_head_rows<BN>(st + ST_V, v, b, v_sb, hk, v_sh, v_sn, j * BN, nk, lr, lc);
     };
 
     if (n_tiles > 0) {
+        load_head_rows<BM>(sQ, q, b, q_sb, h, q_sh, q_sn, m0, nq, lr, lc);
+        load_head_rows<BM>(sDO, dout, b, do_sb, h, do_sh, do_sn, m0, nq, lr, lc);
+        // the head-dim tail the math reads ([FC_HEAD_DIM, Q_DK)), which no copy writes
         zero_tail<Q_DK / 8>(smem, 0, 2 * BM + STAGES_Q * 2 * BN, tid);
-        const elem_t *q_ld = q + b * q_sb + h * q_sh + (long long)(m0 + lr) * q_sn + lc * 8;
-        const elem_t *do_ld = dout + b * do_sb + h * do_sh + (long long)(m0 + lr) * do_sn + lc * 8;
-        load_tile<BM>(sQ, q_ld, q_sn, nq - m0 - lr, q, lr, lc);
-        load_tile<BM>(sDO, do_ld, do_sn, nq - m0 - lr, dout, lr, lc);
-        load_kv(0, st0);
-        cp_async_commit();
     }
+    pipeline_begin(n_tiles, st0, load_kv);  // Q, dO and stage 0: the first commit group
 
 #pragma unroll 1
     for (int j = 0; j < n_tiles; ++j) {
-        const u32 st = st0 + (STAGES_Q == 2 ? (j & 1) * Q_STAGE_BYTES : 0);
         // ---- K_j, V_j have landed; every warp is done with the other stage: prefetch j + 1 ----
-        cp_async_wait_all();
-        __syncthreads();
-        if (STAGES_Q == 2 && j + 1 < n_tiles) {
-            load_kv(j + 1, st0 + ((j + 1) & 1) * Q_STAGE_BYTES);
-            cp_async_commit();
-        }
+        const u32 st = pipeline_top<STAGES_Q>(j, n_tiles, st0, Q_STAGE_BYTES, load_kv);
         const bool need_mask = j >= mask_from;
 
 #pragma unroll 1
@@ -592,36 +488,11 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
             const u32 v_base = k_base + ST_V;
 
             // ---- S = Q K^T and dP = dO V^T (16 rows x Q_KC keys) ----
-            acc_t acc_s[Q_KC / 8][ACC_REGS], acc_p[Q_KC / 8][ACC_REGS];
-#pragma unroll
-            for (int n = 0; n < Q_KC / 8; ++n) { acc_zero(acc_s[n]); acc_zero(acc_p[n]); }
-#pragma unroll
-            for (int kk = 0; kk < Q_KS; ++kk) {
-                u32 a[4];
-                ldsm_x4(a, q_base + chunk_off(2 * kk, frag_w));
-#pragma unroll
-                for (int np = 0; np < Q_KC / 16; ++np) {
-                    u32 bk[4];
-                    ldsm_x4(bk, k_base + np * 16 * ROW_BYTES + chunk_off(2 * kk, frag_w));
-                    mma_16816(acc_s[2 * np], a, bk[0], bk[2]);
-                    mma_16816(acc_s[2 * np + 1], a, bk[1], bk[3]);
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < Q_KS; ++kk) {
-                u32 a[4];
-                ldsm_x4(a, do_base + chunk_off(2 * kk, frag_w));
-#pragma unroll
-                for (int np = 0; np < Q_KC / 16; ++np) {
-                    u32 bv[4];
-                    ldsm_x4(bv, v_base + np * 16 * ROW_BYTES + chunk_off(2 * kk, frag_w));
-                    mma_16816(acc_p[2 * np], a, bv[0], bv[2]);
-                    mma_16816(acc_p[2 * np + 1], a, bv[1], bv[3]);
-                }
-            }
+            acc_t acc_s[1][Q_KC / 8][ACC_REGS], acc_p[1][Q_KC / 8][ACC_REGS];
+            scores_and_dp<Q_KS>(acc_s, acc_p, q_base, k_base, do_base, v_base, frag_w);
 
             // ---- P = exp2(S c - L_row) (masked: 0), dS = P (dP - delta_row) -> A fragments ----
-            u32 ds_frag[Q_KC / 16][4];
+            u32 ds_frag[1][Q_KC / 16][4];
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int last = fc_last_key(row_g + 8 * hf, nq, nk) - (j * BN + kr0 + 2 * t);
@@ -630,35 +501,22 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
                     float ds[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        float p = fc_exp2(fmaf(acc_get(acc_s[n], 2 * hf + e), scale_log2, -lrow[hf]));
+                        float p = fc_softmax_p(acc_get(acc_s[0][n], 2 * hf + e), scale_log2, lrow[hf]);
                         if (need_mask && n * 8 + e > last) p = 0.f;
-                        ds[e] = p * (acc_get(acc_p[n], 2 * hf + e) - drow[hf]);
+                        ds[e] = p * (acc_get(acc_p[0][n], 2 * hf + e) - drow[hf]);
                     }
-                    ds_frag[n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
+                    ds_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
                 }
             }
 
             // ---- dQ += dS K (B operand: K rows = keys, by ldmatrix.trans) ----
-#pragma unroll
-            for (int kk = 0; kk < Q_KC / 16; ++kk) {
-#pragma unroll
-                for (int dp = 0; dp < Q_KS; ++dp) {
-                    u32 bk[4];
-                    ldsm_x4_trans(bk, k_base + kk * 16 * ROW_BYTES + chunk_off(2 * dp, frag_w));
-                    mma_16816(acc_dq[2 * dp], ds_frag[kk], bk[0], bk[1]);
-                    mma_16816(acc_dq[2 * dp + 1], ds_frag[kk], bk[2], bk[3]);
-                }
-            }
+            warp_gemm_ab<Q_KC / 16, Q_KS>(acc_dq, ds_frag, k_base, frag_w, [](int dp) { return dp; });
         }
 
-        if (STAGES_Q == 1 && j + 1 < n_tiles) {
-            __syncthreads();  // every warp is done with the single stage
-            load_kv(j + 1, st0);
-            cp_async_commit();
-        }
+        pipeline_bottom<STAGES_Q>(j, n_tiles, st0, load_kv);
     }
 
     // ---- epilogue: sum the KSPLIT partials, dQ *= scale, round, 16-byte stores of rows < nq ----
-    store_tile<BM, 2 * Q_KS, Q_KSPLIT, Q_RG, 1>(smem, acc_dq, rg, ks, rg * 16, 0, scale_log2 * LN2,
+    store_tile<BM, 2 * Q_KS, Q_KSPLIT, Q_RG, 1>(smem, acc_dq[0], rg, ks, rg * 16, 0, scale_log2 * FC_LN2,
                                                dq + (row_base + m0) * FC_HEAD_DIM, nq - m0);
 }

@@ -58,11 +58,11 @@ namespace bwd_simt {
 constexpr int BM = FC_BLOCK_M;
 constexpr int BN = FC_BLOCK_N;
 constexpr int D = FC_HEAD_DIM;
-constexpr int DP = (D + 15) / 16 * 16;  // head dim padded to whole 16-chunks (shared memory only)
+constexpr int DP = SIMT_DP;
 
-constexpr int TN = 16;                          // lanes per row group (half a warp)
+constexpr int TN = SIMT_TN;                     // lanes per row group (half a warp)
 constexpr int NRG = FC_NUM_THREADS / TN;        // row groups per CTA: 16
-constexpr int CHUNK = 16;                       // products per fp32 partial sum (mma k-extent)
+constexpr int CHUNK = SIMT_CHUNK;               // products per fp32 partial sum (mma k-extent)
 constexpr int DPT = DP / TN;                    // accumulator columns per lane: d = c + TN * i
 constexpr int SR = BM / NRG;                    // score-tile query rows per row group
 constexpr int KPT = BN / TN;                    // score-tile keys per lane:   key = c + TN * i
@@ -73,8 +73,6 @@ constexpr int KV_PITCH = DP + 4;   // K_j, V_j       [BN][DP + 4]
 constexpr int S_PITCH = BN + 4;    // P, dS (dkdv)   [BM][BN + 4]
 constexpr int ST_PITCH = BM + 4;   // dS^T (dq)      [BN][BM + 4]
 
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
 
 static_assert(BM == 16 || BM == 32 || BM == 64 || BM == 128, "FC_BLOCK_M must be 16, 32, 64 or 128");
 static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128, "FC_BLOCK_N must be 16, 32, 64 or 128");
@@ -82,105 +80,94 @@ static_assert(FC_NUM_THREADS == 256, "bwd_simt needs FC_NUM_THREADS == 256");
 static_assert(FC_HEAD_DIM_PAD == FC_HEAD_DIM, "bwd_simt computes with the true head dim");
 static_assert(2 * BN * DP <= 128 * FC_NUM_THREADS, "bwd_simt: dK, dV accumulators need BN * DP <= 16384");
 static_assert(BM * DP <= 128 * FC_NUM_THREADS, "bwd_simt: dQ accumulator needs BM * DP <= 32768");
+// The two layouts carved in the kernels below, against the build layer's figures (floats).
+static_assert(4 * (2 * BN * KV_PITCH + 2 * BM * ROW_PITCH + 2 * BM * S_PITCH + 2 * BM) == FC_SMEM_DKDV,
+              "dkdv shared memory differs from FC_SMEM_DKDV");
+static_assert(4 * (2 * BM * ROW_PITCH + 2 * BN * KV_PITCH + BN * ST_PITCH + 2 * BM) == FC_SMEM_DQ,
+              "dq shared memory differs from FC_SMEM_DQ");
 
 
-// Stage the row statistics of query rows m0 .. m0+BM-1: lse in log2 units (-inf past nq: those
-// rows see no key) and delta (0 past nq).
+// Stage the row statistics of query rows m0 .. m0+BM-1: the exponent offset fc_lse_log2(lse) (+inf
+// for rows that saw no key and rows past nq: their P is exp2(-inf) = 0) and delta (0 past nq).
 __device__ __forceinline__ void stage_row_stats(float* __restrict__ lse_s, float* __restrict__ delta_s,
                                                 const float* __restrict__ lse_head,
                                                 const float* __restrict__ delta_head, int m0, int nq) {
     for (int r = threadIdx.x; r < BM; r += FC_NUM_THREADS) {
         const int row = m0 + r;
-        lse_s[r] = row < nq ? lse_head[row] * LOG2E : -INFINITY;
+        lse_s[r] = fc_row_lse_log2(lse_head, row, nq);
         delta_s[r] = row < nq ? delta_head[row] : 0.f;
     }
 }
 
-// acc[t][g] = sum_d A[t][d] * B[g][d] for this row group's SR rows of A (pitch ROW_PITCH) and this
-// lane's GS rows of B (pitch KV_PITCH, TN rows apart), in accumulator precision: fp32 partial
-// sums over 16 head-dim columns, each added to the accumulator with one rounding.
-__device__ __forceinline__ void rows_dot_keys(const float* __restrict__ a_rows, const float* __restrict__ b_rows,
-                                              float (&acc)[SR][GS]) {
+// f(row, t, i, d) for each accumulator cell this thread owns in the epilogue: row = first + rg * TR
+// + t (rows >= limit skipped) and head-dim column d = c + TN * i (< D).
+template <int TR, typename F>
+__device__ __forceinline__ void for_each_own_cell(int first, int limit, F f) {
+    const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
 #pragma unroll
-    for (int t = 0; t < SR; ++t)
+    for (int t = 0; t < TR; ++t) {
+        const int r = first + rg * TR + t;
+        if (r >= limit) continue;
 #pragma unroll
-        for (int g = 0; g < GS; ++g) acc[t][g] = 0.f;
-#pragma unroll 1
-    for (int d0 = 0; d0 < DP; d0 += CHUNK) {
-        float part[SR][GS] = {};
-#pragma unroll
-        for (int d = d0; d < d0 + CHUNK; d += 4) {
-            float4 bv[GS];
-#pragma unroll
-            for (int g = 0; g < GS; ++g) bv[g] = *reinterpret_cast<const float4*>(b_rows + g * TN * KV_PITCH + d);
-#pragma unroll
-            for (int t = 0; t < SR; ++t) {
-                const float4 av = *reinterpret_cast<const float4*>(a_rows + t * ROW_PITCH + d);
-#pragma unroll
-                for (int g = 0; g < GS; ++g) {
-                    part[t][g] += av.x * bv[g].x;
-                    part[t][g] += av.y * bv[g].y;
-                    part[t][g] += av.z * bv[g].z;
-                    part[t][g] += av.w * bv[g].w;
-                }
-            }
+        for (int i = 0; i < DPT; ++i) {
+            const int d = c + TN * i;
+            if (d < D) f(r, t, i, d);
         }
-#pragma unroll
-        for (int t = 0; t < SR; ++t)
-#pragma unroll
-            for (int g = 0; g < GS; ++g) acc[t][g] = fc_round_acc(acc[t][g] + part[t][g]);
     }
 }
 
 // Equations (1)-(4) for query rows m0.. (Q_i, dO_i, row stats staged) and keys n0.. (K_j, V_j
-// staged). TRANSPOSED = false (dkdv): round(P) goes to p_s[row][key] and round(dS) to
-// ds_s[row][key] (pitch S_PITCH). TRANSPOSED = true (dq): round(dS) goes to ds_s[key][row] (pitch
-// ST_PITCH); p_s must equal ds_s and only holds the fp32 P between the two passes.
+// staged), in two passes over this thread's score-tile entries, GS keys at a time:
+//   PASS 1: S = Q K^T and P, kept in fp32 in this thread's slots of p_s;
+//   PASS 2: dP = dO V^T and dS from the P of pass 1.
+// TRANSPOSED = false (dkdv): round(P) goes to p_s[row][key] and round(dS) to ds_s[row][key] (pitch
+// S_PITCH). TRANSPOSED = true (dq): round(dS) goes to ds_s[key][row] (pitch ST_PITCH); p_s must
+// equal ds_s and only holds the fp32 P between the two passes.
 // Each thread reads back only slots it wrote itself, so no barrier is needed inside.
+template <bool TRANSPOSED, int PASS>
+__device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const float* __restrict__ b_s,
+                                           const float* __restrict__ lse_s, const float* __restrict__ delta_s,
+                                           float* p_s, float* ds_s, int m0, int n0, int nq, int nk,
+                                           float scale_log2) {
+    const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
+    const int r0 = rg * SR;  // first tile row of this row group
+    auto slot = [&](int t, int kcol) { return TRANSPOSED ? kcol * ST_PITCH + r0 + t : (r0 + t) * S_PITCH + kcol; };
+#pragma unroll 1
+    for (int i0 = 0; i0 < KPT; i0 += GS) {
+        float x[SR][GS];  // pass 1: S (1); pass 2: dP (3)
+        simt_dot_rows<SR, GS, ROW_PITCH, KV_PITCH>(a_s + r0 * ROW_PITCH, b_s + (c + TN * i0) * KV_PITCH, x);
+#pragma unroll
+        for (int t = 0; t < SR; ++t)
+#pragma unroll
+            for (int g = 0; g < GS; ++g) {
+                const int kcol = c + TN * (i0 + g);
+                if constexpr (PASS == 1) {
+                    const int row = m0 + r0 + t, key = n0 + kcol;
+                    const float lse_log2 = lse_s[r0 + t];
+                    // (P would be exp2(-inf) = 0 for rows past nq and rows that saw no key anyway;
+                    // testing it costs fewer registers than computing it)
+                    const bool visible = row < nq && fc_visible(row, key, nq, nk) && lse_log2 != INFINITY;
+                    // (2) P = exp2(S * scale_log2 - lse * log2(e)); 0 where masked or the row saw no key
+                    p_s[slot(t, kcol)] = visible ? fc_softmax_p(x[t][g], scale_log2, lse_log2) : 0.f;
+                } else {
+                    const float p = p_s[slot(t, kcol)];
+                    // (4) dS = P * (dP - delta); exactly 0 where P is (masked entries never see dP)
+                    const float ds = p == 0.f ? 0.f : p * (x[t][g] - delta_s[r0 + t]);
+                    if (!TRANSPOSED) p_s[slot(t, kcol)] = fc_round_elem(p);
+                    ds_s[slot(t, kcol)] = fc_round_elem(ds);
+                }
+            }
+    }
+}
+
 template <bool TRANSPOSED>
 __device__ __forceinline__ void p_ds_tile(const float* __restrict__ q_s, const float* __restrict__ k_s,
                                           const float* __restrict__ do_s, const float* __restrict__ v_s,
                                           const float* __restrict__ lse_s, const float* __restrict__ delta_s,
                                           float* p_s, float* ds_s, int m0, int n0, int nq, int nk,
                                           float scale_log2) {
-    const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
-    const int r0 = rg * SR;  // first tile row of this row group
-    auto slot = [&](int t, int kcol) { return TRANSPOSED ? kcol * ST_PITCH + r0 + t : (r0 + t) * S_PITCH + kcol; };
-
-    // Pass 1: S and P, kept in fp32 in this thread's slots of p_s.
-#pragma unroll 1
-    for (int i0 = 0; i0 < KPT; i0 += GS) {
-        float s[SR][GS];
-        rows_dot_keys(q_s + r0 * ROW_PITCH, k_s + (c + TN * i0) * KV_PITCH, s);  // (1) S = Q K^T
-#pragma unroll
-        for (int t = 0; t < SR; ++t)
-#pragma unroll
-            for (int g = 0; g < GS; ++g) {
-                const int row = m0 + r0 + t, kcol = c + TN * (i0 + g), key = n0 + kcol;
-                const float lse_log2 = lse_s[r0 + t];
-                const bool visible = row < nq && key <= fc_last_key(row, nq, nk) && lse_log2 != -INFINITY;
-                // (2) P = exp2(S * scale_log2 - lse * log2(e)); 0 where masked or the row saw no key
-                p_s[slot(t, kcol)] = visible ? fc_exp2(s[t][g] * scale_log2 - lse_log2) : 0.f;
-            }
-    }
-
-    // Pass 2: dP and dS.
-#pragma unroll 1
-    for (int i0 = 0; i0 < KPT; i0 += GS) {
-        float dp[SR][GS];
-        rows_dot_keys(do_s + r0 * ROW_PITCH, v_s + (c + TN * i0) * KV_PITCH, dp);  // (3) dP = dO V^T
-#pragma unroll
-        for (int t = 0; t < SR; ++t)
-#pragma unroll
-            for (int g = 0; g < GS; ++g) {
-                const int kcol = c + TN * (i0 + g);
-                const float p = p_s[slot(t, kcol)];
-                // (4) dS = P * (dP - delta); exactly 0 where P is (masked entries never see dP)
-                const float ds = p == 0.f ? 0.f : p * (dp[t][g] - delta_s[r0 + t]);
-                if (!TRANSPOSED) p_s[slot(t, kcol)] = fc_round_elem(p);
-                ds_s[slot(t, kcol)] = fc_round_elem(ds);
-            }
-    }
+    score_pass<TRANSPOSED, 1>(q_s, k_s, lse_s, delta_s, p_s, ds_s, m0, n0, nq, nk, scale_log2);
+    score_pass<TRANSPOSED, 2>(do_s, v_s, lse_s, delta_s, p_s, ds_s, m0, n0, nq, nk, scale_log2);
 }
 
 // (5) acc[t][i] += sum_k A[k][r0 + t] * B[k][c + TN * i] over the first n_k rows k of A and B
@@ -192,46 +179,7 @@ __device__ __forceinline__ void accumulate_tn(const float* __restrict__ a, const
     constexpr int GO_MAX = 32 / TR < 8 ? 32 / TR : 8;
     constexpr int GO = DPT < GO_MAX ? DPT : GO_MAX;  // head-dim columns per register block
     const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
-    const float* a_cols = a + rg * TR;
-    const float* b_cols = b + c;
-#pragma unroll
-    for (int i0 = 0; i0 < DPT; i0 += GO) {
-        // Reload A for every column block rather than keep a chunk of it live next to acc.
-        asm volatile("" ::: "memory");
-#pragma unroll 1
-        for (int k0 = 0; k0 < n_k; k0 += CHUNK) {
-            float part[TR][GO] = {};
-#pragma unroll
-            for (int kk = k0; kk < k0 + CHUNK; ++kk) {
-                float av[TR];
-                if constexpr (TR % 4 == 0) {
-#pragma unroll
-                    for (int t = 0; t < TR; t += 4) {
-                        const float4 x = *reinterpret_cast<const float4*>(a_cols + kk * A_PITCH + t);
-                        av[t] = x.x;
-                        av[t + 1] = x.y;
-                        av[t + 2] = x.z;
-                        av[t + 3] = x.w;
-                    }
-                } else {
-#pragma unroll
-                    for (int t = 0; t < TR; ++t) av[t] = a_cols[kk * A_PITCH + t];
-                }
-                float bv[GO];
-#pragma unroll
-                for (int g = 0; g < GO; ++g) bv[g] = i0 + g < DPT ? b_cols[kk * B_PITCH + (i0 + g) * TN] : 0.f;
-#pragma unroll
-                for (int t = 0; t < TR; ++t)
-#pragma unroll
-                    for (int g = 0; g < GO; ++g) part[t][g] += av[t] * bv[g];
-            }
-#pragma unroll
-            for (int t = 0; t < TR; ++t)
-#pragma unroll
-                for (int g = 0; g < GO; ++g)
-                    if (i0 + g < DPT) acc[t][i0 + g] = fc_round_acc(acc[t][i0 + g] + part[t][g]);
-        }
-    }
+    simt_accumulate<TR, DPT, GO, false, A_PITCH, B_PITCH>(a + rg * TR, b + c, n_k, acc);
 }
 
 // Number of rows (of a tile of `tile` rows starting at global row `first`, `limit` rows in all)
@@ -307,7 +255,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
     }
 
     // Epilogue: dk = scale * dK, dv = dV in the element type; keys past nk are not written.
-    const float scale = scale_log2 * LN2;
+    // (Written out: through for_each_own_cell's lambda ptxas spends up to 24 more registers here.)
+    const float scale = scale_log2 * FC_LN2;
 #pragma unroll
     for (int t = 0; t < TR; ++t) {
         const int key = n0 + rg * TR + t;
@@ -377,16 +326,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_sim
     }
 
     // Epilogue: dq = scale * dQ in the element type; rows past nq are not written.
-    const float scale = scale_log2 * LN2;
-#pragma unroll
-    for (int t = 0; t < TR; ++t) {
-        const int row = m0 + rg * TR + t;
-        if (row >= nq) continue;
-        const long long row_id = (b * hq + h) * nq + row;
-#pragma unroll
-        for (int i = 0; i < DPT; ++i) {
-            const int d = c + TN * i;
-            if (d < D) dq[row_id * D + d] = fc_from_float<elem_t>(dq_acc[t][i] * scale);
-        }
-    }
+    const float scale = scale_log2 * FC_LN2;
+    for_each_own_cell<TR>(m0, nq, [&](int row, int t, int i, int d) {
+        dq[((b * hq + h) * nq + row) * D + d] = fc_from_float<elem_t>(dq_acc[t][i] * scale);
+    });
 }

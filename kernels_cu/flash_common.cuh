@@ -1,4 +1,4 @@
-// flash_common.cuh: what every flashcupy forward kernel family shares.
+// flash_common.cuh: what every flashcupy kernel family shares.
 //
 // Compile-time knobs, set by flashcupy/_build.py from the variant key (never edit by hand):
 //   FC_DTYPE                   element type of q, k, v, o: 0 float32, 1 float16, 2 bfloat16
@@ -11,6 +11,10 @@
 //   FC_CAUSAL                  1: key j is visible to query i iff j <= i + (nk - nq) (bottom-right)
 //   FC_ABLATE_MAX_SUBTRACTION  1: exponentiate raw scores; sum and output on one fixed scale
 //   FC_ABLATE_RESCALING        1: subtract each tile's own max, never rescale the running state
+//                              (both act only inside fc_softmax_step below)
+//   FC_SMEM_<ROLE>, FC_SMEM_LIMIT  the dynamic shared memory each kernel is launched with and the
+//                              device's opt-in limit (bytes); each kernel static_asserts its own
+//                              layout against its figure, so a drift fails the compile
 //
 // Rounding model (the NumPy twin in flashcupy/_twin.py implements the same one):
 //   accum fp32: S = Q K^T accumulated in fp32; m, l, O in fp32; P = exp2(S*scale_log2 - m*scale_log2)
@@ -73,15 +77,48 @@ __device__ __forceinline__ float fc_round_acc(float x) {
 #endif
 }
 
+// ln 2 and log2 e, the two constants between the natural-log LSE and the base-2 exponentials.
+constexpr float FC_LN2 = 0.6931471805599453f;
+constexpr float FC_LOG2E = 1.4426950408889634f;
+
 // 2^x by the SFU (ex2.approx.ftz.f32: about 2 ulp, subnormal results flushed to 0). Every
-// exponential in the forward kernels goes through here: exp(x) = fc_exp2(x * log2(e)).
+// exponential in the kernels goes through here: exp(x) = fc_exp2(x * log2(e)).
 __device__ __forceinline__ float fc_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 
-// Last key index query row `row` may see (inclusive), causal or not.
+#if FC_DTYPE != 0
+// Two floats rounded to the 16-bit element type and packed in one register (lo in the low half:
+// the lower column index), as the tensor-core fragments hold them.
+__device__ __forceinline__ unsigned int pack_elem2(float lo, float hi) {
+#if FC_DTYPE == 1
+    __half2 v = __floats2half2_rn(lo, hi);
+#else
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+#endif
+    return *reinterpret_cast<unsigned int *>(&v);
+}
+#endif
+
+// Max / sum over the 4 lanes (xor 1, 2) that share a row of a tensor-core accumulator fragment
+// (mma.sync m16n8 and wgmma m64nN: lane 4g + t holds columns 2t, 2t + 1 of row g).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal masking, the one place the rule is written: query row i (0 <= i < nq) sees key j
+// (0 <= j < nk) iff j <= i + (nk - nq) (bottom-right aligned, FlashAttention-2's convention), and
+// every key without FC_CAUSAL. A row with i + (nk - nq) < 0 sees no key.
+// ---------------------------------------------------------------------------------------------
+// Last key index query row `row` may see (inclusive; < 0 when it sees none).
 __device__ __forceinline__ int fc_last_key(int row, int nq, int nk) {
 #if FC_CAUSAL
     return min(row + (nk - nq), nk - 1);
@@ -89,10 +126,111 @@ __device__ __forceinline__ int fc_last_key(int row, int nq, int nk) {
     return nk - 1;
 #endif
 }
+__device__ __forceinline__ bool fc_visible(int row, int key, int nq, int nk) { return key <= fc_last_key(row, nq, nk); }
+
+// The query tile of this CTA (blockIdx.x of a grid of ceil(nq / BM) tiles). Causal grids run the
+// heaviest tiles (the last query rows, which see the most keys) first.
+__device__ __forceinline__ int fc_query_tile() {
+#if FC_CAUSAL
+    return gridDim.x - 1 - blockIdx.x;
+#else
+    return blockIdx.x;
+#endif
+}
+
+// The key tiles (BN keys each) that the query rows [m0, min(m0 + rows, nq)) of one CTA visit:
+// tiles [0, n) hold a key visible to some of those rows; from tile mask_from on, some key of a tile
+// is invisible to some row (causal edge, or keys >= nk), so those tiles are masked.
+struct FcKeyTiles {
+    int n, mask_from;
+};
+template <int BN>
+__device__ __forceinline__ FcKeyTiles fc_key_tiles(int m0, int rows, int nq, int nk) {
+    const int last_key = fc_last_key(min(m0 + rows, nq) - 1, nq, nk);
+    const int keys_all = fc_last_key(m0, nq, nk) + 1;  // keys visible to every row
+    return {last_key >= 0 ? last_key / BN + 1 : 0, keys_all > 0 ? keys_all / BN : 0};
+}
 
 // The value subtracted from every scaled score before exp2 for a row whose running max is m
 // (in raw-score units). -inf (no key seen yet) maps to 0 so that exp2(-inf - (-inf)) never occurs.
 __device__ __forceinline__ float fc_safe_max(float m) { return m == -INFINITY ? 0.f : m; }
+
+// ---------------------------------------------------------------------------------------------
+// The online softmax, one step per query row and key tile j, for every family (c = scale_log2 =
+// scale * log2 e; m in raw-score units):
+//     m_new = max(m, rowmax(S_j))                 the running max
+//     sub   = m_new * c                           the exponent offset: P_j = exp2(S_j c - sub)
+//     alpha = exp2(m c - sub)                     the rescale factor of the old l and O
+//     l     = alpha * l + rowsum(P_j),   O = alpha * O + P_j V_j,   m = m_new
+// and after the last tile  o = O / l,  lse = m * scale + ln(l). A max of -inf (nothing seen
+// yet) subtracts 0, so -inf - (-inf) never occurs; alpha is then 0 (l = 0, O = 0 anyway).
+//
+// The two breaks are the two lines of fc_softmax_step marked REMOVED:
+//   FC_ABLATE_MAX_SUBTRACTION: sub = 0. No max is tracked at all (m keeps its initial -inf and
+//       is never read): scores are exponentiated raw on the fixed scale exp(0), nothing is ever
+//       rescaled (alpha = 1), and lse = ln(l). exp overflows once a score passes ln(max finite).
+//   FC_ABLATE_RESCALING: alpha = 1. Each tile subtracts its own max (finite: nothing overflows)
+//       and the running l and O are never brought to the new max, so tiles are summed on
+//       different scales: finite and wrong. m still tracks the max over tiles (used by lse).
+// ---------------------------------------------------------------------------------------------
+// Whether alpha can differ from 1: with either break it is the constant 1, and a family skips its
+// O *= alpha loop (the identity) by testing this.
+constexpr bool FC_SOFTMAX_RESCALES = !FC_ABLATE_MAX_SUBTRACTION && !FC_ABLATE_RESCALING;
+
+// One step: `tile_max()` returns rowmax(S_j) of this row over the lanes that share it (it is not
+// called when the max is not used). Updates m; returns the exponent offset, sets alpha.
+template <typename TileMax>
+__device__ __forceinline__ float fc_softmax_step(float &m, float &alpha, float c, TileMax tile_max) {
+#if FC_ABLATE_MAX_SUBTRACTION
+    alpha = 1.f;
+    return 0.f;  // REMOVED: the max subtraction (sub = max(m, rowmax S_j) * c)
+#else
+    const float mx = tile_max();
+    const float m_new = fmaxf(m, mx);
+#if FC_ABLATE_RESCALING
+    const float sub = fc_safe_max(mx) * c;  // each tile on its own max
+    alpha = 1.f;                            // REMOVED: the rescaling (alpha = exp2(m c - sub))
+#else
+    const float sub = fc_safe_max(m_new) * c;
+    alpha = fc_exp2(m * c - sub);  // 0 while m = -inf
+#endif
+    m = m_new;
+    return sub;
+#endif
+}
+
+// P = exp2(S c - sub) in fp32, for one score S of the row.
+__device__ __forceinline__ float fc_softmax_p(float s, float c, float sub) { return fc_exp2(fmaf(s, c, -sub)); }
+
+// l = alpha * l + rowsum(P): fp32 accumulators keep it as one fma (a family may hold per-lane
+// partials and reduce them at the end); fp16 accumulators round alpha * l and the sum in fp32
+// and the result once to fp16, as the NumPy twin does.
+__device__ __forceinline__ float fc_softmax_l(float l, float alpha, float rowsum) {
+#if FC_ACCUM_F16
+    return fc_round_acc(__fadd_rn(__fmul_rn(alpha, l), rowsum));
+#else
+    return alpha * l + rowsum;
+#endif
+}
+
+// The final LSE (natural log) of a row from its m and l: -inf for a row that saw no key (l = 0).
+__device__ __forceinline__ float fc_softmax_lse(float m, float l, float c) {
+#if FC_ABLATE_MAX_SUBTRACTION
+    const float lse = logf(l);  // no max was subtracted: l sits on the fixed scale exp(0)
+#else
+    const float lse = m * (c * FC_LN2) + logf(l);
+#endif
+    return l == 0.f ? -INFINITY : lse;
+}
+
+// The backward's exponent offset from a saved LSE: P = exp2(S c - fc_lse_log2(lse)). A row that
+// saw no key (lse = -inf) maps to +inf, so that its P is exp2(-inf) = 0 with no test and
+// inf - inf never occurs. Rows past nq use +inf too.
+__device__ __forceinline__ float fc_lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * FC_LOG2E; }
+// The same for query row `row` of a row of LSEs, +inf for rows past nq as well.
+__device__ __forceinline__ float fc_row_lse_log2(const float *lse, int row, int nq) {
+    return (row < nq && lse[row] != -INFINITY) ? lse[row] * FC_LOG2E : INFINITY;
+}
 
 // The one parameter list of every forward kernel. Strides are in elements; the last axis of
 // q, k, v is contiguous. o is (B, Hq, nq, FC_HEAD_DIM) contiguous; lse is (B, Hq, nq) float32.

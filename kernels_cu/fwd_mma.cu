@@ -43,52 +43,23 @@
 #include "flash_common.cuh"
 #include "mma_common.cuh"
 
-#if FC_DTYPE != 1 && FC_DTYPE != 2
-#error "flash_fwd_mma needs FC_DTYPE 1 (float16) or 2 (bfloat16)"
-#endif
-#if FC_ACCUM_F16 && FC_DTYPE != 1
-#error "flash_fwd_mma: FC_ACCUM_F16 requires FC_DTYPE 1 (float16)"
-#endif
-
 constexpr int BM = FC_BLOCK_M;
 constexpr int BN = FC_BLOCK_N;
-constexpr int NTHR = FC_NUM_THREADS;
-constexpr int NWARPS = NTHR / 32;
 constexpr int RW = BM / NWARPS;                  // query rows per warp
 constexpr int MT = RW / 16;                      // m16 tiles per warp
 constexpr int NT = BN / 8;                       // n8 tiles of S per m16 tile
 constexpr int DK = (FC_HEAD_DIM + 15) / 16 * 16; // head dim actually multiplied (zero tail < 16)
 constexpr int KS = DK / 16;                      // k16 steps of Q K^T == d16 column pairs of O
 constexpr int ON = DK / 8;                       // n8 tiles of O per m16 tile
-constexpr int CPR = FC_HEAD_DIM_PAD / 8;         // 16-byte chunks per shared-memory row
-constexpr int CH = FC_HEAD_DIM / 8;              // chunks per row that hold data
 // Q fragments stay in registers when they are cheap (one m16 tile, d <= 128); else ldmatrix.
 constexpr bool Q_IN_REGS = (MT == 1) && (KS <= 8);
 
 static_assert(NTHR % 32 == 0 && BM % NWARPS == 0, "FC_NUM_THREADS must split FC_BLOCK_M evenly");
 static_assert(RW == 16 || RW == 32, "each warp must own 16 or 32 query rows");
 static_assert(BN % 16 == 0, "FC_BLOCK_N must be a multiple of 16");
-static_assert(CPR % 4 == 0 && DK <= FC_HEAD_DIM_PAD, "FC_HEAD_DIM_PAD must be a multiple of 32");
+static_assert(DK <= FC_HEAD_DIM_PAD, "FC_HEAD_DIM_PAD covers the multiplied head dim");
+static_assert((BM + 2 * BN) * ROW_BYTES == FC_SMEM_FWD, "shared memory (Q, K, V tiles) differs from FC_SMEM_FWD");
 
-
-// ---------------------------------------------------------------------------------------------
-// Shared-memory layout: a tile is [rows][CPR chunks of 16 bytes]. Chunk c of row r is stored at
-// position c ^ key(r) within its row. 8 consecutive rows (starting at a multiple of 8) hit 8
-// distinct 128-byte bank groups: with CPR % 8 == 0 through key = r & 7; with CPR % 8 == 4 the
-// row pitch alternates by half a bank cycle, and key = (r >> 1) & 3 covers the other half.
-// ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ int swz_key(int row) { return (CPR % 8 == 0) ? (row & 7) : ((row >> 1) & 3); }
-__device__ __forceinline__ u32 smem_off(int row, int chunk) {
-    return (u32)((row * CPR + (chunk ^ swz_key(row))) * 16);
-}
-
-// Byte offset, inside its row, of chunk 2*kk + x for a lane with w = x ^ key(row): the XOR only
-// touches the low bits of the chunk index, so the lane-dependent part takes few distinct values
-// and the rest folds into the ldmatrix immediate offset.
-constexpr int SWZ_GROUP = (CPR % 8 == 0) ? 8 : 4;
-__device__ __forceinline__ u32 frag_col_off(int kk, int w) {
-    return (u32)(((2 * kk) & ~(SWZ_GROUP - 1)) * 16 + ((((2 * kk) & (SWZ_GROUP - 1)) ^ w) << 4));
-}
 
 // Element i := -inf (a masked score).
 __device__ __forceinline__ void acc_set_neg_inf(acc_t (&c)[ACC_REGS], int i) {
@@ -112,57 +83,19 @@ __device__ __forceinline__ void acc_scale(acc_t (&c)[ACC_REGS], float a0, float 
 #endif
 }
 
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-// Global -> shared tile copies. Thread tid always copies chunk lc = tid % CHP of rows
-// lr = tid / CHP + i * LD_RSTEP (chunk slots rounded up to a power of two, so that the per-thread
-// offsets are loop invariant and cheap; slots lc >= CH idle). Rows >= nvalid are zero-filled
-// (src-size 0, the source then is just some valid address); chunks past FC_HEAD_DIM are never
-// written by the copies.
-constexpr int CHP = CH <= 1 ? 1 : CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
-constexpr int LD_RSTEP = NTHR / CHP;  // rows covered by one pass of the CTA
-
-template <int ROWS>
-__device__ __forceinline__ void load_tile(u32 dst_tile, const elem_t *src, long long stride, int nvalid,
-                                          const elem_t *fallback, int lr, int lc) {
-    // src: this thread's chunk in its first row lr; nvalid: valid rows counted from lr.
-    // Unrolled only partially: fully unrolled, the per-pass offsets are loop invariant for the
-    // compiler and get hoisted out of the KV loop into registers the main loop needs.
-#pragma unroll 4
-    for (int i = 0; i < (ROWS + LD_RSTEP - 1) / LD_RSTEP; ++i) {
-        const bool in_tile = (ROWS % LD_RSTEP == 0 || lr + i * LD_RSTEP < ROWS) && (CHP == CH || lc < CH);
-        if (in_tile) {
-            const bool ok = i * LD_RSTEP < nvalid;
-            cp_async_16(dst_tile + smem_off(lr + i * LD_RSTEP, lc), ok ? src + i * LD_RSTEP * stride : fallback, ok);
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FWD_PARAMS) {
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 sQ = (u32)__cvta_generic_to_shared(smem);  // [BM][CPR]
-    const u32 sK = sQ + BM * CPR * 16;                     // [BN][CPR]
-    const u32 sV = sK + BN * CPR * 16;                     // [BN][CPR]
+    const u32 sK = sQ + BM * ROW_BYTES;                    // [BN][CPR]
+    const u32 sV = sK + BN * ROW_BYTES;                    // [BN][CPR]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: row g (and g+8), columns 2t, 2t+1
 
-    // Causal CTAs run heaviest (last query block) first.
-#if FC_CAUSAL
-    const int mblk = gridDim.x - 1 - blockIdx.x;
-#else
-    const int mblk = blockIdx.x;
-#endif
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    const int m0 = mblk * BM;
+    const int m0 = fc_query_tile() * BM;
     // This thread's load chunk lc and first load row lr (see load_tile); K and V pointers advance
     // by one tile per iteration.
     const int lc = tid % CHP, lr = tid / CHP;
@@ -172,10 +105,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
 
     // Key tiles [0, n_tiles) hold a key visible to some valid row of this CTA; tiles from
     // mask_from on hold a key invisible to some row (causal edge or keys >= nk) and are masked.
-    const int last_key = fc_last_key(min(m0 + BM, nq) - 1, nq, nk);
-    const int n_tiles = last_key >= 0 ? last_key / BN + 1 : 0;
-    const int keys_all = fc_last_key(m0, nq, nk) + 1;  // keys visible to every row of the CTA
-    const int mask_from = keys_all > 0 ? keys_all / BN : 0;
+    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
+    const int n_tiles = tiles.n, mask_from = tiles.mask_from;
 
     const int wrow = warp * RW;            // first CTA row of this warp
     const int row_g = m0 + wrow + g;       // query row of accumulator row g of m16 tile 0
@@ -186,9 +117,9 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
     //   K (B operand, keys x d):     r0, r2 = b0, b1 of n8 tile 2np; r1, r3 = those of 2np+1
     //   V (B operand .trans, keys x d): r0, r1 = b0, b1 of d8 tile 2dp; r2, r3 = those of 2dp+1
     // Fragment rows start at multiples of 16, so the swizzle key is that of row l & 7.
-    const u32 frag_row = (lane & 15) * CPR * 16;
+    const u32 frag_row = (lane & 15) * ROW_BYTES;
     const int frag_w = (lane >> 4) ^ swz_key(lane & 7);
-    const u32 a_base = sQ + wrow * CPR * 16 + frag_row;
+    const u32 a_base = sQ + wrow * ROW_BYTES + frag_row;
     const u32 k_base = sK + frag_row;
     const u32 v_base = sV + frag_row;
 
@@ -236,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
 
         if (Q_IN_REGS && j == 0) {
 #pragma unroll
-            for (int kk = 0; kk < KS; ++kk) ldsm_x4(q_frag[kk], a_base + frag_col_off(kk, frag_w));
+            for (int kk = 0; kk < KS; ++kk) ldsm_x4(q_frag[kk], a_base + chunk_off(2 * kk, frag_w));
         }
 
         // ---- S = Q K_j^T ----
@@ -245,29 +176,14 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) acc_zero(acc_s[mt][nt]);
+        warp_gemm_abt<KS, MT, NT / 2>(acc_s, [&](int kk, int mt, u32(&a)[4]) {
+            if (Q_IN_REGS) {
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            u32 a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (Q_IN_REGS) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[Q_IN_REGS ? kk : 0][i];
-                } else {
-                    ldsm_x4(a[mt], a_base + mt * 16 * CPR * 16 + frag_col_off(kk, frag_w));
-                }
+                for (int i = 0; i < 4; ++i) a[i] = q_frag[Q_IN_REGS ? kk : 0][i];
+            } else {
+                ldsm_x4(a, a_base + mt * 16 * ROW_BYTES + chunk_off(2 * kk, frag_w));
             }
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                u32 bk[4];
-                ldsm_x4(bk, k_base + np * 16 * CPR * 16 + frag_col_off(kk, frag_w));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816(acc_s[mt][2 * np], a[mt], bk[0], bk[2]);
-                    mma_16816(acc_s[mt][2 * np + 1], a[mt], bk[1], bk[3]);
-                }
-            }
-        }
+        }, k_base, frag_w);
         // ---- mask: invisible keys (causal edge, keys >= nk) score -inf ----
         if (j >= mask_from) {
 #pragma unroll
@@ -292,53 +208,32 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-#if FC_ABLATE_MAX_SUBTRACTION
-                // Ablated: the max subtraction. Raw scores are exponentiated on one fixed scale,
-                // so nothing is ever rescaled (alpha = 1) and no max is tracked.
-                const float sub = 0.f;
-                alpha[mt][hf] = 1.f;
-#else
-                float mx = -INFINITY;  // rowmax(S_j), quad-reduced (a row lives in 4 lanes)
+                const float sub = fc_softmax_step(m_run[mt][hf], alpha[mt][hf], scale_log2, [&] {
+                    float mx = -INFINITY;  // rowmax(S_j), quad-reduced (a row lives in 4 lanes)
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    mx = fmaxf(mx, fmaxf(acc_get(acc_s[mt][nt], 2 * hf), acc_get(acc_s[mt][nt], 2 * hf + 1)));
-                mx = quad_max(mx);
-                const float m_new = fmaxf(m_run[mt][hf], mx);
-#if FC_ABLATE_RESCALING
-                // Ablated: the rescaling. Each tile subtracts its own max and the running state is
-                // never rescaled (alpha = 1); m still tracks the max over tiles for lse.
-                const float sub = fc_safe_max(mx) * scale_log2;
-                alpha[mt][hf] = 1.f;
-#else
-                const float sub = fc_safe_max(m_new) * scale_log2;
-                alpha[mt][hf] = fc_exp2(m_run[mt][hf] * scale_log2 - sub);  // 0 while m was -inf
-#endif
-                m_run[mt][hf] = m_new;
-#endif
+                    for (int nt = 0; nt < NT; ++nt)
+                        mx = fmaxf(mx, fmaxf(acc_get(acc_s[mt][nt], 2 * hf), acc_get(acc_s[mt][nt], 2 * hf + 1)));
+                    return quad_max(mx);
+                });
                 // P = exp2(S c - sub) in fp32; l takes the rowsum of the fp32 P
                 float rs = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const float p0 = fc_exp2(fmaf(acc_get(acc_s[mt][nt], 2 * hf), scale_log2, -sub));
-                    const float p1 = fc_exp2(fmaf(acc_get(acc_s[mt][nt], 2 * hf + 1), scale_log2, -sub));
+                    const float p0 = fc_softmax_p(acc_get(acc_s[mt][nt], 2 * hf), scale_log2, sub);
+                    const float p1 = fc_softmax_p(acc_get(acc_s[mt][nt], 2 * hf + 1), scale_log2, sub);
                     rs += p0;
                     rs += p1;
                     p_frag[mt][nt >> 1][hf + 2 * (nt & 1)] = pack_elem2(p0, p1);
                 }
-#if FC_ACCUM_F16
-                // l at fp16 precision: full row sum, alpha * l + rowsum in fp32, rounded once
-                rs = quad_sum(rs);
-                l_run[mt][hf] = fc_round_acc(__fadd_rn(__fmul_rn(alpha[mt][hf], l_run[mt][hf]), rs));
-#else
-                l_run[mt][hf] = alpha[mt][hf] * l_run[mt][hf] + rs;  // per-lane partial, reduced at the end
-#endif
+                // fp32: l is this lane's partial, reduced at the end; fp16: the full row sum,
+                // rounded every tile
+                l_run[mt][hf] = fc_softmax_l(l_run[mt][hf], alpha[mt][hf], FC_ACCUM_F16 ? quad_sum(rs) : rs);
             }
         }
 
-#if !FC_ABLATE_MAX_SUBTRACTION && !FC_ABLATE_RESCALING
-        // ---- the rescaling: O *= alpha (skipped, warp-uniformly, when every alpha is exactly 1:
-        //      a multiplication by 1 is exact, so the result is bitwise the same) ----
-        {
+        // ---- O *= alpha (skipped, warp-uniformly, when every alpha is exactly 1: a multiplication
+        //      by 1 is exact, so the result is bitwise the same; compiled out by both breaks) ----
+        if (FC_SOFTMAX_RESCALES) {
             bool rescale = false;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) rescale |= (alpha[mt][0] != 1.f) | (alpha[mt][1] != 1.f);
@@ -349,7 +244,6 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
                     for (int on = 0; on < ON; ++on) acc_scale(acc_o[mt][on], alpha[mt][0], alpha[mt][1]);
             }
         }
-#endif
 
         // ---- V_j has landed; every warp is done with K_j: start K_{j+1} ----
         cp_async_wait<0>();
@@ -361,19 +255,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
         }
 
         // ---- O += P V_j ----
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-#pragma unroll
-            for (int dp = 0; dp < KS; ++dp) {
-                u32 bv[4];
-                ldsm_x4_trans(bv, v_base + kk * 16 * CPR * 16 + frag_col_off(dp, frag_w));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816(acc_o[mt][2 * dp], p_frag[mt][kk], bv[0], bv[1]);
-                    mma_16816(acc_o[mt][2 * dp + 1], p_frag[mt][kk], bv[2], bv[3]);
-                }
-            }
-        }
+        warp_gemm_ab<BN / 16, KS>(acc_o, p_frag, v_base, frag_w, [](int dp) { return dp; });
     }
 
     // ---- epilogue: o = O / l (0 where l == 0), staged through the warp's own Q rows (only this
@@ -395,14 +277,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
             pre[hf] = (l > 0x1p126f) ? 0x1p-64f : 1.f;
             inv[hf] = (l == 0.f) ? 0.f : __frcp_rn(l * pre[hf]);
             const int row = row_g + mt * 16 + 8 * hf;
-            if (t == 0 && row < nq) {
-#if FC_ABLATE_MAX_SUBTRACTION
-                const float lse_v = logf(l);  // everything sits on the fixed scale exp(0)
-#else
-                const float lse_v = m_run[mt][hf] * (scale_log2 * 0.693147180559945309f) + logf(l);
-#endif
-                lse[row_base + row] = (l == 0.f) ? -INFINITY : lse_v;
-            }
+            if (t == 0 && row < nq) lse[row_base + row] = fc_softmax_lse(m_run[mt][hf], l, scale_log2);
         }
 #pragma unroll
         for (int on = 0; on < ON; ++on) {

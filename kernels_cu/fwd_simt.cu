@@ -43,13 +43,13 @@ namespace fwd_simt {
 constexpr int BM = FC_BLOCK_M;
 constexpr int BN = FC_BLOCK_N;
 constexpr int D = FC_HEAD_DIM;
-constexpr int DP = (D + 15) / 16 * 16;  // head dim padded to whole 16-chunks (shared memory only)
+constexpr int DP = SIMT_DP;
 
-constexpr int TN = 16;                          // lanes sharing a row group (half a warp)
+constexpr int TN = SIMT_TN;                     // lanes sharing a row group (half a warp)
 constexpr int TM = BM * TN / FC_NUM_THREADS;    // query rows per row group: 4, or 8 at BM = 128
 constexpr int KPT = BN / TN;   // keys of S_j per thread:       key  = c + TN * i
 constexpr int DPT = DP / TN;   // head-dim columns per thread:  dim  = c + TN * i
-constexpr int CHUNK = 16;      // products per fp32 partial sum (the mma.m16n8k16 k-extent)
+constexpr int CHUNK = SIMT_CHUNK;  // products per fp32 partial sum (the mma.m16n8k16 k-extent)
 
 constexpr int GS = KPT < 2 ? KPT : 2;  // keys per register block in Q K^T
 constexpr int GO = DPT < 2 ? DPT : 2;  // head-dim columns per register block in P V
@@ -63,10 +63,8 @@ static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128, "FC_BLOCK_N must be
 static_assert(FC_NUM_THREADS == (BM < 64 ? 4 * BM : 256), "fwd_simt needs FC_NUM_THREADS == min(4 * BM, 256)");
 static_assert(FC_HEAD_DIM_PAD == FC_HEAD_DIM, "fwd_simt computes with the true head dim");
 static_assert(BM < 128 || D <= 128, "fwd_simt: FC_BLOCK_M = 128 needs FC_HEAD_DIM <= 128");
-
-__device__ __forceinline__ float component(const float4& v, int j) {
-    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-}
+static_assert(4 * (BM * Q_PITCH + BN * KV_PITCH + BM * S_PITCH) == FC_SMEM_FWD,
+              "shared memory (Q, K/V, S/P tiles) differs from FC_SMEM_FWD");
 
 // Max / sum over the 16 lanes of a row group.
 __device__ __forceinline__ float row_group_max(float x) {
@@ -92,39 +90,14 @@ __device__ __forceinline__ void scores_tile(const float* __restrict__ q_s, const
     const float* k_rows = k_s + c * KV_PITCH;
 #pragma unroll
     for (int i0 = 0; i0 < KPT; i0 += GS) {
-        float acc[TM][GS] = {};
-#pragma unroll 1
-        for (int d0 = 0; d0 < DP; d0 += CHUNK) {
-            float part[TM][GS] = {};
-#pragma unroll
-            for (int d = d0; d < d0 + CHUNK; d += 4) {
-                float4 kv[GS];
-#pragma unroll
-                for (int g = 0; g < GS; ++g)
-                    kv[g] = *reinterpret_cast<const float4*>(k_rows + (i0 + g) * TN * KV_PITCH + d);
-#pragma unroll
-                for (int t = 0; t < TM; ++t) {
-                    const float4 qv = *reinterpret_cast<const float4*>(q_rows + t * Q_PITCH + d);
-#pragma unroll
-                    for (int g = 0; g < GS; ++g) {
-                        part[t][g] += qv.x * kv[g].x;
-                        part[t][g] += qv.y * kv[g].y;
-                        part[t][g] += qv.z * kv[g].z;
-                        part[t][g] += qv.w * kv[g].w;
-                    }
-                }
-            }
-#pragma unroll
-            for (int t = 0; t < TM; ++t)
-#pragma unroll
-                for (int g = 0; g < GS; ++g) acc[t][g] = fc_round_acc(acc[t][g] + part[t][g]);
-        }
+        float acc[TM][GS];
+        simt_dot_rows<TM, GS, Q_PITCH, KV_PITCH>(q_rows, k_rows + i0 * TN * KV_PITCH, acc);
 #pragma unroll
         for (int t = 0; t < TM; ++t)
 #pragma unroll
             for (int g = 0; g < GS; ++g) {
                 const int key = key0 + (i0 + g) * TN;
-                const bool visible = key <= fc_last_key(row0 + t, nq, nk);
+                const bool visible = fc_visible(row0 + t, key, nq, nk);
                 s_s[(rg * TM + t) * S_PITCH + c + (i0 + g) * TN] = visible ? acc[t][g] : -INFINITY;
             }
     }
@@ -135,40 +108,7 @@ __device__ __forceinline__ void scores_tile(const float* __restrict__ q_s, const
 // keys of the tile are visited: past them P is 0 for every row of the CTA (round(O + 0) == O).
 __device__ __forceinline__ void pv_tile(const float* __restrict__ p_s, const float* __restrict__ v_s,
                                         int rg, int c, int n_keys, float (&o)[TM][DPT]) {
-    const float* p_rows = p_s + rg * TM * S_PITCH;
-    const float* v_cols = v_s + c;
-#pragma unroll
-    for (int i0 = 0; i0 < DPT; i0 += GO) {
-        // Reload P for every column block rather than let the compiler keep a whole 16-key chunk
-        // of P (TM x 16 floats) live in registers next to O.
-        asm volatile("" ::: "memory");
-#pragma unroll 1
-        for (int k0 = 0; k0 < n_keys; k0 += CHUNK) {
-            float part[TM][GO] = {};
-#pragma unroll
-            for (int kk = k0; kk < k0 + CHUNK; kk += 4) {
-                float4 pv[TM];
-#pragma unroll
-                for (int t = 0; t < TM; ++t) pv[t] = *reinterpret_cast<const float4*>(p_rows + t * S_PITCH + kk);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    float vv[GO];
-#pragma unroll
-                    for (int g = 0; g < GO; ++g)
-                        vv[g] = i0 + g < DPT ? v_cols[(kk + j) * KV_PITCH + (i0 + g) * TN] : 0.f;
-#pragma unroll
-                    for (int t = 0; t < TM; ++t)
-#pragma unroll
-                        for (int g = 0; g < GO; ++g) part[t][g] += component(pv[t], j) * vv[g];
-                }
-            }
-#pragma unroll
-            for (int t = 0; t < TM; ++t)
-#pragma unroll
-                for (int g = 0; g < GO; ++g)
-                    if (i0 + g < DPT) o[t][i0 + g] = fc_round_acc(o[t][i0 + g] + part[t][g]);
-        }
-    }
+    simt_accumulate<TM, DPT, GO, true, S_PITCH, KV_PITCH>(p_s + rg * TM * S_PITCH, v_s + c, n_keys, o);
 }
 
 }  // namespace fwd_simt
@@ -226,47 +166,30 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
 #pragma unroll
             for (int i = 0; i < KPT; ++i) s[i] = s_row[TN * i];
 
-            float tile_max = -INFINITY;
+            // the online-softmax step (flash_common.cuh): m, alpha and the exponent offset
+            float alpha;
+            const float sub = fc_softmax_step(m[t], alpha, scale_log2, [&] {
+                float tile_max = -INFINITY;
 #pragma unroll
-            for (int i = 0; i < KPT; ++i) tile_max = fmaxf(tile_max, s[i]);
-            tile_max = row_group_max(tile_max);
+                for (int i = 0; i < KPT; ++i) tile_max = fmaxf(tile_max, s[i]);
+                return row_group_max(tile_max);
+            });
 
-            // m_new = max(m, rowmax(S_j))
-            const float m_new = fmaxf(m[t], tile_max);
-
-            // alpha = exp(m - m_new)
-#if FC_ABLATE_MAX_SUBTRACTION || FC_ABLATE_RESCALING
-            const float alpha = 1.f;  // RESCALING removed: l and O are never brought to the new max
-#else
-            const float alpha = fc_exp2(m[t] * scale_log2 - fc_safe_max(m_new) * scale_log2);
-#endif
-
-            // P = exp(S_j - m_new), with the subtracted max in scaled log2 units
-#if FC_ABLATE_MAX_SUBTRACTION
-            const float max_log2 = 0.f;  // MAX SUBTRACTION removed: raw scores are exponentiated
-#elif FC_ABLATE_RESCALING
-            const float max_log2 = fc_safe_max(tile_max) * scale_log2;  // each tile its own max
-#else
-            const float max_log2 = fc_safe_max(m_new) * scale_log2;
-#endif
+            // P = exp(S_j - m_new), l = alpha * l + rowsum(P) (from the fp32 P)
             float row_sum = 0.f;
 #pragma unroll
             for (int i = 0; i < KPT; ++i) {
-                const float p = fc_exp2(s[i] * scale_log2 - max_log2);
+                const float p = fc_softmax_p(s[i], scale_log2, sub);
                 row_sum += p;
                 s_row[TN * i] = fc_round_elem(p);  // P enters P V_j at the element precision
             }
-            row_sum = row_group_sum(row_sum);
+            l[t] = fc_softmax_l(l[t], alpha, row_group_sum(row_sum));
 
-            // l = alpha * l + rowsum(P)   (from the fp32 P)
-            l[t] = fc_round_acc(alpha * l[t] + row_sum);
-
-            // O = alpha * O   (+ P V_j in step 4)
+            // O = alpha * O   (+ P V_j in step 4; the identity under both breaks)
+            if (FC_SOFTMAX_RESCALES) {
 #pragma unroll
-            for (int i = 0; i < DPT; ++i) o_acc[t][i] = fc_round_acc(alpha * o_acc[t][i]);
-
-            // m = m_new
-            m[t] = m_new;
+                for (int i = 0; i < DPT; ++i) o_acc[t][i] = fc_round_acc(alpha * o_acc[t][i]);
+            }
         }
         __syncthreads();
 
@@ -276,7 +199,6 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
     }
 
     // Epilogue: o = O / l,  lse = m * scale + ln(l);  rows that saw no key get o = 0, lse = -inf.
-    const float scale = scale_log2 * 0.693147180559945309f;  // ln 2
     const long long hq = gridDim.y;
 #pragma unroll
     for (int t = 0; t < TM; ++t) {
@@ -289,12 +211,6 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
             const int d = c + TN * i;
             if (d < D) o[row_id * D + d] = fc_from_float<elem_t>(empty ? 0.f : o_acc[t][i] / l[t]);
         }
-        if (c == 0) {
-#if FC_ABLATE_MAX_SUBTRACTION
-            lse[row_id] = empty ? -INFINITY : logf(l[t]);  // MAX SUBTRACTION removed: l is on the raw scale
-#else
-            lse[row_id] = empty ? -INFINITY : m[t] * scale + logf(l[t]);
-#endif
-        }
+        if (c == 0) lse[row_id] = fc_softmax_lse(m[t], l[t], scale_log2);
     }
 }
