@@ -23,8 +23,11 @@ EXPERIMENTS = {
     "drift": ("accuracy", "run_drift", "Wasserstein distance of the output distributions"),
     "bench": ("bench", "run_bench", "speed against naive CuPy and torch SDPA, same run"),
 }
+# Reports that other commands write into a report folder, listed in its index.md when they are there:
+# profile (Nsight Compute counters beside FlashAttention-2 and cuDNN: python -m analysis.profile_ncu).
+OTHER_REPORTS = ("profile",)
 
-__all__ = ["EXPERIMENTS", "run_experiment"]
+__all__ = ["EXPERIMENTS", "OTHER_REPORTS", "run_experiment"]
 
 
 def run_experiment(name, ctx):

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 import traceback
 
-from . import EXPERIMENTS, run_experiment
+from . import EXPERIMENTS, OTHER_REPORTS, run_experiment
 from .common import Context, log
 
 
@@ -23,6 +24,13 @@ def write_index(ctx, results, elapsed):
         fig = f"[{name}.png]({name}.png)" if "png" in paths else "none"
         finding = rep.finding.replace("|", "/")
         lines.append(f"| {name} | {finding} | [{name}.md]({name}.md) | {fig} | [{name}.json]({name}.json) |")
+    for name in OTHER_REPORTS:  # written by their own commands into the same folder
+        path = os.path.join(ctx.out, f"{name}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                finding = json.load(f)["finding"].replace("|", "/")
+            lines.append(f"| {name} | {finding} | [{name}.md]({name}.md) | none | "
+                         f"[{name}.json]({name}.json) |")
     lines.append("")
     for name, (paths, rep, err) in results.items():
         if not err and "png" in paths:
@@ -35,7 +43,6 @@ def write_index(ctx, results, elapsed):
 
 def rebuild_index(out: str) -> str:
     """index.md from the JSON reports already in ``out`` (after re-running single experiments)."""
-    import json
     from types import SimpleNamespace
 
     results = {}

@@ -2,23 +2,18 @@
 ``outliers`` (FlashAttention-3's outlier inputs) and ``drift`` (Wasserstein distance of outputs)."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 import flashcupy
 from flashcupy import naive, reference
 from flashcupy._build import FAMILIES
+from flashcupy._checks import numpy_dtype
 from flashcupy.reference import to_float64
 
-from .common import UNIT_ROUNDOFF, Context, Report, Table, errors, log, new_figure, normal_inputs, np_dtype
+from .common import UNIT_ROUNDOFF, Context, Report, Table, errors, log, new_figure, normal_inputs
 
 COMBOS = [("f16", "fp32"), ("f16", "fp16"), ("bf16", "fp32"), ("bf16", "fp16"), ("f32", "fp32"),
           ("f32", "fp16")]
-
-
-def _short(family: str) -> str:
-    return family.split("_", 1)[1]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -30,7 +25,7 @@ def run_blocks(ctx: Context) -> Report:
 
     b, h, n, d = ctx.sizes((1, 2, 256, 64), (2, 8, 2048, 64))
     rows, skipped, naive_rows = [], [], []
-    fams = [f for f in FAMILIES if f.startswith("fwd_")]
+    fams = [name for name, f in FAMILIES.items() if f.direction == "fwd"]
     for dname in ("f16", "bf16", "f32"):
         rng = ctx.rng(f"blocks.{dname}")
         q, k, v = normal_inputs(rng, (b, h, n, d), (b, h, n, d), dname)
@@ -46,7 +41,7 @@ def run_blocks(ctx: Context) -> Report:
                 for bm in fam.block_m:
                     for bn in fam.block_n:
                         try:
-                            o = flashcupy.attention(qx, kx, vx, kernel=_short(fam_name), accum=accum,
+                            o = flashcupy.attention(qx, kx, vx, kernel=fam.kind, accum=accum,
                                                     block_m=bm, block_n=bn)
                         except ValueError as e:
                             skipped.append([fam_name, dname, accum, bm, bn, str(e).split(";")[0][:80]])
@@ -75,14 +70,16 @@ def run_blocks(ctx: Context) -> Report:
     n_neg = sum(1 for t in trend if t[4] < 0)
     ratios = [s[-1] for s in swaps]
     more = sum(1 for x in ratios if x > 1.0)
-    finding = (f"'Larger tiles, less deviation' (Golden et al. 2024) {'held' if n_less > len(trend) / 2 else 'did not hold'} "
+    finding = (f"'Larger tiles, less deviation' (Golden et al. 2024) "
+               f"{'held' if n_less > len(trend) / 2 else 'did not hold'} "
                f"here: the largest tile's RMSE is below the smallest tile's in {n_less}/{len(trend)} "
                f"(family, dtype, accum) groups (Spearman rho(tile area, RMSE) < 0 in {n_neg}); 'swapping "
-               f"the tile dims gives more deviation' {'held' if ratios and more > len(ratios) / 2 else 'did not hold'}: "
+               f"the tile dims gives more deviation' "
+               f"{'held' if ratios and more > len(ratios) / 2 else 'did not hold'}: "
                f"RMSE(bm>bn)/RMSE(bm<bn) > 1 in {more}/{len(ratios)} swapped pairs (median "
                f"{np.median(ratios) if ratios else float('nan'):.3f}); every variant's max abs error is "
-               f"{max(r[7] for r in rows if r[2] == 'fp32'):.2f}x the naive same-precision error or less with "
-               f"fp32 accumulators.")
+               f"{max(r[7] for r in rows if r[2] == 'fp32'):.2f}x the naive same-precision error or less "
+               f"with fp32 accumulators.")
     tables = [
         Table("Naive same-precision attention (baseline)", ["dtype", "max abs error", "RMSE"], naive_rows),
         Table("Every supported tile size", ["family", "dtype", "accum", "block_m", "block_n",
@@ -91,7 +88,8 @@ def run_blocks(ctx: Context) -> Report:
               ["family", "dtype", "accum", "tiles", "Spearman rho(area, RMSE)", "RMSE smallest tile",
                "RMSE largest tile", "largest < smallest"], trend),
         Table("Swapped tile dims (Golden et al.: more deviation)",
-              ["family", "dtype", "accum", "bm", "bn", "RMSE (bm, bn)", "RMSE (bn, bm)", "ratio swapped/original"],
+              ["family", "dtype", "accum", "bm", "bn", "RMSE (bm, bn)", "RMSE (bn, bm)",
+               "ratio swapped/original"],
               swaps),
     ]
     if skipped:
@@ -101,7 +99,7 @@ def run_blocks(ctx: Context) -> Report:
     for (fam_name, dname, accum), rs in groups.items():
         rs = sorted(rs, key=lambda r: (r[4], r[3]))
         ax.plot(range(len(rs)), [r[6] for r in rs], "o-", ms=3,
-                label=f"{_short(fam_name)} {dname} acc{accum[2:]}")
+                label=f"{FAMILIES[fam_name].kind} {dname} acc{accum[2:]}")
     for dname, _, rmse in naive_rows:
         ax.axhline(rmse, ls="--", lw=1, color="gray")
         ax.text(0, rmse, f" naive {dname}", fontsize=7, va="bottom", color="gray")
@@ -110,7 +108,8 @@ def run_blocks(ctx: Context) -> Report:
     ax.set_ylabel("RMSE vs float64 (output units)")
     ax.set_title("Tile sizes move the error little; dtype and accumulator set it")
     ax.legend(fontsize=7, ncol=2)
-    setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal", "inputs": "q, k, v ~ N(0,1), rounded to the dtype",
+    setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal",
+             "inputs": "q, k, v ~ N(0,1), rounded to the dtype",
              "variants": "every (block_m, block_n) of every forward family in flashcupy._build.FAMILIES, per "
                          "dtype and accumulator the family supports",
              "Golden et al. 2024": "'Is Flash Attention Stable?' (arXiv 2405.02803) report less deviation "
@@ -142,7 +141,7 @@ def run_accum(ctx: Context) -> Report:
             rng = ctx.rng(f"accum.{dname}.{n}")
             q, k, _ = normal_inputs(rng, (1, h, min(n, nq_cap), d), (1, h, n, d), dname)
             # v ~ U(0, 1): outputs stay near 0.5 at every N, so absolute error reads as relative error
-            v = rng.uniform(0.0, 1.0, (1, h, n, d)).astype(np_dtype(dname))
+            v = rng.uniform(0.0, 1.0, (1, h, n, d)).astype(numpy_dtype(dname))
             qx, kx, vx = ctx.dev(q, k, v)
             ref = reference.attention(q, k, v)
             ne = errors(naive.attention(qx, kx, vx), ref)
@@ -175,7 +174,8 @@ def run_accum(ctx: Context) -> Report:
     ax.legend(fontsize=8)
     setup = {"shapes": f"B=1, H={h}, Nq=min(N, {nq_cap}), Nk=N in {ns}, D={d}, non-causal",
              "inputs": "q, k ~ N(0,1), v ~ U(0,1) (outputs near 0.5 at every N, so the absolute error is "
-                       "also the relative error), rounded to the dtype", "kernel": "kernel='auto', default tiles",
+                       "also the relative error), rounded to the dtype",
+             "kernel": "kernel='auto', default tiles",
              "reference lines": "sqrt(N) u and N u with u = 2^-11 (fp16 unit roundoff), no constants"}
     return Report("accum", "fp16 against fp32 accumulators over N", finding, setup,
                   [Table("Error against float64", ["dtype", "N", "max abs (fp32 acc)", "RMSE (fp32 acc)",
@@ -195,7 +195,7 @@ def outlier_inputs(rng, shape, dname):
     """N(0,1) plus, with probability 0.001, an N(0, 10^2) value (FlashAttention-3, section 4.3)."""
     x = rng.standard_normal(shape)
     x += 10.0 * rng.standard_normal(shape) * (rng.random(shape) < 0.001)
-    return x.astype(np_dtype(dname))
+    return x.astype(numpy_dtype(dname))
 
 
 def run_outliers(ctx: Context) -> Report:
@@ -231,15 +231,18 @@ def run_outliers(ctx: Context) -> Report:
         if name.startswith("baseline"):
             ax.axhline(val, color="gray", ls="--", lw=1, label=f"paper: {name} {val:.1e}")
         elif name.startswith("FlashAttention-3"):
-            ax.axhline(val, color="tab:blue", ls="--", lw=1, label=f"paper: FlashAttention-2/3 fp16 {val:.1e}")
+            ax.axhline(val, color="tab:blue", ls="--", lw=1,
+                       label=f"paper: FlashAttention-2/3 fp16 {val:.1e}")
     ax.set_yscale("log")
     ax.set_ylabel("RMSE vs float64 (output units)")
     ax.set_title(f"Outlier inputs (FlashAttention-3 sec. 4.3), N={n}, D={d}")
     ax.legend(fontsize=8)
-    setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal, scale 1/sqrt(D) (the paper does not state N and D)",
+    setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal, scale 1/sqrt(D) "
+                       "(the paper does not state N and D)",
              "inputs": "q, k, v entries N(0,1) + N(0,100) * Bernoulli(0.001): with probability 0.001 an "
                        "N(0, 10^2) value is added; rounded to the dtype",
-             "kernel": "kernel='auto' (fp16: tensor cores for both accumulators; bf16 + fp16 accumulators: simt)"}
+             "kernel": "kernel='auto' (fp16: tensor cores for both accumulators; bf16 + fp16 "
+                       "accumulators: simt)"}
     return Report("outliers", "Outlier inputs beside FlashAttention-3's published RMSE", finding, setup,
                   [Table("Measured", ["method", "dtype", "accum", "RMSE", "max abs error"], rows),
                    Table("Published (FlashAttention-3 paper, section 4.3, fp16; N and D not stated)",
@@ -286,7 +289,8 @@ def run_drift(ctx: Context) -> Report:
     ax.set_yscale("log")
     ax.set_ylabel("Wasserstein-1 distance to float64 outputs (output units)")
     ax.set_title("Output distribution drift per dtype and accumulator (dotted: 0.01 u per dtype)")
-    setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal", "inputs": "q, k, v ~ N(0,1) rounded to the dtype",
+    setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal",
+             "inputs": "q, k, v ~ N(0,1) rounded to the dtype",
              "metric": "scipy.stats.wasserstein_distance between all output values of a method and of "
                        "the float64 reference (as Golden et al. 2024 measure drift)",
              "kernel": "kernel='auto', default tiles"}

@@ -1,101 +1,33 @@
-"""``backward``: dQ, dK, dV of flashcupy against float64, beside a naive same-precision backward.
-
-flashcupy has no naive backward, so it is written here, in the style of ``flashcupy.naive``: every
-product accumulated in float32 and rounded to the input dtype where a framework would store it
-(S, P, O, dV, dP, dS, dQ, dK), the full score matrix materialised.
-"""
+"""``backward``: dQ, dK, dV of flashcupy against float64, beside the naive same-precision backward of
+``flashcupy.naive`` (every product accumulated in float32 and rounded to the input dtype where a
+framework would store it, the full score matrix materialised)."""
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
 import flashcupy
-from flashcupy import reference
+from flashcupy import naive, reference
 from flashcupy._build import FAMILIES
 
 from .common import Context, Report, Table, errors, log, new_figure, normal_inputs
 
 
-def _xp(x):
-    if isinstance(x, np.ndarray):
-        return np
-    import cupy
-
-    return cupy
-
-
-def naive_backward(do, q, k, v, causal: bool = False, scale: float | None = None):
-    """Gradients (dq, dk, dv) of sum(do * naive attention), in q's dtype (NumPy or CuPy arrays).
-
-    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q, each
-    product in float32, each stored result rounded to the input dtype; GQA gradients summed over the
-    query heads of a key/value head before rounding.
-    """
-    xp = _xp(q)
-    dtype = q.dtype
-    b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    g = hq // hkv
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    f32 = xp.float32
-
-    def rnd(x):
-        return x.astype(dtype).astype(f32)
-
-    qf = q.astype(f32).reshape(b, hkv, g, nq, d)
-    kf = k.astype(f32)[:, :, None]
-    vf = v.astype(f32)[:, :, None]
-    dof = do.astype(f32).reshape(b, hkv, g, nq, d)
-    s = rnd(xp.matmul(qf, xp.swapaxes(kf, -1, -2))) * f32(scale)
-    if causal:
-        visible = xp.arange(nk)[None, :] <= (xp.arange(nq)[:, None] + (nk - nq))
-        s = xp.where(visible, s, f32(-xp.inf))
-    m = s.max(axis=-1, keepdims=True)
-    m = xp.where(xp.isfinite(m), m, f32(0))
-    e = xp.exp(s - m)
-    del s
-    l = e.sum(axis=-1, keepdims=True)
-    p = rnd(e / xp.where(l > 0, l, f32(1)))
-    del e
-    o = rnd(xp.matmul(p, vf))
-    dv = rnd(xp.matmul(xp.swapaxes(p, -1, -2), dof).sum(axis=2))
-    dp = rnd(xp.matmul(dof, xp.swapaxes(vf, -1, -2)))
-    delta = (dof * o).sum(axis=-1, keepdims=True)
-    ds = rnd(p * (dp - delta))
-    del dp, p
-    dq = rnd(f32(scale) * xp.matmul(ds, kf))
-    dk = rnd(f32(scale) * xp.matmul(xp.swapaxes(ds, -1, -2), qf).sum(axis=2))
-    return (dq.reshape(b, hq, nq, d).astype(dtype), dk.astype(dtype), dv.astype(dtype))
-
-
-def backward_available() -> bool:
-    return hasattr(flashcupy, "attention_backward")
-
-
 def backward_variants():
-    """(kernel, dtype, accum, block_m, block_n) to try: every backward family's tiles when the build
-    layer lists backward families, else the defaults (block sizes None) per dtype and accumulator."""
-    fams = [f for name, f in FAMILIES.items() if name.startswith("bwd")]
+    """(kernel, dtype, accum, block_m, block_n) to try: every tile of every backward family."""
     out = []
-    if fams:
-        for fam in fams:
-            kernel = fam.name.split("_", 1)[1] if fam.name.split("_", 1)[1] in ("mma", "simt") else "auto"
-            for dname in fam.dtypes:
-                for accum in fam.accums(dname):
-                    for bm in fam.block_m:
-                        for bn in fam.block_n:
-                            out.append((kernel, dname, accum, bm, bn))
-    else:
-        for dname in ("f16", "bf16", "f32"):
-            for accum in ("fp32", "fp16"):
-                out.append(("auto", dname, accum, None, None))
+    for fam in FAMILIES.values():
+        if fam.direction != "bwd":
+            continue
+        for dname in fam.dtypes:
+            for accum in fam.accums(dname):
+                for bm in fam.block_m:
+                    for bn in fam.block_n:
+                        out.append((fam.kind, dname, accum, bm, bn))
     return out
 
 
 def run_backward(ctx: Context) -> Report:
     b, h, n, d = ctx.sizes((1, 2, 256, 64), (2, 8, 2048, 64))
-    available = backward_available()
     names = ("dq", "dk", "dv")
     inputs, naive_rows, naive_err = {}, [], {}
     for dname in ("f16", "bf16", "f32"):
@@ -104,35 +36,32 @@ def run_backward(ctx: Context) -> Report:
         do = rng.standard_normal((b, h, n, d)).astype(q.dtype)
         refs = reference.attention_backward(do, q, k, v)
         dev = ctx.dev(do, q, k, v)
-        nb = naive_backward(*dev)
+        nb = naive.attention_backward(*dev)
         errs = [errors(x, r) for x, r in zip(nb, refs)]
         naive_err[dname] = errs
         naive_rows.append([dname] + [e["max_abs"] for e in errs] + [e["rmse"] for e in errs])
         inputs[dname] = (dev, refs)
-        log(f"[backward] naive {dname}: " + ", ".join(f"{nm} {e['max_abs']:.2e}" for nm, e in zip(names, errs)))
+        log(f"[backward] naive {dname}: "
+            + ", ".join(f"{nm} {e['max_abs']:.2e}" for nm, e in zip(names, errs)))
     rows, skipped = [], []
-    if available:
-        variants = backward_variants()
-        for i, (kernel, dname, accum, bm, bn) in enumerate(variants):
-            (do, q, k, v), refs = inputs[dname]
-            try:
-                o, lse = flashcupy.attention(q, k, v, accum=accum, return_lse=True)
-                grads = flashcupy.attention_backward(do, q, k, v, o, lse, causal=False, scale=None,
-                                                     block_m=bm, block_n=bn, accum=accum, kernel=kernel,
-                                                     deterministic=False)
-            except (ValueError, NotImplementedError) as e:
-                skipped.append([kernel, dname, accum, bm, bn, str(e).split(";")[0][:80]])
-                continue
-            errs = [errors(x, r) for x, r in zip(grads, refs)]
-            ratios = [e["max_abs"] / ne["max_abs"] for e, ne in zip(errs, naive_err[dname])]
-            rows.append([kernel, dname, accum, bm, bn] + [e["max_abs"] for e in errs]
-                        + [e["rmse"] for e in errs] + ratios)
-            log(f"[backward] {i + 1}/{len(variants)} {kernel} {dname} acc{accum[2:]} bm{bm} bn{bn}: "
-                + ", ".join(f"{nm} {e['max_abs']:.2e} ({r:.2f}x naive)" for nm, e, r in zip(names, errs, ratios)))
-    if not available:
-        finding = ("backward not available: this flashcupy has no attention_backward; only the naive "
-                   "same-precision backward was measured (the baseline table).")
-    elif not rows:
+    variants = backward_variants()
+    for i, (kernel, dname, accum, bm, bn) in enumerate(variants):
+        (do, q, k, v), refs = inputs[dname]
+        try:
+            o, lse = flashcupy.attention(q, k, v, accum=accum, return_lse=True)
+            grads = flashcupy.attention_backward(do, q, k, v, o, lse, causal=False, scale=None,
+                                                 block_m=bm, block_n=bn, accum=accum, kernel=kernel,
+                                                 deterministic=False)
+        except ValueError as e:
+            skipped.append([kernel, dname, accum, bm, bn, str(e).split(";")[0][:80]])
+            continue
+        errs = [errors(x, r) for x, r in zip(grads, refs)]
+        ratios = [e["max_abs"] / ne["max_abs"] for e, ne in zip(errs, naive_err[dname])]
+        rows.append([kernel, dname, accum, bm, bn] + [e["max_abs"] for e in errs]
+                    + [e["rmse"] for e in errs] + ratios)
+        log(f"[backward] {i + 1}/{len(variants)} {kernel} {dname} acc{accum[2:]} bm{bm} bn{bn}: "
+            + ", ".join(f"{nm} {e['max_abs']:.2e} ({r:.2f}x naive)" for nm, e, r in zip(names, errs, ratios)))
+    if not rows:
         finding = "backward not available: every backward variant raised ValueError (see the skipped table)."
     else:
         acc32 = [r for r in rows if r[2] == "fp32"]
@@ -175,16 +104,16 @@ def run_backward(ctx: Context) -> Report:
             ax.plot(x, [r[1 + j] for r in naive_rows], "o-", label=f"naive {nm}")
         ax.set_xticks(x, [r[0] for r in naive_rows])
         ax.set_ylabel("max abs error vs float64 (gradient units)")
-        ax.set_title("Backward not available in flashcupy: naive same-precision baseline only")
+        ax.set_title("No backward variant ran: naive same-precision baseline only")
     ax.set_yscale("log")
     ax.set_xlabel("variant (dtype, accum, block_m x block_n)" if rows else "dtype")
     ax.legend(fontsize=8)
     setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal, scale 1/sqrt(D)",
              "inputs": "q, k, v, dO ~ N(0,1) rounded to the dtype",
              "flashcupy": "o, lse from flashcupy.attention (same accum), then flashcupy.attention_backward "
-                          "with each backward family's tiles (build layer FAMILIES 'bwd_*'; defaults if none)",
-             "naive backward": "analysis.backward.naive_backward: float32 products, results rounded to the dtype",
-             "truth": "flashcupy.reference.attention_backward (float64)",
-             "attention_backward available": available}
+                          "with each backward family's tiles (build layer FAMILIES, direction 'bwd')",
+             "naive backward": "flashcupy.naive.attention_backward: float32 products, results rounded to "
+                               "the dtype",
+             "truth": "flashcupy.reference.attention_backward (float64)"}
     return Report("backward", "Backward: dQ, dK, dV against float64", finding, setup, tables,
                   figure=fig, figure_caption="Gradient error over the naive same-precision backward's.")

@@ -19,10 +19,11 @@ from __future__ import annotations
 import numpy as np
 
 import flashcupy
+from flashcupy._checks import numpy_dtype
 from flashcupy.reference import to_float64
 
 from .accuracy import COMBOS
-from .common import SMALLEST_NORMAL, UNIT_ROUNDOFF, Context, Report, Table, log, new_figure, np_dtype
+from .common import SMALLEST_NORMAL, UNIT_ROUNDOFF, Context, Report, Table, log, new_figure
 
 
 def kernel_probabilities(ctx, q, k, accum, scale=None):
@@ -48,7 +49,7 @@ def run_bounds(ctx: Context) -> Report:
     for dname, accum in COMBOS:
         for qs in q_scales:
             rng = ctx.rng(f"bounds.{dname}.{qs}")
-            dt = np_dtype(dname)
+            dt = numpy_dtype(dname)
             q = (qs * rng.standard_normal((b, h, nq, d))).astype(dt)
             k = rng.standard_normal((b, h, nk, d)).astype(dt)
             scale = 1.0 / np.sqrt(d)
@@ -74,15 +75,16 @@ def run_bounds(ctx: Context) -> Report:
     total_over = sum(r[9] for r in rows)
     worst = max(rows, key=lambda r: r[12])
     finding = (f"{total_over} of {sum(r[10] for r in rows)} softmax rows exceed the Blanchard-Higham-Higham "
-               f"bound (n + 2 + 2(x_max - x_min))u; the measured relative error of the kernel's probabilities "
-               f"stays at most {max(r[6] for r in rows):.1f} u (worst fraction of the bound: "
+               f"bound (n + 2 + 2(x_max - x_min))u; the measured relative error of the kernel's "
+               f"probabilities stays at most {max(r[6] for r in rows):.1f} u (worst fraction of the bound: "
                f"{worst[12]:.3f}, {worst[0]} accum {worst[1]}, q x{worst[2]:g}).")
     fig, (ax,) = new_figure()
     for (dname, accum, qs), (bound, measured) in scatter.items():
         if qs != q_scales[-1]:
             continue
         sel = np.random.default_rng(0).permutation(bound.size)[:2000]
-        ax.scatter(bound[sel], np.maximum(measured[sel], 1e-3), s=4, alpha=0.5, label=f"{dname} acc{accum[2:]}")
+        ax.scatter(bound[sel], np.maximum(measured[sel], 1e-3), s=4, alpha=0.5,
+                   label=f"{dname} acc{accum[2:]}")
     lo = min(r[7] for r in rows)
     hi = max(r[8] for r in rows)
     grid = np.array([lo * 0.9, hi * 1.1])
@@ -94,11 +96,13 @@ def run_bounds(ctx: Context) -> Report:
     ax.set_title(f"Softmax rows (q x{q_scales[-1]}) against the BHH bound: all far below the line")
     ax.legend(fontsize=7, markerscale=3)
     setup = {"shapes": f"B={b}, H={h}, Nq={nq}, Nk=n={nk}, D={d}, non-causal, scale 1/sqrt(D)",
-             "inputs": f"q ~ c * N(0,1) with c in {q_scales} (wider score ranges), k ~ N(0,1), rounded to the dtype",
-             "what is measured": "the kernel's own P, read through one-hot V blocks (o = P V with V = [I; 0]); per "
-                                 "row max_j |P^_ij - P_ij| / P_ij over entries with P_ij a normal number of the "
-                                 "output type, divided by u = max(u(dtype), u(accum))",
-             "bound": "(n + 2 + 2(x_max - x_min)) u, x = the row's scaled scores (Blanchard, Higham, Higham 2021)",
+             "inputs": f"q ~ c * N(0,1) with c in {q_scales} (wider score ranges), k ~ N(0,1), rounded to "
+                       "the dtype",
+             "what is measured": "the kernel's own P, read through one-hot V blocks (o = P V with "
+                                 "V = [I; 0]); per row max_j |P^_ij - P_ij| / P_ij over entries with P_ij "
+                                 "a normal number of the output type, divided by u = max(u(dtype), u(accum))",
+             "bound": "(n + 2 + 2(x_max - x_min)) u, x = the row's scaled scores "
+                      "(Blanchard, Higham, Higham 2021)",
              "kernel": "kernel='auto', default tiles"}
     return Report("bounds", "Softmax probabilities against the Blanchard-Higham-Higham bound", finding, setup,
                   [Table("Per (dtype, accum, q scale): relative error of P per row, in units of u",

@@ -1,5 +1,5 @@
-"""The two breaks of the seed chapter, on the real kernels: ``overflow`` (ablate="max_subtraction")
-and ``rescaling`` (ablate="rescaling")."""
+"""The two lines that keep FlashAttention alive, each removed on the real kernels: ``overflow``
+(ablate="max_subtraction") and ``rescaling`` (ablate="rescaling")."""
 from __future__ import annotations
 
 import math
@@ -8,10 +8,10 @@ import numpy as np
 
 import flashcupy
 from flashcupy import reference
+from flashcupy._checks import numpy_dtype
 from flashcupy.reference import to_float64
 
-from .common import (MAX_FINITE, Context, Report, Table, errors, log, new_figure, normal_inputs,
-                     np_dtype)
+from .common import MAX_FINITE, Context, Report, Table, errors, log, new_figure, normal_inputs
 
 # ---------------------------------------------------------------------------------------------------
 # overflow
@@ -100,7 +100,7 @@ def run_overflow(ctx: Context) -> Report:
         for n in ns:
             rng = ctx.rng(f"overflow.{dname}.{n}")
             nq = min(n, nq_cap)
-            dt = np_dtype(dname)
+            dt = numpy_dtype(dname)
             q = rng.standard_normal((1, heads, nq, d)).astype(dt)
             k = rng.standard_normal((1, heads, n, d)).astype(dt)
             v = rng.uniform(-1.0, 1.0, (1, heads, n, d)).astype(dt)
@@ -191,10 +191,10 @@ def run_overflow(ctx: Context) -> Report:
         "combos (dtype, accum)": OVERFLOW_COMBOS,
         "kernel": f"kernel='auto', block_n={BLOCK_N}, default block_m",
         "broken row": "any non-finite element, or finite with max abs error > 0.1 against float64",
-        "first overflowing tile": "float64 model: first key j with exp(s_j) > largest finite P (element type, "
-                                  "as P is rounded before P V) or cumsum exp(s) > largest finite accumulator, "
-                                  "tile = j // block_n, minimum over rows (the same float64 scores give the "
-                                  "reference output); kernel: bisection over key "
+        "first overflowing tile": "float64 model: first key j with exp(s_j) > largest finite P "
+                                  "(element type, as P is rounded before P V) or cumsum exp(s) > largest "
+                                  "finite accumulator, tile = j // block_n, minimum over rows (the same "
+                                  "float64 scores give the reference output); kernel: bisection over key "
                                   "prefixes of t*block_n keys for the smallest t that breaks a row",
     }
     return Report("overflow", "Break 1: no max subtraction, the exponentials overflow", finding, setup,
@@ -216,11 +216,12 @@ def _rescaling_families(dname):
     from flashcupy._build import FAMILIES
 
     fam = FAMILIES["fwd_simt"] if dname == "f32" else FAMILIES["fwd_mma"]
-    return ("simt" if dname == "f32" else "mma"), fam.block_n
+    return fam.kind, fam.block_n
 
 
 def run_rescaling(ctx: Context) -> Report:
-    # the seed chapter's claim first: B=2, H=4, N=256, D=32, blocks of 32, fp32; five input draws
+    # first the claimed setup (max abs error 0.1 to 0.5): B=2, H=4, N=256, D=32, blocks of 32, fp32;
+    # five input draws
     claim_rows = []
     for i in range(5):
         rng = ctx.rng(f"rescaling.claim.{i}")
@@ -232,7 +233,6 @@ def run_rescaling(ctx: Context) -> Report:
         ci = errors(flashcupy.attention(qx, kx, vx, kernel="simt", block_m=32, block_n=32), ref)
         claim_rows.append([i, 2, 4, 256, 32, c["max_abs"], c["rmse"], ci["max_abs"],
                            0.1 <= c["max_abs"] <= 0.5])
-    claim = {"max_abs": claim_rows[0][5]}
     n_held = sum(r[8] for r in claim_rows)
     held = n_held > len(claim_rows) / 2
     lo_c, hi_c = min(r[5] for r in claim_rows), max(r[5] for r in claim_rows)
@@ -264,8 +264,8 @@ def run_rescaling(ctx: Context) -> Report:
                f"{lo_c:.3f} to {hi_c:.3f} over 5 input draws, inside the range in {n_held}/5.")
     tables = [
         Table("The seed chapter's setup (fp32, kernel='simt', block_m = block_n = 32), five input draws",
-              ["draw", "B", "H", "N", "D", "max abs error (broken)", "RMSE (broken)", "max abs error (intact)",
-               "in 0.1 to 0.5"], claim_rows),
+              ["draw", "B", "H", "N", "D", "max abs error (broken)", "RMSE (broken)",
+               "max abs error (intact)", "in 0.1 to 0.5"], claim_rows),
         Table("Error against float64 over N and block_n",
               ["dtype", "kernel", "N", "block_n", "KV tiles", "max abs error (broken)", "RMSE (broken)",
                "max abs error (intact)"], rows),
@@ -285,11 +285,15 @@ def run_rescaling(ctx: Context) -> Report:
     ax.set_ylabel("max abs error vs float64 (output units)")
     ax.set_title("ablate='rescaling', fp32: exact with one tile (N <= block_n, dotted), wrong with two")
     ax.legend(fontsize=8)
-    setup = {"seed claim": "B=2, H=4, N=256, D=32, fp32, q, k, v ~ N(0,1) (five draws), kernel='simt', block_m=block_n=32; the chapter compared with its naive fp32 attention, we with float64 (they differ by ~1e-6)",
+    setup = {"seed claim": "B=2, H=4, N=256, D=32, fp32, q, k, v ~ N(0,1) (five draws), kernel='simt', "
+                           "block_m=block_n=32; the chapter compared with its naive fp32 attention, we with "
+                           "float64 (they differ by ~1e-6)",
              "sweep": f"B=1, H={heads}, Nq=min(N, {nq_cap}), Nk=N in {ns}, D={d}, q, k, v ~ N(0,1); "
                       f"fp32 on kernel='simt' (block_n {bns}), fp16 on kernel='mma' "
                       f"(block_n {_rescaling_families('f16')[1]})"}
     return Report("rescaling", "Break 2: keep the max, drop the rescaling", finding, setup, tables,
-                  data={"claim": {"max_abs": [r[5] for r in claim_rows], "held": held, "draws_in_range": n_held}}, figure=fig,
+                  data={"claim": {"max_abs": [r[5] for r in claim_rows], "held": held,
+                                  "draws_in_range": n_held}},
+                  figure=fig,
                   figure_caption="Max abs error of the no-rescaling kernel against N; dotted lines mark "
                                  "N = block_n, the last length one tile covers.")

@@ -1,10 +1,11 @@
 """What every experiment shares: the run context (backend, sizes, seed, output folder), the report
-writer (JSON + Markdown + PNG, with the metadata GUIDE.md asks for), error metrics and input makers.
+writer (JSON + Markdown + PNG, with the run's device, versions, commit and seed), error metrics and input
+makers.
 
-An experiment is a function ``run(ctx) -> Report``; it computes on ``ctx.xp`` arrays through the public
-``flashcupy`` API, measures against ``flashcupy.reference`` (float64) and hands back a ``Report``
-whose tables are lists of raw numbers: the JSON stores them as they are and the Markdown shows the
-same numbers formatted by ``fmt`` (3 significant digits), so the two always agree.
+An experiment is a function ``run(ctx) -> Report``; it computes on the backend's arrays (``ctx.dev``)
+through the public ``flashcupy`` API, measures against ``flashcupy.reference`` (float64) and hands back a
+``Report`` whose tables are lists of raw numbers: the JSON stores them as they are and the Markdown shows the
+same numbers formatted by ``fmt`` (4 significant digits), so the two always agree.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from typing import Any
 import numpy as np
 
 import flashcupy
+from flashcupy._checks import numpy_dtype
 from flashcupy.reference import to_float64
 
-DTYPE_NAMES = ("f16", "bf16", "f32")
 # unit roundoff and largest finite value per storage type
 UNIT_ROUNDOFF = {"f32": 2.0 ** -24, "f16": 2.0 ** -11, "bf16": 2.0 ** -8, "fp32": 2.0 ** -24,
                  "fp16": 2.0 ** -11}
@@ -31,14 +32,6 @@ MAX_FINITE = {"f32": float(np.finfo(np.float32).max), "f16": 65504.0,
               "bf16": 3.3895313892515355e38, "fp32": float(np.finfo(np.float32).max),
               "fp16": 65504.0}
 SMALLEST_NORMAL = {"f32": float(np.finfo(np.float32).tiny), "f16": 2.0 ** -14, "bf16": 2.0 ** -126}
-
-
-def np_dtype(name: str):
-    if name == "bf16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype({"f16": np.float16, "f32": np.float32}[name])
 
 
 def log(msg: str) -> None:
@@ -81,14 +74,6 @@ class Context:
             out = os.path.join("reports", "quick") if quick else "reports"
         os.makedirs(out, exist_ok=True)
         return cls(backend, quick, seed, out, forced)
-
-    @property
-    def xp(self):
-        if self.backend == "cuda":
-            import cupy
-
-            return cupy
-        return np
 
     def rng(self, salt: str) -> np.random.Generator:
         """A generator per experiment (and sub-sweep): reruns with the same seed give the same inputs."""
@@ -211,7 +196,7 @@ def errors(out, ref) -> dict:
 
 def normal_inputs(rng, shape_q, shape_kv, dname, q_scale=1.0):
     """q, k, v with N(0,1) entries (q times ``q_scale``), rounded to ``dname`` on the host."""
-    dt = np_dtype(dname)
+    dt = numpy_dtype(dname)
     return ((q_scale * rng.standard_normal(shape_q)).astype(dt),
             rng.standard_normal(shape_kv).astype(dt), rng.standard_normal(shape_kv).astype(dt))
 
@@ -279,11 +264,12 @@ def new_figure(ncols: int = 1, width: float = 7.0, height: float = 4.5):
     return fig, list(axes[0])
 
 
-def md_table(t: Table) -> str:
+def md_table(t: Table, cell=fmt) -> str:
+    """The table in Markdown under its bold title, each value shown by ``cell``."""
     lines = [f"**{t.title}**", "", "| " + " | ".join(t.columns) + " |",
              "|" + "|".join("---" for _ in t.columns) + "|"]
     for r in t.rows:
-        lines.append("| " + " | ".join(fmt(c) for c in r) + " |")
+        lines.append("| " + " | ".join(cell(c) for c in r) + " |")
     return "\n".join(lines)
 
 
@@ -326,9 +312,3 @@ def write_report(ctx: Context, rep: Report, elapsed_s: float) -> dict:
     with open(paths["md"], "w") as f:
         f.write("\n".join(md))
     return paths
-
-
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0

@@ -16,8 +16,9 @@ import numpy as np
 
 import flashcupy
 from flashcupy import naive
+from flashcupy._checks import numpy_dtype
 
-from .common import Context, Report, Table, log, new_figure, np_dtype
+from .common import Context, Report, Table, log, new_figure
 
 
 def _slope(ns, ys):
@@ -92,9 +93,8 @@ def run_memory(ctx: Context) -> Report:
             measure = _peak_cuda
         else:
             rng = ctx.rng(f"memory.{n}")
-            q, k, v = (rng.standard_normal((b, h, n, d)).astype(np_dtype(dname)) for _ in range(3))
+            q, k, v = (rng.standard_normal((b, h, n, d)).astype(numpy_dtype(dname)) for _ in range(3))
             measure = _peak_numpy
-        io_bytes = 4 * b * h * n * d * es      # q, k, v and o
         fc = measure(lambda: flashcupy.attention(q, k, v))
         fc_lse = measure(lambda: flashcupy.attention(q, k, v, return_lse=True))
         nv = None
@@ -107,7 +107,7 @@ def run_memory(ctx: Context) -> Report:
                      b * h * n * n * 4, (nv / fc) if (nv and fc) else None])
         log(f"[memory] N={n}: flashcupy {fc / 2**20:.1f} MiB, naive "
             + (f"{nv / 2**20:.1f} MiB" if nv is not None else "out of memory / skipped"))
-        del q, k, v
+        q = k = v = None
         if ctx.backend == "cuda":
             import cupy
 
@@ -117,11 +117,12 @@ def run_memory(ctx: Context) -> Report:
     s_fc = _slope([r[0] for r in rows], [r[2] for r in rows])
     s_nv = _slope([r[0] for r in rows], [r[5] for r in rows])
     last = [r for r in rows if r[5]][-1]
-    finding = (f"Peak memory during the call grows like N^{s_fc:.2f} for flashcupy and N^{s_nv:.2f} for naive "
-               f"attention; at N={last[0]} naive needs {last[7]:.0f}x flashcupy's"
+    finding = (f"Peak memory during the call grows like N^{s_fc:.2f} for flashcupy and N^{s_nv:.2f} for "
+               f"naive attention; at N={last[0]} naive needs {last[7]:.0f}x flashcupy's"
                + (f"; naive runs out of memory at N={naive_failed_at}" if naive_failed_at else
                   (f"; naive did not run out of memory up to N={ns[-1]}" if ctx.backend == "cuda" else ""))
-               + f" ({'measured on the device' if ctx.backend == 'cuda' else 'NumPy twin, host arrays via tracemalloc'}).")
+               + (" (measured on the device)." if ctx.backend == "cuda"
+                  else " (NumPy twin, host arrays via tracemalloc)."))
     fig, (ax,) = new_figure()
     nn = np.array([r[0] for r in rows], float)
     ax.plot(nn, [r[2] for r in rows], "o-", label="flashcupy (peak during call)")
@@ -129,21 +130,25 @@ def run_memory(ctx: Context) -> Report:
     ax.plot(nn, b * h * nn ** 2 * 4, "k:", label="one fp32 N x N score matrix, B H N^2 4 bytes")
     ax.plot(nn, b * h * nn * d * es, "k--", label="one (B, H, N, D) fp16 tensor (the output)")
     if naive_failed_at:
-        ax.axvline(naive_failed_at, color="tab:red", ls="-.", label=f"naive out of memory (N={naive_failed_at})")
+        ax.axvline(naive_failed_at, color="tab:red", ls="-.",
+                   label=f"naive out of memory (N={naive_failed_at})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length N")
     ax.set_ylabel("peak memory allocated during the call (bytes)")
     ax.set_title("Naive attention grows like N^2, flashcupy like N")
     ax.legend(fontsize=8)
-    setup = {"shapes": f"B={b}, H={h}, D={d}, fp16, non-causal, N in {ns}", "kernel": "kernel='auto', default tiles",
+    setup = {"shapes": f"B={b}, H={h}, D={d}, fp16, non-causal, N in {ns}",
+             "kernel": "kernel='auto', default tiles",
              "measured": where,
              "columns": "peak = bytes allocated during the call beyond the inputs (includes the output); "
                         "extra = peak minus the output"}
     return Report("memory", "Peak memory: naive attention against flashcupy", finding, setup,
                   [Table("Peak memory during one forward call (bytes)",
                          ["N", "inputs q,k,v", "flashcupy peak", "flashcupy extra beyond output",
-                          "flashcupy peak with lse", "naive peak", "one fp32 N x N matrix", "naive / flashcupy"],
+                          "flashcupy peak with lse", "naive peak", "one fp32 N x N matrix",
+                          "naive / flashcupy"],
                          rows)],
                   data={"naive_failed_at": naive_failed_at, "slope_flashcupy": s_fc, "slope_naive": s_nv},
-                  figure=fig, figure_caption="Peak memory against N, log-log.", notes=[__doc__.split("\n\n")[1].replace("\n", " ")])
+                  figure=fig, figure_caption="Peak memory against N, log-log.",
+                  notes=[__doc__.split("\n\n")[1].replace("\n", " ")])

@@ -14,8 +14,9 @@ NVRTC compilation, cuDNN plan building and warm-up stay out of the report)::
 thread and also started process-wide, since torch's autograd launches backward kernels from its own
 thread. ``summarize`` labels each launch from the NVTX column when there is one (CuPy helper kernels in a
 flashcupy range count for flashcupy), else from the kernel name, and writes ``<out>/<name>.json`` (every
-extracted number) and ``<out>/<name>.md``. It needs only the standard library; a metric missing from
-the report is None in the JSON and n/a in the Markdown.
+extracted number) and ``<out>/<name>.md`` (listed in the index.md of that folder by ``python -m analysis
+all`` or ``index``); a metric missing from the report is None in the JSON and n/a in the Markdown. torch
+SDPA runs through ``analysis.sdpa``, as in ``bench``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ import math
 import os
 import re
 import sys
+
+from . import sdpa
+from .common import Table, git_commit, log, md_table
 
 LABEL_RE = re.compile(r"(flashcupy|torch_flash|torch_cudnn) (fwd|bwd_det|bwd) (\w+ N\d+ D\d+ causal[01])")
 ACT, ELA = ".avg.pct_of_peak_sustained_active", ".avg.pct_of_peak_sustained_elapsed"
@@ -77,11 +81,6 @@ STALL_FAMILIES = [re.compile(r"^smsp__average_warps_issue_stalled_(\w+)_per_issu
 TIME_NS = {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9}
 BYTE_SCALE = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 
-
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------------
 # run: launched under ncu
 
@@ -109,48 +108,38 @@ def _calls(cell, b, h, seed):
     import cupy
 
     import flashcupy
-    from analysis.common import np_dtype
+    from flashcupy._checks import numpy_dtype
 
     dname, n, d, causal = cell
     tag = f"{dname} N{n} D{d} causal{int(causal)}"
     rng = cupy.random.default_rng(seed)
     xs = [rng.standard_normal((b, h, n, d), dtype=cupy.float32) for _ in range(4)]
     try:
-        q, k, v, do = (x.astype(np_dtype(dname)) for x in xs)
+        q, k, v, do = (x.astype(numpy_dtype(dname)) for x in xs)
     except Exception:  # no device-side cast to this dtype: cast on the host
-        q, k, v, do = (cupy.asarray(cupy.asnumpy(x).astype(np_dtype(dname))) for x in xs)
+        q, k, v, do = (cupy.asarray(cupy.asnumpy(x).astype(numpy_dtype(dname))) for x in xs)
     del xs
     o, lse = flashcupy.attention(q, k, v, causal=causal, return_lse=True)
     calls = [(f"flashcupy fwd {tag}", lambda: flashcupy.attention(q, k, v, causal=causal, return_lse=True)),
-             (f"flashcupy bwd {tag}", lambda: flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal)),
+             (f"flashcupy bwd {tag}",
+              lambda: flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal)),
              (f"flashcupy bwd_det {tag}",
               lambda: flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=True))]
     try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch.cuda.is_available() is False")
+        torch = sdpa.load_torch()
     except Exception as e:
         log(f"[profile_ncu] torch skipped: {e}")
         return calls
-    tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, do))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    for prov, backend in (("torch_flash", SDPBackend.FLASH_ATTENTION), ("torch_cudnn", SDPBackend.CUDNN_ATTENTION)):
+    tq, tk, tv, tdo = sdpa.to_torch(torch, (q, k, v, do))
+    for short in ("flash", "cudnn"):
+        prov, peer = f"torch_{short}", sdpa.Sdpa(torch, short, causal)
         try:
-            gq, gk, gv = (x.detach().requires_grad_() for x in (tq, tk, tv))
-            with sdpa_kernel(backend):
-                out = sdpa(gq, gk, gv, is_causal=causal)
+            graph = peer.graph(tq, tk, tv, tdo)
         except Exception as e:
             log(f"[profile_ncu] {prov} {tag} skipped: {type(e).__name__}: {e}")
             continue
-
-        def fwd(backend=backend):
-            with sdpa_kernel(backend):
-                return sdpa(tq, tk, tv, is_causal=causal)
-
-        def bwd(out=out, gq=gq, gk=gk, gv=gv):
-            return torch.autograd.grad(out, (gq, gk, gv), tdo, retain_graph=True)
-        calls += [(f"{prov} fwd {tag}", fwd), (f"{prov} bwd {tag}", bwd)]
+        calls += [(f"{prov} fwd {tag}", lambda peer=peer: peer.forward(tq, tk, tv)),
+                  (f"{prov} bwd {tag}", lambda peer=peer, graph=graph: peer.backward(graph))]
     return calls
 
 
@@ -261,7 +250,8 @@ def extract(row, units, nvtx_cols):
         vals = [met[k] for k in keys if met[k] is not None]
         return sum(vals) if vals else None
     smem = total("smem_dynamic_bytes", "smem_static_bytes")
-    conf, wave = total("smem_ld_conflicts", "smem_st_conflicts"), total("smem_ld_wavefronts", "smem_st_wavefronts")
+    conf, wave = (total("smem_ld_conflicts", "smem_st_conflicts"),
+                  total("smem_ld_wavefronts", "smem_st_wavefronts"))
     tensor = [met[k] for k in ("tensor_hmma_pct", "tensor_all_pct") if met[k] is not None]
     met.update(smem_kb=None if smem is None else smem / 1024, tensor_pct=max(tensor) if tensor else None,
                bank_conflict_pct=100 * conf / wave if conf is not None and wave else None,
@@ -293,8 +283,8 @@ def summarize_csv(path):
         ref = sums.get((cell, "torch_flash", "bwd" if direction == "bwd_det" else direction))
         s["vs_torch_flash"] = s["us"] / ref["us"] if ref and ref["us"] > 0 else None
     device = (rows[0].get("device__attribute_display_name") or rows[0].get("Device")) if rows else None
-    return {"source": os.path.abspath(path), "nvtx": bool(nvtx_cols), "device": device, "finding": finding(sums),
-            "launches": launches, "sums": list(sums.values())}
+    return {"source": os.path.abspath(path), "nvtx": bool(nvtx_cols), "device": device,
+            "finding": finding(sums), "launches": launches, "sums": list(sums.values())}
 
 
 def finding(sums):
@@ -328,33 +318,34 @@ def write_reports(data, out, name):
     paths = {k: os.path.join(out, f"{name}.{k}") for k in ("json", "md")}
     with open(paths["json"], "w") as f:
         json.dump(data, f, indent=1)
-    cols = ["provider", "dir", "cell", "kernel", "µs", "SM %", "tensor %", "occ ach/theo %", "regs", "smem KB",
-            "issue %", "top stalls", "bank confl %", "local B", "L2 red req", "DRAM %", "L2 %"]
+    cols = ["provider", "dir", "cell", "kernel", "µs", "SM %", "tensor %", "occ ach/theo %", "regs",
+            "smem KB", "issue %", "top stalls", "bank confl %", "local B", "L2 red req", "DRAM %", "L2 %"]
     md = ["# Nsight Compute: flashcupy against torch SDPA (FlashAttention-2, cuDNN)", "",
           f"**Finding:** {data['finding']}", "",
           f"Source: `{os.path.basename(data['source'])}`, {len(data['launches'])} kernel launches"
           f"{', ' + data['device'] if data.get('device') else ''}"
           f"{', git commit ' + data['git_commit'] if data.get('git_commit') else ''}; labels from "
-          f"{'NVTX ranges' if data['nvtx'] else 'kernel names (no NVTX column)'}. Top stalls: warp cycles per "
-          "issued instruction (`smsp__average_warps_issue_stalled_*_per_issue_active.ratio`) where present. "
+          f"{'NVTX ranges' if data['nvtx'] else 'kernel names (no NVTX column)'}. Top stalls: "
+          "warp cycles per issued instruction "
+          "(`smsp__average_warps_issue_stalled_*_per_issue_active.ratio`) where present. "
           "tensor % = tensor-pipe cycles active (busiest of `sm__pipe_tensor_op_hmma_cycles_active` and "
-          "`sm__pipe_tensor_cycles_active`, % of peak, active); bank conflicts in % of shared-memory wavefronts "
-          "(ld + st; ldmatrix counts as ld); local B = local-memory (spill) traffic; L2 red req = global "
-          "reductions (atomics) reaching L2; n/a = metric not in the report.", "",
-          "**Kernel launches**", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+          "`sm__pipe_tensor_cycles_active`, % of peak, active); bank conflicts in % of shared-memory "
+          "wavefronts (ld + st; ldmatrix counts as ld); local B = local-memory (spill) traffic; "
+          "L2 red req = global reductions (atomics) reaching L2; n/a = metric not in the report.", ""]
+    rows = []
     for ln in data["launches"]:
         m = ln["metrics"]
-        cells = [ln["provider"], ln["direction"], ln["cell"], f"`{ln['short'].replace('|', '/')}`", m["duration_us"],
-                 m["sm_pct"], m["tensor_pct"], f"{g(m['occ_achieved_pct'])} / {g(m['occ_theoretical_pct'])}",
-                 m["regs"], m["smem_kb"], m["issue_pct"],
-                 ", ".join(f"{r} {g(v)}" for r, v in ln["top_stalls"]) or None,
-                 m["bank_conflict_pct"], m["local_bytes"], m["l2_red_requests"], m["dram_pct"], m["l2_pct"]]
-        md.append("| " + " | ".join(g(c) for c in cells) + " |")
-    md += ["", "**Summed kernel time per (cell, provider, direction)**", "",
-           "| cell | provider | direction | kernels | µs | / torch flash |", "|---|---|---|---|---|---|"]
-    for s in sorted(data["sums"], key=lambda s: (s["cell"], s["direction"], s["provider"])):
-        md.append(f"| {s['cell']} | {s['provider']} | {s['direction']} | {s['kernels']} | {g(s['us'])} "
-                  f"| {g(s['vs_torch_flash'])} |")
+        rows.append([ln["provider"], ln["direction"], ln["cell"], f"`{ln['short'].replace('|', '/')}`",
+                     m["duration_us"], m["sm_pct"], m["tensor_pct"],
+                     f"{g(m['occ_achieved_pct'])} / {g(m['occ_theoretical_pct'])}", m["regs"], m["smem_kb"],
+                     m["issue_pct"], ", ".join(f"{r} {g(v)}" for r, v in ln["top_stalls"]) or None,
+                     m["bank_conflict_pct"], m["local_bytes"], m["l2_red_requests"], m["dram_pct"],
+                     m["l2_pct"]])
+    md.append(md_table(Table("Kernel launches", cols, rows), g))
+    sums = [[s["cell"], s["provider"], s["direction"], s["kernels"], s["us"], s["vs_torch_flash"]]
+            for s in sorted(data["sums"], key=lambda s: (s["cell"], s["direction"], s["provider"]))]
+    md += ["", md_table(Table("Summed kernel time per (cell, provider, direction)",
+                              ["cell", "provider", "direction", "kernels", "µs", "/ torch flash"], sums), g)]
     md += compare_table(data)
     with open(paths["md"], "w") as f:
         f.write("\n".join(md) + "\n")
@@ -373,8 +364,7 @@ def compare_table(data):
     cols = ["cell", "dir", "kernel (ours / FA2)", "time ratio", "warp inst ratio", "ldmatrix ratio",
             "tensor % (ours / FA2)", "issue %", "XU %", "occ ach %", "waves/SM", "L2 red req", "bank confl %",
             "local B"]
-    out = ["", "**Main kernel against FlashAttention-2's (ratios ours / FA2)**", "",
-           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    rows = []
 
     def ratio(a, b, k):
         x, y = a["metrics"].get(k), b["metrics"].get(k)
@@ -387,13 +377,13 @@ def compare_table(data):
         fa = main.get((cell, "torch_flash", "bwd" if direction == "bwd_det" else direction))
         if prov != "flashcupy" or fa is None:
             continue
-        out.append("| " + " | ".join(g(c) for c in [
+        rows.append([
             cell, direction, f"`{ours['short']}` / `{fa['short'][:40]}`", ratio(ours, fa, "duration_us"),
             ratio(ours, fa, "warp_inst"), ratio(ours, fa, "ldsm_inst"), pair(ours, fa, "tensor_pct"),
             pair(ours, fa, "issue_pct"), pair(ours, fa, "xu_pct"), pair(ours, fa, "occ_achieved_pct"),
-            pair(ours, fa, "waves_per_sm"), pair(ours, fa, "l2_red_requests"), pair(ours, fa, "bank_conflict_pct"),
-            pair(ours, fa, "local_bytes")]) + " |")
-    return out
+            pair(ours, fa, "waves_per_sm"), pair(ours, fa, "l2_red_requests"),
+            pair(ours, fa, "bank_conflict_pct"), pair(ours, fa, "local_bytes")])
+    return ["", md_table(Table("Main kernel against FlashAttention-2's (ratios ours / FA2)", cols, rows), g)]
 
 
 def main(argv=None):
@@ -415,8 +405,6 @@ def main(argv=None):
         run(cells, a.b, a.h, a.seed)
     else:
         data = summarize_csv(a.csv)
-        from .common import git_commit
-
         data["git_commit"] = git_commit()
         paths = write_reports(data, a.out, a.name)
         log(f"[profile_ncu] {data['finding']}\n[profile_ncu] wrote {paths['md']} and {paths['json']}")

@@ -1,8 +1,8 @@
 """flashcupy: FlashAttention's numerics on real GPU kernels.
 
 ``attention`` runs the CUDA kernels (Hopper ``wgmma`` + TMA, tensor-core ``mma``, or scalar ``simt``
-family, compiled at run time with NVRTC) on CuPy arrays, and the NumPy twin of the same tiled algorithm on NumPy arrays.
-``flashcupy.reference`` is the float64 truth everything is measured against.
+family, compiled at run time with NVRTC) on CuPy arrays, and the NumPy twin of the same tiled algorithm on
+NumPy arrays. ``flashcupy.reference`` is the float64 truth everything is measured against.
 """
 from __future__ import annotations
 

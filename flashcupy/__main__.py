@@ -50,7 +50,8 @@ def main(argv=None) -> int:
     k = rng.standard_normal((b, h, n, d)).astype(np.float16)
     v = rng.standard_normal((b, h, n, d)).astype(np.float16)
     ref = reference.attention(q, k, v)
-    smax = float((reference.to_float64(q) @ np.swapaxes(reference.to_float64(k), -1, -2)).max() / math.sqrt(d))
+    smax = float((reference.to_float64(q) @ np.swapaxes(reference.to_float64(k), -1, -2)).max()
+                 / math.sqrt(d))
     xp = np
     if backend == "cuda":
         import cupy as xp

@@ -503,7 +503,8 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
         name = variant.kernel_name(role)
         i = log.find(f"Function properties for {name}")
         if i < 0:
-            raise CompileError(f"{variant.key}: ptxas reported no resources for {name}; NVRTC log:\n{log[:2000]}")
+            raise CompileError(f"{variant.key}: ptxas reported no resources for {name}; "
+                               f"NVRTC log:\n{log[:2000]}")
         section = log[i:]
         j = section.find("Compiling entry function", 1)
         section = section[:j] if j > 0 else section

@@ -128,7 +128,8 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     else:
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        if (isinstance(scale, (bool, np.bool_))
+                or not isinstance(scale, (int, float, np.floating, np.integer))):
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
         scale = float(scale)
         if not (math.isfinite(scale) and scale > 0):
@@ -182,8 +183,8 @@ def _wgmma_problem(dname: str, accum: str, direction: str, head_dim: int | None)
     return None
 
 
-def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", *, head_dim: int | None = None,
-                   block_m=None, block_n=None, backend: str = "numpy") -> str:
+def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", *,
+                   head_dim: int | None = None, block_m=None, block_n=None, backend: str = "numpy") -> str:
     """Which family computes this call.
 
     kernel='auto' picks 'wgmma' on a Hopper GPU (compute capability 9.0) where that family has the
@@ -196,8 +197,9 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
         if problem:
             raise ValueError(problem)
         if backend == "cuda" and _device_capability() != 90:
-            raise ValueError(f"kernel='wgmma' needs a Hopper GPU (compute capability 9.0, sm_90a); this device "
-                             f"has compute capability {_device_capability()}. Use kernel='mma' or 'auto'")
+            raise ValueError(f"kernel='wgmma' needs a Hopper GPU (compute capability 9.0, sm_90a); "
+                             f"this device has compute capability {_device_capability()}. "
+                             f"Use kernel='mma' or 'auto'")
         return f"{direction}_wgmma"
     if kernel == "mma":
         if dname not in mma.dtypes:
@@ -240,5 +242,6 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accu
     if tuple(lse.shape) != want:
         raise ValueError(f"lse must have shape (B, Hq, Nq) = {want}; got {tuple(lse.shape)}")
     if lse.dtype != np.float32:
-        raise TypeError(f"lse must be float32 (as attention(..., return_lse=True) returns it); got {lse.dtype}")
+        raise TypeError(f"lse must be float32 (as attention(..., return_lse=True) returns it); "
+                        f"got {lse.dtype}")
     return p

@@ -58,11 +58,13 @@ def tensor_map(x, box_rows: int, *, box_cols: int = 64, swizzle: int = 128, name
     if not hasattr(x, "data") or not hasattr(x.data, "ptr"):
         raise ValueError(f"{name}: a TMA tensor map needs a CuPy array, got {type(x).__name__}")
     if x.ndim != 4:
-        raise ValueError(f"{name}: a TMA tensor map needs a 4-D (B, H, N, D) array, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: a TMA tensor map needs a 4-D (B, H, N, D) array, "
+                         f"got shape {tuple(x.shape)}")
     item = x.dtype.itemsize
     bsz, heads, n, d = (int(s) for s in x.shape)
     if min(bsz, heads, n, d) < 1:
-        raise ValueError(f"{name}: every extent must be >= 1 for a TMA tensor map, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: every extent must be >= 1 for a TMA tensor map, "
+                         f"got shape {tuple(x.shape)}")
     if any(s > _DIM_LIMIT for s in (bsz, heads, n, d)):
         raise ValueError(f"{name}: TMA extents are at most 2^32, got shape {tuple(x.shape)}")
     if d > 1 and x.strides[3] != item:

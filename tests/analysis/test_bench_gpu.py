@@ -21,7 +21,8 @@ def test_bench_one_cell(tmp_path):
     for r in rows:
         ours = r["flashcupy mma TFLOP/s"]
         assert ours > 0
-        peers = [c[: -len(" TFLOP/s")] for c in t.columns if c.endswith(" TFLOP/s") and not c.startswith("flashcupy")]
+        peers = [c[: -len(" TFLOP/s")] for c in t.columns
+                 if c.endswith(" TFLOP/s") and not c.startswith("flashcupy")]
         assert "naive" in peers
         for p in peers:
             theirs = r[f"{p} TFLOP/s"]
@@ -31,4 +32,5 @@ def test_bench_one_cell(tmp_path):
             assert r[f"mma / {p}"] == pytest.approx(ours / theirs, rel=1e-9)
             # the ratio is of times measured in this run
             c = cells[r["direction"]]
-            assert r[f"mma / {p}"] == pytest.approx(c[p]["ms"] and c[p]["ms"] / c["flashcupy mma"]["ms"], rel=1e-9)
+            assert r[f"mma / {p}"] == pytest.approx(c[p]["ms"] and c[p]["ms"] / c["flashcupy mma"]["ms"],
+                                                    rel=1e-9)

@@ -11,15 +11,17 @@ from analysis.profile_ncu import infer_provider, main, short_name, summarize_csv
 
 NVTX = ["thread Domain:Push/Pop_Range:PL_Type:PL_Value:CLR_Type:Color:Msg_Type:Msg",
         "Id:Domain:Start/Stop_Range:PL_Type:PL_Value:CLR_Type:Color:Msg_Type:Msg"]
-TORCH_BWD = ("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, 8, "
-             "2, 4, 2, false, false, cutlass::half_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::half_t>>, "
+TORCH_BWD = ("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<"
+             "Flash_bwd_kernel_traits<128, 64, 128, 8, 2, 4, 2, false, false, cutlass::half_t, "
+             "Flash_kernel_traits<128, 64, 128, 8, cutlass::half_t>>, "
              "true, false, false, false, false, false>(Flash_bwd_params)")
 STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 # metric -> (unit, values for the 4 launches: flashcupy fwd, flashcupy dkdv, torch bwd, cupy reduction)
 METRICS = {
     "gpu__time_duration.sum": ("nsecond", ["1,234,567", "2,500,000", "1,000,000", "5,120"]),
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": ("%", ["61.5", "55", "70.25", "3.1"]),
-    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": ("%", ["40.2", "35", "52", "0"]),
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active":
+        ("%", ["40.2", "35", "52", "0"]),
     "sm__warps_active.avg.pct_of_peak_sustained_active": ("%", ["12.1", "11.8", "18.7", "80"]),
     "sm__maximum_warps_per_active_cycle_pct": ("%", ["12.5", "12.5", "18.75", "100"]),
     "launch__registers_per_thread": ("register/thread", ["168", "255", "255", "16"]),
@@ -79,14 +81,17 @@ def test_providers_from_kernel_names(data):
 
 
 @pytest.mark.parametrize("name, provider", [
-    ("flash_fwd_mma", "flashcupy"), ("flash_bwd_dkdvdq_mma", "flashcupy"), ("flash_bwd_dq_convert_mma", "flashcupy"),
+    ("flash_fwd_mma", "flashcupy"), ("flash_bwd_dkdvdq_mma", "flashcupy"),
+    ("flash_bwd_dq_convert_mma", "flashcupy"),
     ("flash_bwd_dq_simt", "flashcupy"), (TORCH_BWD, "torch_flash"),
-    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, false>(Flash_fwd_params)",
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, false>"
+     "(Flash_fwd_params)", "torch_flash"),
+    ("void pytorch_flash::flash_bwd_convert_dq_kernel<Flash_bwd_kernel_traits<>>(Flash_bwd_params)",
      "torch_flash"),
-    ("void pytorch_flash::flash_bwd_convert_dq_kernel<Flash_bwd_kernel_traits<>>(Flash_bwd_params)", "torch_flash"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0",
      "torch_cudnn"),
-    ("cupy_sum", "other"), ("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>()", "other")])
+    ("cupy_sum", "other"),
+    ("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>()", "other")])
 def test_infer_provider(name, provider):
     assert infer_provider(name) == provider
 

@@ -7,8 +7,22 @@ import pytest
 
 import flashcupy
 from flashcupy import naive, reference
-from flashcupy._checks import check_backward, numpy_dtype
-from tests.numerics import assert_accurate
+from tests.helpers import (
+    block_params,
+    combo_id,
+    do_qkv,
+    parametrize_causal,
+    run_backward_poisoned,
+    shape_ids,
+    to_device,
+)
+from tests.numerics import (
+    F32_NEAR_FLOAT64,
+    assert_accurate,
+    assert_matches_twin,
+    backward_reduction,
+    dq_order_tolerance,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -19,39 +33,11 @@ COMBOS = [  # (kernel, dtype, accum)
 SHAPES = [(1, 1), (113, 203), (203, 113), (1023, 1024)]
 
 
-def _combo_id(c):
-    return f"{c[0]}-{c[1]}-acc{c[2][2:]}"
-
-
-def _problem(rng, b, hq, hkv, nq, nk, d, dname):
-    dt = numpy_dtype(dname)
-    return tuple(rng.standard_normal(s).astype(dt) for s in
-                 ((b, hq, nq, d), (b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d)))  # do, q, k, v
-
-
-def run_backward_poisoned(do, q, k, v, o, lse, **kw):
-    import cupy
-
-    from flashcupy._launch import backward
-
-    kw = {"causal": False, "scale": None, "block_m": None, "block_n": None, "accum": "fp32", "kernel": "auto",
-          "deterministic": False, **kw}
-    p = check_backward(do, q, k, v, o, lse, **kw)
-    grads = tuple(cupy.full(x.shape, cupy.nan, dtype=cupy.float32).astype(x.dtype) for x in (q, k, v))
-    backward(do, q, k, v, o, lse, p, deterministic=kw["deterministic"], grads=grads)
-    cupy.cuda.get_current_stream().synchronize()
-    for name, g in zip(("dq", "dk", "dv"), grads):
-        assert not bool(cupy.isnan(g.astype(cupy.float32)).any()), f"{p.variant.key}: {name} has unwritten elements"
-    return grads
-
-
 def _check(host, grads, dname, accum, causal, what):
-    import cupy
-
     do, q, k, v = host
     refs = reference.attention_backward(do, q, k, v, causal=causal)
-    naives = naive.attention_backward(*(cupy.asarray(x) for x in host), causal=causal)
-    red = max(q.shape[2] * (q.shape[1] // k.shape[1]), k.shape[2])
+    naives = naive.attention_backward(*to_device(*host), causal=causal)
+    red = backward_reduction(q, k)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
         assert_accurate(g, r, n, dname, accum, kind="bwd", what=f"{what} {name}", reduction=red)
 
@@ -60,16 +46,14 @@ def _fwd(q, k, v, causal, kernel, accum):
     return flashcupy.attention(q, k, v, causal=causal, kernel=kernel, accum=accum, return_lse=True)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@parametrize_causal
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
-@pytest.mark.parametrize("nq,nk", SHAPES, ids=[f"{a}x{b}" for a, b in SHAPES])
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+@pytest.mark.parametrize("nq,nk", SHAPES, ids=shape_ids(SHAPES))
 def test_backward_matches_reference(rng, nq, nk, combo, d, causal):
-    import cupy
-
     kernel, dname, accum = combo
-    host = _problem(rng, 1, 6, 2, nq, nk, d, dname)
-    do, q, k, v = (cupy.asarray(x) for x in host)
+    host = do_qkv(rng, (1, 6, 2, nq, nk, d), dname)
+    do, q, k, v = to_device(*host)
     o, lse = _fwd(q, k, v, causal, kernel, accum)
     # mma with fp32 accumulators has two dQ paths (atomic by default, deterministic on request): both
     for det in (False, True) if (kernel, accum) == ("mma", "fp32") else (False,):
@@ -80,36 +64,20 @@ def test_backward_matches_reference(rng, nq, nk, combo, d, causal):
 
 @pytest.mark.parametrize("d", [8, 32, 40, 96, 256])
 @pytest.mark.parametrize("combo", [("mma", "f16", "fp32"), ("mma", "bf16", "fp32"), ("simt", "f32", "fp32")],
-                         ids=_combo_id)
+                         ids=combo_id)
 def test_backward_head_dims(rng, combo, d):
-    import cupy
-
     kernel, dname, accum = combo
-    host = _problem(rng, 2, 4, 2, 203, 317, d, dname)
-    do, q, k, v = (cupy.asarray(x) for x in host)
+    host = do_qkv(rng, (2, 4, 2, 203, 317, d), dname)
+    do, q, k, v = to_device(*host)
     o, lse = _fwd(q, k, v, True, kernel, accum)
     grads = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel=kernel, accum=accum)
     _check(host, grads, dname, accum, True, f"{kernel} {dname} d={d}")
 
 
-def _block_params():
-    from flashcupy._build import FAMILIES
-
-    out = []
-    for kernel, dname in (("mma", "f16"), ("simt", "f32")):
-        fam = FAMILIES["bwd_" + kernel]
-        for bm in fam.block_m:
-            for bn in fam.block_n:
-                out.append(pytest.param(kernel, dname, bm, bn, id=f"{kernel}-bm{bm}-bn{bn}"))
-    return out
-
-
-@pytest.mark.parametrize("kernel,dname,bm,bn", _block_params())
+@pytest.mark.parametrize("kernel,dname,bm,bn", block_params("bwd", (("mma", "f16"), ("simt", "f32"))))
 def test_backward_block_sizes(rng, kernel, dname, bm, bn):
-    import cupy
-
-    host = _problem(rng, 1, 4, 2, 300, 517, 64, dname)
-    do, q, k, v = (cupy.asarray(x) for x in host)
+    host = do_qkv(rng, (1, 4, 2, 300, 517, 64), dname)
+    do, q, k, v = to_device(*host)
     for causal in (False, True):
         o, lse = _fwd(q, k, v, causal, kernel, "fp32")
         try:
@@ -131,32 +99,31 @@ def test_atomic_dq_path_matches_deterministic_path(rng, monkeypatch, dname, d):
 
     launched = []
     real = _launch.get_kernel
-    monkeypatch.setattr(_launch, "get_kernel", lambda var, name=None: launched.append(name) or real(var, name))
-    do, q, k, v = (cupy.asarray(x) for x in _problem(rng, 2, 4, 2, 333, 517, d, dname))
+    monkeypatch.setattr(_launch, "get_kernel",
+                        lambda var, role=None: launched.append(role) or real(var, role))
+    do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, 333, 517, d), dname))
     o, lse = _fwd(q, k, v, True, "mma", "fp32")
     launched.clear()
     fast = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel="mma")
-    assert launched == ["flash_bwd_prep", *_launch.ATOMIC_DQ_KERNELS]
+    assert launched == ["prep", "dkdvdq", "dq_convert"]
     launched.clear()
     det = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel="mma", deterministic=True)
-    assert launched == ["flash_bwd_prep", "flash_bwd_dkdv_mma", "flash_bwd_dq_mma"]
+    assert launched == ["prep", "dkdv", "dq"]
     bits = cupy.uint16
     for name, a, b in zip(("dk", "dv"), fast[1:], det[1:]):
         assert bool((a.view(bits) == b.view(bits)).all()), f"{name} differs between the dQ paths"
     a, b = fast[0].astype(cupy.float32), det[0].astype(cupy.float32)
-    ulp = {"f16": 2.0 ** -10, "bf16": 2.0 ** -7}[dname]
     diff = float(cupy.abs(a - b).max())
-    # each element: the same fp32 terms summed in another order, then one rounding to the element type
-    assert diff <= 2 * ulp * float(cupy.abs(b).max()), f"dq paths differ by {diff:.3e}"
+    assert diff <= dq_order_tolerance(dname, float(cupy.abs(b).max())), f"dq paths differ by {diff:.3e}"
     assert float(cupy.abs(b).max()) > 0
 
 
-@pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_backward_bitwise_deterministic(rng, combo):
     import cupy
 
     kernel, dname, accum = combo
-    do, q, k, v = (cupy.asarray(x) for x in _problem(rng, 2, 4, 2, 577, 1029, 64, dname))
+    do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, 577, 1029, 64), dname))
     o, lse = _fwd(q, k, v, True, kernel, accum)
     runs = [flashcupy.attention_backward(do, q, k, v, o, lse, causal=True, kernel=kernel, accum=accum,
                                          deterministic=True) for _ in range(5)]
@@ -167,33 +134,26 @@ def test_backward_bitwise_deterministic(rng, combo):
 
 
 @pytest.mark.parametrize("combo", [("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("simt", "f32", "fp32"),
-                                   ("simt", "bf16", "fp16")], ids=_combo_id)
+                                   ("simt", "bf16", "fp16")], ids=combo_id)
 def test_backward_agrees_with_numpy_twin(rng, combo):
     import cupy
 
     kernel, dname, accum = combo
-    host = _problem(rng, 1, 4, 2, 250, 390, 64, dname)
-    dev = [cupy.asarray(x) for x in host]
+    host = do_qkv(rng, (1, 4, 2, 250, 390, 64), dname)
+    dev = to_device(*host)
     o, lse = _fwd(*dev[1:], True, kernel, accum)
     g_gpu = flashcupy.attention_backward(*dev, o, lse, causal=True, kernel=kernel, accum=accum)
     g_twin = flashcupy.attention_backward(*host, cupy.asnumpy(o), cupy.asnumpy(lse), causal=True,
                                           kernel=kernel, accum=accum)
-    rel = {"f32": 1e-5, "f16": 4e-3, "bf16": 3e-2}[dname]
-    if accum == "fp16":
-        rel = max(rel, 1e-2)
     for name, a, b in zip(("dq", "dk", "dv"), g_gpu, g_twin):
-        a, b = cupy.asnumpy(a).astype(np.float64), b.astype(np.float64)
-        diff = np.abs(a - b).max()
-        assert diff <= rel * max(1.0, np.abs(b).max()), f"{name}: gpu vs twin {diff:.3e}"
+        assert_matches_twin(a, b, dname, accum, kind="bwd", what=name)
 
 
 def test_backward_empty_rows_and_unseen_keys(rng):
     """Causal with Nq < Nk: keys past the last query's reach get dk = dv = 0; Nq > Nk: rows that see no
     key get dq = 0."""
-    import cupy
-
     for kernel in ("mma", "simt"):
-        do, q, k, v = (cupy.asarray(x) for x in _problem(rng, 1, 2, 2, 300, 70, 64, "f16"))
+        do, q, k, v = to_device(*do_qkv(rng, (1, 2, 2, 300, 70, 64), "f16"))
         o, lse = _fwd(q, k, v, True, kernel, "fp32")
         dq, dk, dv = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel=kernel)
         assert bool((dq[:, :, :230] == 0).all())
@@ -224,9 +184,10 @@ def test_torch_bridge_matches_sdpa_math_in_float64(rng, causal):
     with sdpa_kernel(SDPBackend.MATH):
         o64 = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
     o64.backward(do.double())
-    assert (o.double() - o64).abs().max().item() < 2e-6
+    assert (o.double() - o64).abs().max().item() < F32_NEAR_FLOAT64["fwd"]
     for g, g64 in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
-        assert (g.double() - g64).abs().max().item() < 2e-5 * max(1.0, g64.abs().max().item())
+        bound = F32_NEAR_FLOAT64["bwd"] * max(1.0, g64.abs().max().item())
+        assert (g.double() - g64).abs().max().item() < bound
 
 
 def test_torch_bridge_fp16_equals_flashcupy_and_runs_on_a_side_stream(rng):

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 import flashcupy
+from tests.helpers import qkv
 
 
-def _qkv(shape_q=(1, 4, 16, 32), shape_kv=(1, 2, 24, 32), dtype=np.float16):
-    rng = np.random.default_rng(0)
-    return (rng.standard_normal(shape_q).astype(dtype), rng.standard_normal(shape_kv).astype(dtype),
-            rng.standard_normal(shape_kv).astype(dtype))
+def _qkv(dname="f16"):
+    """Fixed inputs (seed 0): q (1, 4, 16, 32), k and v (1, 2, 24, 32)."""
+    return qkv(np.random.default_rng(0), (1, 4, 2, 16, 24, 32), dname)
 
 
 BAD = [  # (id, mutate(q, k, v, kwargs), error type, words the message must contain)
@@ -32,7 +32,19 @@ BAD = [  # (id, mutate(q, k, v, kwargs), error type, words the message must cont
     ("empty-q", lambda q, k, v, kw: (q[:, :, :0], k, v, kw), ValueError, ["empty", "Nq"]),
     ("empty-k", lambda q, k, v, kw: (q, k[:, :, :0], v[:, :, :0], kw), ValueError, ["empty", "Nk"]),
     ("accum", lambda q, k, v, kw: (q, k, v, {**kw, "accum": "fp8"}), ValueError, ["accum", "fp32"]),
-    ("kernel", lambda q, k, v, kw: (q, k, v, {**kw, "kernel": "wgmma"}), ValueError, ["kernel", "simt"]),
+    ("kernel", lambda q, k, v, kw: (q, k, v, {**kw, "kernel": "cuda"}), ValueError,
+     ["kernel", "wgmma", "simt"]),
+    ("wgmma-head-dim", lambda q, k, v, kw: (q, k, v, {**kw, "kernel": "wgmma"}), ValueError,
+     ["wgmma", "(64, 128)", "D=32", "mma", "simt"]),
+    ("wgmma-accum-fp16", lambda q, k, v, kw: (*(np.concatenate([x] * 2, -1) for x in (q, k, v)),
+                                              {**kw, "kernel": "wgmma", "accum": "fp16"}),
+     ValueError, ["wgmma", "accum='fp32'", "mma"]),
+    ("wgmma-float32", lambda q, k, v, kw: (*(np.concatenate([x] * 2, -1).astype(np.float32)
+                                             for x in (q, k, v)),
+                                           {**kw, "kernel": "wgmma"}), ValueError, ["wgmma", "simt"]),
+    ("wgmma-block_n", lambda q, k, v, kw: (*(np.concatenate([x] * 2, -1) for x in (q, k, v)),
+                                           {**kw, "kernel": "wgmma", "block_n": 32}), ValueError,
+     ["block_n", "wgmma", "64, 128"]),
     ("ablate", lambda q, k, v, kw: (q, k, v, {**kw, "ablate": "max"}), ValueError,
      ["ablate", "max_subtraction"]),
     ("block_m", lambda q, k, v, kw: (q, k, v, {**kw, "block_m": 48}), ValueError, ["block_m", "64, 128"]),
@@ -64,9 +76,7 @@ def test_bad_argument_raises_clearly(mutate, exc, words):
 
 
 def test_bf16_mma_fp16_accum_is_refused():
-    import ml_dtypes
-
-    q, k, v = _qkv(dtype=ml_dtypes.bfloat16)
+    q, k, v = _qkv("bf16")
     with pytest.raises(ValueError, match="accum='fp32' only"):
         flashcupy.attention(q, k, v, kernel="mma", accum="fp16")
     # auto falls back to the scalar family, which has fp16 accumulators for every dtype
@@ -81,3 +91,10 @@ def test_mixing_numpy_and_cupy_is_refused():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="NumPy arrays .* or all CuPy arrays"):
         flashcupy.attention(cupy.asarray(q), k, v)
+
+
+def test_wgmma_backward_is_refused_with_the_families_that_run_it():
+    q, k, v = (np.concatenate([x] * 2, -1) for x in _qkv())
+    o, lse = flashcupy.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="no backward.*mma.*simt"):
+        flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma")

@@ -21,7 +21,8 @@ def test_demo_prints_intact_and_both_breaks():
             rows[m.group(1).strip()] = (float(m.group(2)), int(m.group(4)), int(m.group(5)))
     assert set(rows) == {"naive fp16 attention", "intact flash", "break: no max subtraction",
                          "break: no rescaling"}, out
-    intact, nomax, noresc = rows["intact flash"], rows["break: no max subtraction"], rows["break: no rescaling"]
+    intact = rows["intact flash"]
+    nomax, noresc = rows["break: no max subtraction"], rows["break: no rescaling"]
     assert intact[0] < 1e-2 and intact[1] == 0
     assert nomax[1] > 0                       # overflowed rows
     assert noresc[0] > 1e-1 and noresc[1] == 0  # finite and wrong

@@ -1,15 +1,20 @@
 """The NumPy twin (flashcupy.attention on NumPy arrays) against the float64 reference."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 import flashcupy
 from flashcupy import naive, reference
-from flashcupy._checks import numpy_dtype
-from tests.numerics import assert_accurate, max_abs_err
+from tests.helpers import LN_MAX, one_hot_score_inputs, parametrize_causal, qkv
+from tests.numerics import (
+    F32_BLOCK_INVARIANCE,
+    F32_NEAR_FLOAT64,
+    assert_accurate,
+    assert_lse_accurate,
+    max_abs_err,
+    tolerance,
+)
 
 DTYPES = ["f32", "f16", "bf16"]
 CASES = [  # (B, Hq, Hkv, Nq, Nk, D)
@@ -20,22 +25,12 @@ CASES = [  # (B, Hq, Hkv, Nq, Nk, D)
 ]
 
 
-def _inputs(rng, shape, dname, scale=1.0):
-    b, hq, hkv, nq, nk, d = shape
-    dt = numpy_dtype(dname)
-    return (
-        (scale * rng.standard_normal((b, hq, nq, d))).astype(dt),
-        rng.standard_normal((b, hkv, nk, d)).astype(dt),
-        rng.standard_normal((b, hkv, nk, d)).astype(dt),
-    )
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@parametrize_causal
 @pytest.mark.parametrize("accum", ["fp32", "fp16"])
 @pytest.mark.parametrize("dname", DTYPES)
 @pytest.mark.parametrize("shape", CASES)
 def test_twin_matches_reference(rng, shape, dname, accum, causal):
-    q, k, v = _inputs(rng, shape, dname)
+    q, k, v = qkv(rng, shape, dname)
     q0 = q.copy()
     o, lse = flashcupy.attention(q, k, v, causal=causal, accum=accum, kernel="simt", block_n=32,
                                  return_lse=True)
@@ -43,56 +38,37 @@ def test_twin_matches_reference(rng, shape, dname, accum, causal):
     np.testing.assert_array_equal(q, q0)  # inputs untouched
     o_ref, lse_ref = reference.attention(q, k, v, causal=causal, return_lse=True)
     assert_accurate(o, o_ref, naive.attention(q, k, v, causal=causal), dname, accum, what="o")
-    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref))
-    fin = np.isfinite(lse_ref)
-    lse_tol = 1e-5 if accum == "fp32" else 8 * 2.0 ** -11 * (1 + np.abs(lse_ref[fin]).max())
-    assert max_abs_err(lse[fin], lse_ref[fin]) <= lse_tol
+    assert_lse_accurate(lse, lse_ref, accum, what="lse")
 
 
 def test_twin_fp32_is_near_1e6(rng):
-    q, k, v = _inputs(rng, (1, 4, 4, 300, 517, 64), "f32")
+    q, k, v = qkv(rng, (1, 4, 4, 300, 517, 64), "f32")
     err = max_abs_err(flashcupy.attention(q, k, v, block_n=64, kernel="simt"), reference.attention(q, k, v))
-    assert err < 2e-6
+    assert err < F32_NEAR_FLOAT64["fwd"]
 
 
 @pytest.mark.parametrize("dname", DTYPES)
 def test_intact_twin_is_block_size_invariant(rng, dname):
     """Changing the tiles changes only the rounding, never the function."""
-    q, k, v = _inputs(rng, (1, 2, 2, 200, 300, 32), dname)
+    q, k, v = qkv(rng, (1, 2, 2, 200, 300, 32), dname)
     o_ref = reference.attention(q, k, v)
     outs = [flashcupy.attention(q, k, v, kernel="simt", block_m=bm, block_n=bn)
             for bm, bn in [(16, 16), (64, 32), (128, 128), (32, 128)]]
     base = max_abs_err(naive.attention(q, k, v), o_ref)
     for o in outs:
-        assert max_abs_err(o, o_ref) <= 2 * base + (1e-6 if dname == "f32" else 1e-5)
+        assert max_abs_err(o, o_ref) <= tolerance(dname, "fp32", base)
     if dname == "f32":
         for o in outs[1:]:
-            assert np.abs(o - outs[0]).max() < 1e-6
-
-
-def _one_hot_score_inputs(smax, dname, nk=64, d=8):
-    """Scores (scale 1) are 0.1 * N(0,1) except key 5, whose score is exactly ``smax`` for every row."""
-    rng = np.random.default_rng(1234)
-    dt = numpy_dtype(dname)
-    q = np.zeros((1, 1, 4, d))
-    q[..., 0] = 1.0
-    q[..., 1:] = 0.1 * rng.standard_normal((1, 1, 4, d - 1))
-    k = np.zeros((1, 1, nk, d))
-    k[..., 1:] = rng.standard_normal((1, 1, nk, d - 1)) / math.sqrt(d)
-    k[0, 0, 5, 0] = smax
-    v = rng.uniform(-1.0, 1.0, (1, 1, nk, d))  # |v| <= 1: fp16 accumulators overflow no earlier than l
-    return q.astype(dt), k.astype(dt), v.astype(dt)
+            assert np.abs(o - outs[0]).max() < F32_BLOCK_INVARIANCE["fwd"]
 
 
 @pytest.mark.parametrize("accum", ["fp32", "fp16"])
-@pytest.mark.parametrize("dname,threshold", [("f16", math.log(65504.0)), ("f32", 88.72),
-                                            ("bf16", 88.72)])
-def test_max_subtraction_break_overflows_at_ln_max(dname, threshold, accum):
+@pytest.mark.parametrize("dname", DTYPES)
+def test_max_subtraction_break_overflows_at_ln_max(dname, accum):
     """Without the max subtraction exp(s) overflows the element type once s > ln(max finite)."""
-    if accum == "fp16" and dname != "f16":
-        threshold = math.log(65504.0)  # the fp16 running sum overflows first
-    below = _one_hot_score_inputs(threshold - 0.3, dname)
-    above = _one_hot_score_inputs(threshold + 0.3, dname)
+    threshold = LN_MAX["f16" if accum == "fp16" else dname]  # fp16 accumulators: the fp16 sum overflows first
+    below = one_hot_score_inputs(threshold - 0.3, dname)
+    above = one_hot_score_inputs(threshold + 0.3, dname)
     kw = dict(scale=1.0, kernel="simt", ablate="max_subtraction", accum=accum)
     o_below = flashcupy.attention(*below, **kw)
     o_above = flashcupy.attention(*above, **kw)
@@ -112,7 +88,7 @@ def test_max_subtraction_break_overflows_at_ln_max(dname, threshold, accum):
 
 @pytest.mark.parametrize("dname", DTYPES)
 def test_max_subtraction_break_is_harmless_for_small_scores(rng, dname):
-    q, k, v = _inputs(rng, (1, 2, 2, 100, 150, 32), dname)
+    q, k, v = qkv(rng, (1, 2, 2, 100, 150, 32), dname)
     o = flashcupy.attention(q, k, v, ablate="max_subtraction", kernel="simt")
     ref = reference.attention(q, k, v)
     assert_accurate(o, ref, naive.attention(q, k, v), dname, "fp32", what="max_subtraction, |s| < 5")
@@ -120,7 +96,7 @@ def test_max_subtraction_break_is_harmless_for_small_scores(rng, dname):
 
 def test_rescaling_break_exact_with_one_tile_wrong_with_two(rng):
     """The seed chapter's setup: B=2, H=4, N=256, D=32, blocks of 32."""
-    q, k, v = _inputs(rng, (2, 4, 4, 256, 256, 32), "f32")
+    q, k, v = qkv(rng, (2, 4, 4, 256, 256, 32), "f32")
     ref = reference.attention(q, k, v)
     broken = flashcupy.attention(q, k, v, ablate="rescaling", kernel="simt", block_m=32, block_n=32)
     err = max_abs_err(broken, ref)
@@ -131,7 +107,7 @@ def test_rescaling_break_exact_with_one_tile_wrong_with_two(rng):
 
 
 def test_rescaling_break_lse_and_causal_empty_rows(rng):
-    q, k, v = _inputs(rng, (1, 2, 2, 40, 20, 16), "f32")
+    q, k, v = qkv(rng, (1, 2, 2, 40, 20, 16), "f32")
     for ablate in (None, "max_subtraction", "rescaling"):
         o, lse = flashcupy.attention(q, k, v, causal=True, ablate=ablate, kernel="simt", block_n=16,
                                      return_lse=True)

@@ -1,0 +1,141 @@
+"""What the test modules share besides the tolerance rules (those live in tests/numerics.py): input
+makers, parameter ids, block-size parameters and the NaN-poisoned launch helpers."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from flashcupy._checks import check_backward, check_forward, numpy_dtype
+
+# ln(largest finite value): exp(s) overflows past it (float32's 88.72 also for bfloat16, same exponent)
+LN_MAX = {"f16": math.log(65504.0), "f32": 88.72, "bf16": 88.72}
+
+# ---------------------------------------------------------------------------------------------------
+# parameter ids
+
+
+def combo_id(combo) -> str:
+    """(kernel, dtype, accum) -> e.g. "mma-f16-acc32"."""
+    kernel, dname, accum = combo
+    return f"{kernel}-{dname}-acc{accum[2:]}"
+
+
+def shape_ids(shapes) -> list[str]:
+    """(Nq, Nk) pairs -> e.g. "113x203"."""
+    return [f"{nq}x{nk}" for nq, nk in shapes]
+
+
+parametrize_causal = pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+
+
+def block_params(direction: str, kernels_dtypes) -> list:
+    """One pytest.param(kernel, dname, block_m, block_n) per tile size the family ``<direction>_<kernel>``
+    supports, for each (kernel, dname) in ``kernels_dtypes``."""
+    from flashcupy._build import FAMILIES
+
+    out = []
+    for kernel, dname in kernels_dtypes:
+        fam = FAMILIES[f"{direction}_{kernel}"]
+        for bm in fam.block_m:
+            for bn in fam.block_n:
+                out.append(pytest.param(kernel, dname, bm, bn, id=f"{kernel}-bm{bm}-bn{bn}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs (NumPy, element type ``dname``; shape = (B, Hq, Hkv, Nq, Nk, D))
+
+
+def qkv(rng, shape, dname: str, q_scale: float = 1.0):
+    """q, k, v with N(0, 1) entries (q times ``q_scale``), drawn in that order."""
+    b, hq, hkv, nq, nk, d = shape
+    dt = numpy_dtype(dname)
+    return ((q_scale * rng.standard_normal((b, hq, nq, d))).astype(dt),
+            rng.standard_normal((b, hkv, nk, d)).astype(dt),
+            rng.standard_normal((b, hkv, nk, d)).astype(dt))
+
+
+def do_qkv(rng, shape, dname: str):
+    """do, q, k, v with N(0, 1) entries, drawn in that order: a backward problem."""
+    b, hq, hkv, nq, nk, d = shape
+    dt = numpy_dtype(dname)
+    return tuple(rng.standard_normal(s).astype(dt) for s in
+                 ((b, hq, nq, d), (b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d)))
+
+
+def one_hot_score_inputs(smax: float, dname: str, nk: int = 64, d: int = 8):
+    """Scores (scale 1) are 0.1 * N(0,1) except key 5, whose score is exactly ``smax`` for every row."""
+    rng = np.random.default_rng(1234)
+    dt = numpy_dtype(dname)
+    q = np.zeros((1, 1, 4, d))
+    q[..., 0] = 1.0
+    q[..., 1:] = 0.1 * rng.standard_normal((1, 1, 4, d - 1))
+    k = np.zeros((1, 1, nk, d))
+    k[..., 1:] = rng.standard_normal((1, 1, nk, d - 1)) / math.sqrt(d)
+    k[0, 0, 5, 0] = smax
+    v = rng.uniform(-1.0, 1.0, (1, 1, nk, d))  # |v| <= 1: fp16 accumulators overflow no earlier than l
+    return q.astype(dt), k.astype(dt), v.astype(dt)
+
+
+def to_device(*arrays):
+    import cupy
+
+    return tuple(cupy.asarray(x) for x in arrays)
+
+
+# ---------------------------------------------------------------------------------------------------
+# launches into NaN-poisoned outputs (CuPy arrays; the internal launch path, which takes the outputs)
+
+FORWARD_DEFAULTS = {"causal": False, "scale": None, "block_m": None, "block_n": None, "accum": "fp32",
+                    "kernel": "auto", "ablate": None}
+BACKWARD_DEFAULTS = {**{k: v for k, v in FORWARD_DEFAULTS.items() if k != "ablate"}, "deterministic": False}
+
+
+def _poisoned(shape, dtype):
+    import cupy
+
+    return cupy.full(shape, cupy.nan, dtype=cupy.float32).astype(dtype)
+
+
+def _assert_written(key: str, **outputs) -> None:
+    """After the stream's work: no NaN left where the kernel must write a number."""
+    import cupy
+
+    for name, x in outputs.items():
+        unwritten = bool(cupy.isnan(x.astype(cupy.float32)).any())
+        assert not unwritten, f"{key}: {name} has unwritten (NaN) elements"
+
+
+def run_poisoned(q, k, v, **kw):
+    """flashcupy's forward into NaN-filled o and lse; returns (o, lse) after checking every element
+    was written (unless an ablation is on: a break may leave NaN)."""
+    import cupy
+
+    from flashcupy._launch import forward
+
+    p = check_forward(q, k, v, **{**FORWARD_DEFAULTS, **kw})
+    o = _poisoned((p.batch, p.heads_q, p.nq, p.head_dim), q.dtype)
+    lse = _poisoned((p.batch, p.heads_q, p.nq), cupy.float32)
+    forward(q, k, v, p, o=o, lse=lse)
+    cupy.cuda.get_current_stream().synchronize()
+    if kw.get("ablate") is None:
+        _assert_written(p.variant.key, o=o, lse=lse)
+    return o, lse
+
+
+def run_backward_poisoned(do, q, k, v, o, lse, **kw):
+    """flashcupy's backward into NaN-filled dq, dk, dv; returns them after checking every element was
+    written."""
+    import cupy
+
+    from flashcupy._launch import backward
+
+    kw = {**BACKWARD_DEFAULTS, **kw}
+    p = check_backward(do, q, k, v, o, lse, **kw)
+    grads = tuple(_poisoned(x.shape, x.dtype) for x in (q, k, v))
+    backward(do, q, k, v, o, lse, p, deterministic=kw["deterministic"], grads=grads)
+    cupy.cuda.get_current_stream().synchronize()
+    _assert_written(p.variant.key, **dict(zip(("dq", "dk", "dv"), grads)))
+    return grads
