@@ -196,7 +196,9 @@ _FAMILIES = (
         head_dim_pad=lambda d: d,
         # a producer warpgroup and one consumer warpgroup per 64 query rows
         threads=lambda v: 128 * (1 + v.block_m // 64),
-        smem_bytes=_wgmma_smem, default_blocks=lambda dtype, d: (128, 128),
+        # D=64: three consumer warpgroups (192 query rows) feed the tensor cores better than two
+        # (measured on the H200: 1.02-1.10x the 128-row tile at N = 4096 and 16384 in 7 of 8 cells)
+        smem_bytes=_wgmma_smem, default_blocks=lambda dtype, d: (192, 128) if d == 64 else (128, 128),
         no_spill=lambda v: True, limits=_wgmma_limits, arch="sm_90a",
     ),
     Family(

@@ -23,8 +23,10 @@ def test_variant_compiles_without_spills(variant):
 
 
 # ptxas warnings that silently cost a Hopper kernel its overlap: wgmma serialized because other
-# instructions define its accumulators (C7515) or for want of registers (C7511); setmaxnreg ignored (C7508).
-SERIALIZING_WARNINGS = ("C7515", "C7511", "C7508")
+# instructions define its accumulators (C7515), for want of registers (C7511) or because registers of an
+# in-flight wgmma are written (C7513); setmaxnreg ignored (C7508). (NVRTC 13.5 did not print C7513 where
+# the toolkit's ptxas 13.0 did: this check reads what NVRTC reports.)
+SERIALIZING_WARNINGS = ("C7515", "C7511", "C7513", "C7508")
 
 
 @pytest.mark.parametrize("variant", [p for p in VARIANTS if p.values[0].fam.kind == "wgmma"],
