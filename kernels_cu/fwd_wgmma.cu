@@ -15,8 +15,12 @@
 //                                  B = V_j from shared memory, MN-major (transpose bit)
 //       and at the end o = O / l, lse = m * scale + ln l (o = 0, lse = -inf for rows that see no key),
 //       written straight from registers.
-// Step 1 of the family: the S and P V products of one tile are waited for before the softmax
-// (no pingpong between consumers, no softmax / GEMM overlap inside a warpgroup yet).
+// Schedule (FlashAttention-3's step 2; knobs FC_WG_* below, none changes a bit of the result):
+//   inside a consumer warpgroup, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued together and the
+//   softmax of tile j runs while P_{j-1} V_{j-1} is on the tensor cores (wait_group<1>); P_j is
+//   rounded into the A fragments only after wait_group<0> (writing A registers of a wgmma while a group
+//   is in flight makes ptxas serialize all wgmma: C7513). With two consumer warpgroups they take turns
+//   to issue their products (pingpong, named barriers 1 and 2).
 //
 // Tensor maps (flashcupy/_tma.py): 4-D (D, N, H, B) over the real strides of q, k, v, box (64, rows,
 // 1, 1), 128-byte swizzle. Tiles are addressed by coordinates (64 p, n0, h, b), so rows past N come
@@ -43,6 +47,25 @@
 #endif
 #ifndef FC_KV_STAGES
 #define FC_KV_STAGES 2
+#endif
+// Scheduling knobs (optional; they change only the order in which the products are issued, never a
+// result: every variant writes the same bits):
+//   FC_WG_OVERLAP   1: software pipeline inside a consumer warpgroup: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+//                   are issued together and the softmax of tile j runs while P_{j-1} V_{j-1} is on the
+//                   tensor cores (needs a second set of P fragments). Default: 1 when FC_BLOCK_M <= 128.
+//   FC_WG_PINGPONG  1: with two consumer warpgroups, they take turns to issue their products (named
+//                   barriers 1 and 2), so one's softmax runs while the other's products run. Default 1
+//                   when FC_BLOCK_M == 128.
+//   FC_WG_EARLY_RESCALE  (default 1) with FC_WG_OVERLAP: O *= alpha_{j-1} runs while S_j is on the tensor cores (just
+//                   before P_{j-1} V_{j-1} is issued) instead of after P_{j-1} V_{j-1} has landed.
+#ifndef FC_WG_EARLY_RESCALE
+#define FC_WG_EARLY_RESCALE 1
+#endif
+#ifndef FC_WG_OVERLAP
+#define FC_WG_OVERLAP (FC_BLOCK_M <= 128)
+#endif
+#ifndef FC_WG_PINGPONG
+#define FC_WG_PINGPONG (FC_BLOCK_M == 128)
 #endif
 
 constexpr int BM = FC_BLOCK_M;
@@ -158,28 +181,36 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         if (n_tiles > 0) mbar_wait(bar_q, 0);
         const u32 q_rows = sQ + 64 * cw * 128;       // this warpgroup's 64 rows of each Q panel
 
-        for (int j = 0; j < n_tiles; ++j) {
-            const int s = j % STAGES;
-            const u32 ph = (u32)((j / STAGES) & 1);
-
-            // ---- S = Q K_j^T ----
-            float s_acc[SN];
-            mbar_wait(k_full(s), ph);
+        // S = Q K^T from stage s into sacc: one wgmma group, committed, not waited for.
+        auto issue_s = [&](float(&sacc)[SN], int s) {
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; ++kk) {
                 const u32 off = (kk % 4) * 32;  // k16 step inside the panel
                 const u64 da = wg_desc_sw128(q_rows + (kk / 4) * Q_PANEL + off, 16, 1024);
                 const u64 db = wg_desc_sw128(sK + s * KV_BYTES + (kk / 4) * KV_PANEL + off, 16, 1024);
-                WgMma<BN>::ss(s_acc, da, db, kk > 0);
+                WgMma<BN>::ss(sacc, da, db, kk > 0);
             }
             wg_commit();
-            wg_wait<0>();
-            reg_fence(s_acc);
+        };
+        // O += P V from stage s: one wgmma group, committed, not waited for.
+        auto issue_pv = [&](u32(&p)[PSTEPS][4], int s) {
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < PSTEPS; ++kk) {
+                const u64 db = wg_desc_sw128(sV + s * KV_BYTES + kk * 16 * 128, KV_PANEL, 1024);
+                WgMma<HD>::rs_tb(o_acc, p[kk], db, 1);
+            }
+            wg_commit();
+        };
+        // After the wait for a group: pin its registers, then release its buffer (one arrival per warp).
+        auto release = [&](u32 bar) {
             __syncwarp();
-            if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done reading K_j
-
-            // ---- mask: invisible keys (causal edge, keys >= nk) score -inf ----
+            if (lane == 0) mbar_arrive(bar);
+        };
+        // Mask tile j (invisible keys: causal edge, keys >= nk score -inf), then one online-softmax step
+        // per row (fc_softmax_step): sacc becomes P in fp32, in place; l takes its fp32 row sums.
+        auto softmax = [&](float(&sacc)[SN], int j, float(&alpha)[2]) {
             if (j >= mask_from) {
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
@@ -188,39 +219,47 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
                         for (int e = 0; e < 2; ++e)
-                            if (8 * i + e > last) s_acc[4 * i + 2 * hf + e] = -INFINITY;
+                            if (8 * i + e > last) sacc[4 * i + 2 * hf + e] = -INFINITY;
                 }
             }
-
-            // ---- online softmax per row; P goes straight into the A fragments of P V ----
-            float alpha[2];
-            u32 p_frag[PSTEPS][4];
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const float sub = fc_softmax_step(m_run[hf], alpha[hf], scale_log2, [&] {
                     float mx = -INFINITY;  // rowmax(S_j) over the 4 lanes holding the row
 #pragma unroll
                     for (int i = 0; i < BN / 8; ++i)
-                        mx = fmaxf(mx, fmaxf(s_acc[4 * i + 2 * hf], s_acc[4 * i + 2 * hf + 1]));
+                        mx = fmaxf(mx, fmaxf(sacc[4 * i + 2 * hf], sacc[4 * i + 2 * hf + 1]));
                     return quad_max(mx);
                 });
                 float rs = 0.f;
 #pragma unroll
                 for (int i = 0; i < BN / 8; ++i) {
-                    const float p0 = fc_softmax_p(s_acc[4 * i + 2 * hf], scale_log2, sub);
-                    const float p1 = fc_softmax_p(s_acc[4 * i + 2 * hf + 1], scale_log2, sub);
+                    const float p0 = fc_softmax_p(sacc[4 * i + 2 * hf], scale_log2, sub);
+                    const float p1 = fc_softmax_p(sacc[4 * i + 2 * hf + 1], scale_log2, sub);
                     rs += p0;
                     rs += p1;
-                    p_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(p0, p1);
+                    sacc[4 * i + 2 * hf] = p0;
+                    sacc[4 * i + 2 * hf + 1] = p1;
                 }
                 l_run[hf] = fc_softmax_l(l_run[hf], alpha[hf], rs);
             }
-
-            // ---- O *= alpha (skipped, warp-uniformly, when every alpha is exactly 1; compiled out
-            //      by both breaks) ----
+        };
+        // P (fp32, accumulator layout) rounded to the element type into the A fragments of P V: the
+        // k16 step kk takes accumulator tiles 2kk and 2kk + 1. Done only while no wgmma is in flight
+        // (registers an in-flight wgmma group may read are never written: ptxas would serialize, C7513).
+        auto pack_p = [&](const float(&sacc)[SN], u32(&p)[PSTEPS][4]) {
+#pragma unroll
+            for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+                    p[i >> 1][hf + 2 * (i & 1)] = pack_elem2(sacc[4 * i + 2 * hf], sacc[4 * i + 2 * hf + 1]);
+        };
+        // O *= alpha (skipped, warp-uniformly, when every alpha is exactly 1; compiled out by both
+        // breaks)
+        auto rescale = [&](const float(&alpha)[2]) {
             if (FC_SOFTMAX_RESCALES) {
-                const bool rescale = (alpha[0] != 1.f) | (alpha[1] != 1.f);
-                if (__any_sync(0xffffffffu, rescale)) {
+                const bool any = (alpha[0] != 1.f) | (alpha[1] != 1.f);
+                if (__any_sync(0xffffffffu, any)) {
 #pragma unroll
                     for (int i = 0; i < HD / 8; ++i) {
                         o_acc[4 * i + 0] *= alpha[0];
@@ -230,23 +269,98 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     }
                 }
             }
+        };
+        // Pingpong: a warpgroup issues its products only on its turn (named barrier 1 + cw) and then
+        // hands the turn to the other (barrier 2 - cw). Warpgroup 1 gives the first turn to warpgroup 0;
+        // each barrier then sees one arrive per sync, and warpgroup 1 skips its last hand-over.
+        constexpr bool PINGPONG = FC_WG_PINGPONG && NCWG == 2;
+        auto turn_wait = [&]() {
+            if (PINGPONG) named_bar_sync(1 + cw, 256);
+        };
+        auto turn_pass = [&](bool last) {
+            if (PINGPONG && !(last && cw == 1)) named_bar_arrive(2 - cw, 256);
+        };
+        auto phase = [](int j) { return (u32)((j / STAGES) & 1); };
+        if (PINGPONG && cw == 1 && n_tiles > 0) named_bar_arrive(1, 256);
 
-            // ---- O += P V_j ----
-            mbar_wait(v_full(s), ph);
-            wg_fence();
+#if FC_WG_OVERLAP
+        // Software pipeline: P_{j-1} V_{j-1} runs on the tensor cores during the softmax of tile j.
+        // Per element of O the operations keep their order, O = alpha_j (O + P_{j-1} V_{j-1}), so the
+        // result is bitwise that of the plain loop.
+        if (n_tiles > 0) {
+            float s_acc[SN];
+            u32 p_frag[PSTEPS][4];
+            float alpha[2];
+            mbar_wait(k_full(0), 0);
+            turn_wait();
+            issue_s(s_acc, 0);
+            turn_pass(false);
+            wg_wait<0>();
+            reg_fence(s_acc);
+            release(k_empty(0));
+            softmax(s_acc, 0, alpha);  // O = 0: nothing to rescale
+            pack_p(s_acc, p_frag);
+            for (int j = 1; j < n_tiles; ++j) {
+                const int s = j % STAGES, sp = (j - 1) % STAGES;
+                mbar_wait(k_full(s), phase(j));
+                mbar_wait(v_full(sp), phase(j - 1));
+                turn_wait();
+                issue_s(s_acc, s);      // S_j = Q K_j^T
+                if (FC_WG_EARLY_RESCALE) rescale(alpha);  // alpha of tile j - 1
+                issue_pv(p_frag, sp);   // O += P_{j-1} V_{j-1}
+                turn_pass(false);
+                wg_wait<1>();           // S_j has landed; P V still running
+                reg_fence(s_acc);
+                release(k_empty(s));
+                softmax(s_acc, j, alpha);
+                wg_wait<0>();           // P_{j-1} V_{j-1} has landed
+                reg_fence(o_acc);
 #pragma unroll
-            for (int kk = 0; kk < PSTEPS; ++kk) {
-                const u64 db = wg_desc_sw128(sV + s * KV_BYTES + kk * 16 * 128, KV_PANEL, 1024);
-                WgMma<HD>::rs_tb(o_acc, p_frag[kk], db, 1);
+                for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
+                release(v_empty(sp));
+                if (!FC_WG_EARLY_RESCALE) rescale(alpha);
+                pack_p(s_acc, p_frag);
             }
-            wg_commit();
+            const int sl = (n_tiles - 1) % STAGES;
+            mbar_wait(v_full(sl), phase(n_tiles - 1));
+            turn_wait();
+            if (FC_WG_EARLY_RESCALE && n_tiles > 1) rescale(alpha);
+            issue_pv(p_frag, sl);
+            turn_pass(true);
             wg_wait<0>();
             reg_fence(o_acc);
 #pragma unroll
             for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(v_empty(s));  // this warp is done reading V_j
+            release(v_empty(sl));
         }
+#else
+        // Plain loop: each product is waited for before the softmax / the next tile.
+        for (int j = 0; j < n_tiles; ++j) {
+            const int s = j % STAGES;
+            float s_acc[SN];
+            u32 p_frag[PSTEPS][4];
+            float alpha[2];
+            mbar_wait(k_full(s), phase(j));
+            turn_wait();
+            issue_s(s_acc, s);
+            turn_pass(false);
+            wg_wait<0>();
+            reg_fence(s_acc);
+            release(k_empty(s));  // this warp is done reading K_j
+            softmax(s_acc, j, alpha);
+            pack_p(s_acc, p_frag);
+            rescale(alpha);
+            mbar_wait(v_full(s), phase(j));
+            turn_wait();
+            issue_pv(p_frag, s);
+            turn_pass(j == n_tiles - 1);
+            wg_wait<0>();
+            reg_fence(o_acc);
+#pragma unroll
+            for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
+            release(v_empty(s));  // this warp is done reading V_j
+        }
+#endif
 
         // ---- epilogue: o = O / l (0 where l == 0), lse; straight from registers ----
         const long long row_base = ((long long)b * gridDim.y + h) * nq;  // (b, h, row 0) in o and lse
