@@ -19,7 +19,7 @@ from typing import Callable
 
 __all__ = [
     "ATOMIC_DQ_ROLES", "DETERMINISTIC_DQ_ROLES", "DTYPES", "FAMILIES", "Family", "Variant", "compile_report",
-    "covering_variants", "cubin", "get_kernel", "source_text",
+    "covering_variants", "get_kernel", "ptx", "source_text",
 ]
 
 # Element types by short name: the name used in variant keys -> (FC_DTYPE code, bytes).
@@ -461,8 +461,8 @@ class CompileError(RuntimeError):
     pass
 
 
-def _nvrtc_compile(variant: Variant, arch: str) -> tuple[str, bytes]:
-    """NVRTC's log (with ptxas's -v report) and the cubin of one variant."""
+def _nvrtc_log(variant: Variant, arch: str) -> str:
+    """NVRTC's log of one variant, with ptxas's -v resource report."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source_text(variant.fam.source), variant.fam.source, [], [])
@@ -473,18 +473,27 @@ def _nvrtc_compile(variant: Variant, arch: str) -> tuple[str, bytes]:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
             raise CompileError(f"{variant.key}: {e}\n{nvrtc.getProgramLog(prog)}") from None
-        return nvrtc.getProgramLog(prog), nvrtc.getCUBIN(prog)
+        return nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
 
-def _nvrtc_log(variant: Variant, arch: str) -> str:
-    return _nvrtc_compile(variant, arch)[0]
+def ptx(variant: Variant) -> str:
+    """The variant's PTX as NVRTC builds it (no GPU needed), for the CUDA toolkit's ptxas and cuobjdump:
+    the cubin bytes of CuPy's NVRTC binding can come back truncated, and NVRTC's log can be empty."""
+    from cupy_backends.cuda.libs import nvrtc
 
-
-def cubin(variant: Variant, arch: str | None = None) -> bytes:
-    """The variant's cubin as NVRTC builds it (no GPU needed): for reading its SASS with cuobjdump."""
-    return _nvrtc_compile(variant, arch or variant.fam.arch or CHECK_ARCH)[1]
+    prog = nvrtc.createProgram(source_text(variant.fam.source), variant.fam.source, [], [])
+    opts = list(compile_options(variant)) + [f"-arch={variant.fam.arch or CHECK_ARCH}", "-ftz=true"]
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise CompileError(f"{variant.key}: {e}\n{nvrtc.getProgramLog(prog)}") from None
+        out = nvrtc.getPTX(prog)
+        return out.decode() if isinstance(out, bytes) else out
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 def compile_report(variant: Variant, arch: str | None = None) -> dict:
