@@ -478,13 +478,13 @@ def _nvrtc_log(variant: Variant, arch: str) -> str:
         nvrtc.destroyProgram(prog)
 
 
-def ptx(variant: Variant) -> str:
+def ptx(variant: Variant, arch: str | None = None) -> str:
     """The variant's PTX as NVRTC builds it (no GPU needed), for the CUDA toolkit's ptxas and cuobjdump:
     the cubin bytes of CuPy's NVRTC binding can come back truncated, and NVRTC's log can be empty."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source_text(variant.fam.source), variant.fam.source, [], [])
-    opts = list(compile_options(variant)) + [f"-arch={variant.fam.arch or CHECK_ARCH}", "-ftz=true"]
+    opts = list(compile_options(variant)) + [f"-arch={arch or variant.fam.arch or CHECK_ARCH}", "-ftz=true"]
     try:
         try:
             nvrtc.compileProgram(prog, opts)
@@ -494,6 +494,25 @@ def ptx(variant: Variant) -> str:
         return out.decode() if isinstance(out, bytes) else out
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _toolkit_ptxas_log(variant: Variant, arch: str) -> str | None:
+    """ptxas -v's report of the variant's NVRTC PTX through the CUDA toolkit's ptxas, or None when no
+    ptxas is on PATH or it does not read this PTX (a toolkit older than NVRTC)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    exe = shutil.which("ptxas")
+    if exe is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx(variant, arch))
+        res = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    return res.stdout + res.stderr if res.returncode == 0 else None
 
 
 def compile_report(variant: Variant, arch: str | None = None) -> dict:
@@ -506,8 +525,9 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
     arch = arch or variant.fam.arch or CHECK_ARCH
     log = _nvrtc_log(variant, arch)
     if "Function properties for" not in log:
-        # Seen on the H200 machine: the first NVRTC compile of a process returned an empty log. Once more.
-        log = _nvrtc_log(variant, arch)
+        # NVRTC 13.0 (the H200 machine's toolkit) returns an empty log for every compile, -v or not;
+        # the same PTX through the toolkit's ptxas reports the same resources.
+        log = _toolkit_ptxas_log(variant, arch) or log
     # ptxas reports each entry function in turn; a backward source holds several. Per kernel:
     rep = {"key": variant.key, "threads": variant.threads, "kernels": {}}
     for role in variant.roles:
