@@ -95,9 +95,7 @@ constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
 constexpr int N_BARS = 1 + 4 * STAGES;     // q_full, k_full[], k_empty[], v_full[], v_empty[]
 constexpr int SMEM_NEEDED = 1024 + OFF_BAR + 8 * N_BARS;
-#ifdef FC_SMEM_FWD
-static_assert(FC_SMEM_FWD >= SMEM_NEEDED, "FC_SMEM_FWD is smaller than the kernel's shared-memory layout");
-#endif
+static_assert(FC_SMEM_FWD == SMEM_NEEDED, "shared memory (Q, K/V stages, mbarriers) differs from FC_SMEM_FWD");
 
 // Registers per thread after setmaxnreg: the producer keeps few, the consumers share the rest of the
 // 64K-register file (128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= 65536, multiples of 8).
