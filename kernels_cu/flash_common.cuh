@@ -102,6 +102,57 @@ __device__ __forceinline__ unsigned int pack_elem2(float lo, float hi) {
 }
 #endif
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core accumulator tiles, shared by the mma and wgmma families. An m16n8 tile of mma.sync and
+// each 8-column slice of a wgmma m64nN accumulator (per warp) hold the same elements per lane
+// (g = lane / 4, t = lane % 4): i = 0, 1 -> row g, columns 2t, 2t + 1; i = 2, 3 -> row g + 8, same
+// columns. With fp32 accumulators they are 4 floats; with fp16 accumulators (FC_ACCUM_F16) 2 half2
+// registers (row g, row g + 8), which is also the layout of a 16-bit A fragment's half.
+// ---------------------------------------------------------------------------------------------
+typedef unsigned int u32;
+#if FC_ACCUM_F16
+constexpr int ACC_REGS = 2;  // two half2: row g, row g+8
+typedef u32 acc_t;
+#else
+constexpr int ACC_REGS = 4;  // c0 c1 (row g), c2 c3 (row g+8); columns 2t, 2t+1
+typedef float acc_t;
+#endif
+
+__device__ __forceinline__ void acc_zero(acc_t (&c)[ACC_REGS]) {
+#pragma unroll
+    for (int i = 0; i < ACC_REGS; ++i) c[i] = 0;
+}
+// Element i of a tile (i = 0, 1: row g; 2, 3: row g+8), as float.
+__device__ __forceinline__ float acc_get(const acc_t (&c)[ACC_REGS], int i) {
+#if FC_ACCUM_F16
+    const __half2 h = *reinterpret_cast<const __half2 *>(&c[i >> 1]);
+    return (i & 1) ? __high2float(h) : __low2float(h);
+#else
+    return c[i];
+#endif
+}
+// Element i := -inf (a masked score).
+__device__ __forceinline__ void acc_set_neg_inf(acc_t (&c)[ACC_REGS], int i) {
+#if FC_ACCUM_F16
+    c[i >> 1] = (i & 1) ? ((c[i >> 1] & 0x0000ffffu) | 0xfc000000u) : ((c[i >> 1] & 0xffff0000u) | 0x0000fc00u);
+#else
+    c[i] = -INFINITY;
+#endif
+}
+// Row g times a0, row g+8 times a1; in fp32, rounded once to the accumulator type.
+__device__ __forceinline__ void acc_scale(acc_t (&c)[ACC_REGS], float a0, float a1) {
+#if FC_ACCUM_F16
+    float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&c[0]));
+    float2 hi = __half22float2(*reinterpret_cast<const __half2 *>(&c[1]));
+    __half2 rlo = __floats2half2_rn(lo.x * a0, lo.y * a0);
+    __half2 rhi = __floats2half2_rn(hi.x * a1, hi.y * a1);
+    c[0] = *reinterpret_cast<u32 *>(&rlo);
+    c[1] = *reinterpret_cast<u32 *>(&rhi);
+#else
+    c[0] *= a0; c[1] *= a0; c[2] *= a1; c[3] *= a1;
+#endif
+}
+
 // Max / sum over the 4 lanes (xor 1, 2) that share a row of a tensor-core accumulator fragment
 // (mma.sync m16n8 and wgmma m64nN: lane 4g + t holds columns 2t, 2t + 1 of row g).
 __device__ __forceinline__ float quad_max(float x) {

@@ -60,30 +60,6 @@ static_assert(BN % 16 == 0, "FC_BLOCK_N must be a multiple of 16");
 static_assert(DK <= FC_HEAD_DIM_PAD, "FC_HEAD_DIM_PAD covers the multiplied head dim");
 static_assert((BM + 2 * BN) * ROW_BYTES == FC_SMEM_FWD, "shared memory (Q, K, V tiles) differs from FC_SMEM_FWD");
 
-
-// Element i := -inf (a masked score).
-__device__ __forceinline__ void acc_set_neg_inf(acc_t (&c)[ACC_REGS], int i) {
-#if FC_ACCUM_F16
-    c[i >> 1] = (i & 1) ? ((c[i >> 1] & 0x0000ffffu) | 0xfc000000u) : ((c[i >> 1] & 0xffff0000u) | 0x0000fc00u);
-#else
-    c[i] = -INFINITY;
-#endif
-}
-// Row g times a0, row g+8 times a1; in fp32, rounded once to the accumulator type.
-__device__ __forceinline__ void acc_scale(acc_t (&c)[ACC_REGS], float a0, float a1) {
-#if FC_ACCUM_F16
-    float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&c[0]));
-    float2 hi = __half22float2(*reinterpret_cast<const __half2 *>(&c[1]));
-    __half2 rlo = __floats2half2_rn(lo.x * a0, lo.y * a0);
-    __half2 rhi = __floats2half2_rn(hi.x * a1, hi.y * a1);
-    c[0] = *reinterpret_cast<u32 *>(&rlo);
-    c[1] = *reinterpret_cast<u32 *>(&rhi);
-#else
-    c[0] *= a0; c[1] *= a0; c[2] *= a1; c[3] *= a1;
-#endif
-}
-
-
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FWD_PARAMS) {
     extern __shared__ __align__(128) unsigned char smem[];

@@ -11,8 +11,6 @@
 #error "the mma family: FC_ACCUM_F16 requires FC_DTYPE 1 (float16)"
 #endif
 
-typedef unsigned int u32;
-
 constexpr int NTHR = FC_NUM_THREADS;
 constexpr int NWARPS = NTHR / 32;
 constexpr int CPR = FC_HEAD_DIM_PAD / 8;  // 16-byte chunks per shared-memory row
@@ -20,14 +18,6 @@ constexpr int CH = FC_HEAD_DIM / 8;       // chunks per row that hold data
 constexpr int ROW_BYTES = CPR * 16;
 static_assert(NTHR % 32 == 0, "FC_NUM_THREADS must be a multiple of 32");
 static_assert(CPR % 4 == 0, "FC_HEAD_DIM_PAD must be a multiple of 32");
-
-#if FC_ACCUM_F16
-constexpr int ACC_REGS = 2;  // two half2: row g, row g+8 of an m16n8 tile
-typedef u32 acc_t;
-#else
-constexpr int ACC_REGS = 4;  // c0 c1 (row g), c2 c3 (row g+8); columns 2t, 2t+1
-typedef float acc_t;
-#endif
 
 // ----------------------------------------- PTX wrappers --------------------------------------
 __device__ __forceinline__ void cp_async_16(u32 dst, const void *src, bool pred) {
@@ -80,21 +70,6 @@ __device__ __forceinline__ void mma_16816(acc_t (&d)[ACC_REGS], const u32 (&a)[4
                  "{%8, %9}, {%0, %1, %2, %3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
-// ------------------------------------ accumulator helpers ------------------------------------
-__device__ __forceinline__ void acc_zero(acc_t (&c)[ACC_REGS]) {
-#pragma unroll
-    for (int i = 0; i < ACC_REGS; ++i) c[i] = 0;
-}
-// Element i of an m16n8 accumulator in the f32 C layout (i = 0, 1: row g; 2, 3: row g+8), as float.
-__device__ __forceinline__ float acc_get(const acc_t (&c)[ACC_REGS], int i) {
-#if FC_ACCUM_F16
-    const __half2 h = *reinterpret_cast<const __half2 *>(&c[i >> 1]);
-    return (i & 1) ? __high2float(h) : __low2float(h);
-#else
-    return c[i];
 #endif
 }
 

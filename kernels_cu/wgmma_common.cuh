@@ -27,7 +27,6 @@
 #error "the wgmma family needs FC_DTYPE 1 (float16) or 2 (bfloat16)"
 #endif
 
-typedef unsigned int u32;
 typedef unsigned long long u64;
 
 // The 128-byte CUtensorMap, passed by value as a `const __grid_constant__` kernel parameter (the
