@@ -21,6 +21,7 @@ EXPERIMENTS = {
     "backward": ("backward", "run_backward", "dQ, dK, dV against float64 and a naive backward"),
     "memory": ("memory", "run_memory", "peak memory of naive attention and flashcupy over N"),
     "drift": ("accuracy", "run_drift", "Wasserstein distance of the output distributions"),
+    "tensorcore": ("tensorcore", "run_tensorcore", "how mma.sync and wgmma accumulate, measured"),
     "bench": ("bench", "run_bench", "speed against naive CuPy and torch SDPA, same run"),
 }
 # Reports that other commands write into a report folder, listed in its index.md when they are there:

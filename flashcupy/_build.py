@@ -60,7 +60,7 @@ class Family:
     head_dim_pad: Callable[[int], int]
     threads: Callable[["Variant"], int]
     smem_bytes: Callable[["Variant", str], int]
-    default_blocks: Callable[[str, int], tuple[int, int]]
+    default_blocks: Callable[[str, int, str], tuple[int, int]]  # (dtype, head dim, accum)
     no_spill: Callable[["Variant"], bool]
     limits: Callable[["Variant"], str | None] = lambda v: None
     # NVRTC's -arch. None: the device's own, which CuPy appends at run time (the CPU compile check
@@ -85,7 +85,7 @@ def _mma_smem(v: "Variant", role: str) -> int:
     return (v.block_m + 2 * v.block_n) * v.head_dim_pad * DTYPES[v.dtype][1]
 
 
-def _mma_defaults(dtype: str, d: int) -> tuple[int, int]:
+def _mma_defaults(dtype: str, d: int, accum: str) -> tuple[int, int]:
     return (128, 64)
 
 
@@ -155,13 +155,13 @@ def _bwd_simt_limits(v: "Variant") -> str | None:
     return None
 
 
-def _simt_defaults(dtype: str, d: int) -> tuple[int, int]:
+def _simt_defaults(dtype: str, d: int, accum: str) -> tuple[int, int]:
     return (64, 64)
 
 
 # fwd_wgmma.cu: K and V stream through this many shared-memory buffers (its FC_KV_STAGES default).
 WGMMA_KV_STAGES = 2
-WGMMA_HEAD_DIMS = (64, 128)
+WGMMA_HEAD_DIMS = (64, 128, 256)
 
 
 def _wgmma_smem(v: "Variant", role: str) -> int:
@@ -174,7 +174,24 @@ def _wgmma_smem(v: "Variant", role: str) -> int:
 def _wgmma_limits(v: "Variant") -> str | None:
     if v.head_dim not in WGMMA_HEAD_DIMS:
         return f"fwd_wgmma runs head dims {WGMMA_HEAD_DIMS}, not {v.head_dim}"
+    if v.head_dim == 256 and (v.block_m > 128 or v.block_n != 64):
+        # 128 fp32 O registers a thread and 2 stages of K and V (64 KB each at block_n=64) leave no room
+        return (f"kernel='wgmma' with D=256 supports block_m 64 or 128 and block_n 64; got "
+                f"block_m={v.block_m}, block_n={v.block_n}")
+    if v.accum == "fp16" and v.block_m > 128:
+        # ptxas serializes every wgmma of that tile for want of registers (C7511), measured locally
+        return f"kernel='wgmma' with accum='fp16' supports block_m 64 or 128, not {v.block_m}"
     return None
+
+
+def _wgmma_defaults(dtype: str, d: int, accum: str) -> tuple[int, int]:
+    # D=64: three consumer warpgroups (192 query rows) feed the tensor cores better than two
+    # (measured on the H200: 1.02-1.10x the 128-row tile at N = 4096 and 16384 in 7 of 8 cells), with
+    # fp32 accumulators (fp16 ones cannot take that tile, _wgmma_limits); D=256: the largest tile
+    # that fits.
+    if d == 64 and accum == "fp32":
+        return (192, 128)
+    return (128, 64) if d == 256 else (128, 128)
 
 
 _FAMILIES = (
@@ -192,13 +209,12 @@ _FAMILIES = (
     Family(
         kind="wgmma", direction="fwd", source="fwd_wgmma.cu", roles={"fwd": "flash_fwd_wgmma"},
         dtypes=("f16", "bf16"), block_m=(64, 128, 192), block_n=(64, 128),
-        accums=lambda dtype: ("fp32",),
+        # wgmma has fp16 accumulators for fp16 inputs only, as mma.sync
+        accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
         head_dim_pad=lambda d: d,
         # a producer warpgroup and one consumer warpgroup per 64 query rows
         threads=lambda v: 128 * (1 + v.block_m // 64),
-        # D=64: three consumer warpgroups (192 query rows) feed the tensor cores better than two
-        # (measured on the H200: 1.02-1.10x the 128-row tile at N = 4096 and 16384 in 7 of 8 cells)
-        smem_bytes=_wgmma_smem, default_blocks=lambda dtype, d: (192, 128) if d == 64 else (128, 128),
+        smem_bytes=_wgmma_smem, default_blocks=_wgmma_defaults,
         # Three consumer warpgroups at D=128 hold 128 registers a thread (overlap off there): with the
         # rescaling break and a causal mask ptxas spills 8 bytes. Reported, allowed; the others must not.
         no_spill=lambda v: not (v.block_m == 192 and v.head_dim == 128),
@@ -223,7 +239,7 @@ _FAMILIES = (
         head_dim_pad=lambda d: _round_up(d, 32),
         threads=lambda v: 256,
         smem_bytes=_bwd_mma_smem,
-        default_blocks=lambda dtype, d: (64, 128) if d <= 128 else (64, 64),
+        default_blocks=lambda dtype, d, accum: (64, 128) if d <= 128 else (64, 64),
         no_spill=lambda v: True,
         limits=lambda v: ("kernel='mma' backward with D > 128 supports block_n=64 only"
                           if v.head_dim_pad > 128 and v.block_n != 64 else None),
@@ -236,7 +252,7 @@ _FAMILIES = (
         head_dim_pad=lambda d: d,
         threads=lambda v: 256,
         smem_bytes=_bwd_simt_smem,
-        default_blocks=lambda dtype, d: (64, 64) if d <= 160 else (32, 64),
+        default_blocks=lambda dtype, d, accum: (64, 64) if d <= 160 else (32, 64),
         no_spill=lambda v: True,
         limits=_bwd_simt_limits,
     ),
@@ -386,14 +402,20 @@ def _cuda_include_dir() -> str | None:
     return None
 
 
-def compile_options(v: Variant) -> tuple[str, ...]:
-    """NVRTC options for a variant (the architecture is added by the caller)."""
+def nvrtc_options(defines: dict[str, int]) -> tuple[str, ...]:
+    """NVRTC options for a source of kernels_cu/ compiled with these -D knobs (the architecture is added
+    by the caller)."""
     opts = ["-std=c++17", f"-I{_kernels_dir()}"]
     inc = _cuda_include_dir()
     if inc:
         opts.append(f"-I{inc}")
-    opts += [f"-D{k}={val}" for k, val in v.defines().items()]
+    opts += [f"-D{k}={val}" for k, val in defines.items()]
     return tuple(opts)
+
+
+def compile_options(v: Variant) -> tuple[str, ...]:
+    """NVRTC options for a variant (the architecture is added by the caller)."""
+    return nvrtc_options(v.defines())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -499,9 +521,11 @@ def ptx(variant: Variant, arch: str | None = None) -> str:
         nvrtc.destroyProgram(prog)
 
 
-def _toolkit_ptxas_log(variant: Variant, arch: str) -> str | None:
-    """ptxas -v's report of the variant's NVRTC PTX through the CUDA toolkit's ptxas, or None when no
-    ptxas is on PATH or it does not read this PTX (a toolkit older than NVRTC)."""
+def toolkit_ptxas(ptx_text: str, arch: str, cubin: str):
+    """``ptxas -v`` of the CUDA toolkit on PTX text, writing ``cubin``: the CompletedProcess, or None when
+    no ptxas is on PATH. A toolkit older than NVRTC refuses the text's ``.version`` ("current version is
+    'X'"); the text is then assembled once more at version X (the kernels use no newer PTX feature, and
+    ptxas says so if one does)."""
     import shutil
     import subprocess
     import tempfile
@@ -511,11 +535,27 @@ def _toolkit_ptxas_log(variant: Variant, arch: str) -> str | None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx(variant, arch))
-        res = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-    return res.stdout + res.stderr if res.returncode == 0 else None
+        for _ in range(2):
+            with open(src, "w") as f:
+                f.write(ptx_text)
+            res = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", cubin], capture_output=True,
+                                 text=True)
+            older = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", res.stderr)
+            if res.returncode == 0 or not older:
+                break
+            ptx_text = re.sub(r"^\.version [\d.]+", f".version {older.group(1)}", ptx_text, count=1,
+                              flags=re.M)
+    return res
+
+
+def _toolkit_ptxas_log(variant: Variant, arch: str) -> str | None:
+    """ptxas -v's report of the variant's NVRTC PTX through the CUDA toolkit's ptxas, or None when no
+    ptxas is on PATH or it does not assemble this PTX."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        res = toolkit_ptxas(ptx(variant, arch), arch, os.path.join(tmp, "k.cubin"))
+    return res.stdout + res.stderr if res is not None and res.returncode == 0 else None
 
 
 def compile_report(variant: Variant, arch: str | None = None) -> dict:
@@ -548,8 +588,10 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
             krep[field] = int(m.group(1)) if m else 0
         krep["smem_dynamic"] = variant.smem_for(role)
         rep["kernels"][name] = krep
-    # ptxas warnings, e.g. those that silently serialize wgmma (C7515, C7511) or ignore setmaxnreg (C7508)
-    rep["warnings"] = [line.strip() for line in log.splitlines() if "warning" in line.lower()]
+    # ptxas warnings, and the "Potential Performance Loss" notes (C75xx, printed as info lines) that
+    # silently serialize wgmma (C7515, C7513, C7511) or ignore setmaxnreg (C7508)
+    rep["warnings"] = [line.strip() for line in log.splitlines()
+                       if "warning" in line.lower() or re.search(r"\bC75\d\d\b", line)]
     # summary over the kernels: the worst of each
     for field in list(_PTXAS_LINE) + ["smem_dynamic"]:
         rep[field] = max(k[field] for k in rep["kernels"].values())
@@ -564,13 +606,14 @@ def covering_variants(family: str) -> list[Variant]:
     head_dims = (8, 32, 40, 64, 96, 128, 256)
     base = dict(family=family, dtype=fam.dtypes[0], accum="fp32", head_dim=64, causal=False,
                 ablate=None)
-    base["block_m"], base["block_n"] = fam.default_blocks(fam.dtypes[0], 64)
+    base["block_m"], base["block_n"] = fam.default_blocks(fam.dtypes[0], 64, "fp32")
     out: dict[str, Variant] = {}
 
     def add(**kw):
         args = {**base, **kw}
-        if "head_dim" in kw and "block_m" not in kw:
-            args["block_m"], args["block_n"] = fam.default_blocks(args["dtype"], args["head_dim"])
+        if "block_m" not in kw:  # the default tile of this dtype, head dim and accumulator
+            args["block_m"], args["block_n"] = fam.default_blocks(args["dtype"], args["head_dim"],
+                                                                  args["accum"])
         try:
             v = Variant(**args)
         except ValueError:  # outside the family's limits

@@ -141,7 +141,7 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     family = resolve_family(kernel, dname, accum, direction, head_dim=d, block_m=block_m, block_n=block_n,
                             backend=backend)
     fam = FAMILIES[family]
-    dm, dn = fam.default_blocks(dname, d)
+    dm, dn = fam.default_blocks(dname, d, accum)
     bm = dm if block_m is None else block_m
     bn = dn if block_n is None else block_n
     for name, val, allowed in (("block_m", bm, fam.block_m), ("block_n", bn, fam.block_n)):
@@ -175,8 +175,8 @@ def _wgmma_problem(dname: str, accum: str, direction: str, head_dim: int | None)
         return (f"kernel='wgmma' runs float16 and bfloat16 inputs; {dname} inputs run on kernel='simt' "
                 "(or kernel='auto')")
     if accum not in wgmma.accums(dname):
-        return ("kernel='wgmma' supports accum='fp32' only for now; accum='fp16' runs on kernel='mma' "
-                "(float16) or kernel='simt'")
+        return ("kernel='wgmma' with bfloat16 inputs supports accum='fp32' only (wgmma has no bf16 form "
+                "with f16 accumulators); use kernel='simt' for accum='fp16'")
     if head_dim is not None and head_dim not in WGMMA_HEAD_DIMS:
         return (f"kernel='wgmma' runs head dims {WGMMA_HEAD_DIMS}; D={head_dim} runs on kernel='mma' "
                 "(float16/bfloat16) or kernel='simt' (every multiple of 8 up to 256)")
@@ -188,7 +188,7 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
     """Which family computes this call.
 
     kernel='auto' picks 'wgmma' on a Hopper GPU (compute capability 9.0) where that family has the
-    variant (forward, float16/bfloat16, accum='fp32', D in 64/128, the requested tile among its tiles),
+    variant (forward, float16/bfloat16, D in 64/128/256, the requested tile among its tiles),
     else 'mma' where tensor cores apply, else 'simt'. kernel='wgmma' on another GPU raises ValueError.
     """
     mma = FAMILIES[f"{direction}_mma"]
@@ -215,8 +215,12 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
     if (backend == "cuda" and _wgmma_problem(dname, accum, direction, head_dim) is None
             and _device_capability() == 90):
         wgmma = FAMILIES[f"{direction}_wgmma"]
-        if (block_m is None or block_m in wgmma.block_m) and (block_n is None or block_n in wgmma.block_n):
+        bm, bn = wgmma.default_blocks(dname, head_dim, accum)
+        try:  # the requested tile is one of the family's at this head dim
+            Variant(wgmma.name, dname, accum, block_m or bm, block_n or bn, head_dim)
             return wgmma.name
+        except ValueError:
+            pass
     if dname in mma.dtypes and accum in mma.accums(dname):
         return mma.name
     return f"{direction}_simt"

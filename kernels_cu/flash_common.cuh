@@ -20,7 +20,8 @@
 //   accum fp32: S = Q K^T accumulated in fp32; m, l, O in fp32; P = exp2(S*scale_log2 - m*scale_log2)
 //               in fp32; l gets rowsum(P) from fp32 P; P is rounded to the element type before P V.
 //   accum fp16: S, O accumulators are fp16, rounded after every 16 products along the reduction
-//               axis (d for S, keys for O), as mma.m16n8k16 with f16 accumulators does; m and l are
+//               axis (d for S, keys for O), as mma.m16n8k16 and wgmma k16 with f16 accumulators do
+//               (measured: analysis/tensorcore.py); m and l are
 //               stored as fp16 and each update (alpha*l + rowsum, alpha*O) is computed in fp32 and
 //               rounded once. P, alpha are computed in fp32 from the fp16 state; P is rounded to the
 //               element type before P V.
@@ -100,7 +101,6 @@ __device__ __forceinline__ unsigned int pack_elem2(float lo, float hi) {
 #endif
     return *reinterpret_cast<unsigned int *>(&v);
 }
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core accumulator tiles, shared by the mma and wgmma families. An m16n8 tile of mma.sync and
@@ -152,6 +152,27 @@ __device__ __forceinline__ void acc_scale(acc_t (&c)[ACC_REGS], float a0, float 
     c[0] *= a0; c[1] *= a0; c[2] *= a1; c[3] *= a1;
 #endif
 }
+// Elements 2 hf, 2 hf + 1 (row g for hf = 0, row g + 8 for hf = 1) := x0, x1, rounded to the
+// accumulator type.
+__device__ __forceinline__ void acc_set_pair(acc_t (&c)[ACC_REGS], int hf, float x0, float x1) {
+#if FC_ACCUM_F16
+    const __half2 h = __floats2half2_rn(x0, x1);
+    c[hf] = *reinterpret_cast<const u32 *>(&h);
+#else
+    c[2 * hf] = x0;
+    c[2 * hf + 1] = x1;
+#endif
+}
+// Elements 2 hf, 2 hf + 1 rounded to the element type and packed (pack_elem2), as one register of a
+// 16-bit A fragment holds them; fp16 accumulators (fp16 elements) already are.
+__device__ __forceinline__ u32 acc_pair_elem2(const acc_t (&c)[ACC_REGS], int hf) {
+#if FC_ACCUM_F16
+    return c[hf];
+#else
+    return pack_elem2(c[2 * hf], c[2 * hf + 1]);
+#endif
+}
+#endif  // FC_DTYPE != 0
 
 // Max / sum over the 4 lanes (xor 1, 2) that share a row of a tensor-core accumulator fragment
 // (mma.sync m16n8 and wgmma m64nN: lane 4g + t holds columns 2t, 2t + 1 of row g).

@@ -27,8 +27,12 @@
 // back as zeros from TMA's out-of-bounds fill and (B, N, H, D) views need no copy. A tile of D
 // columns is D / 64 panels of rows x 128 bytes (wgmma_common.cuh), one TMA box each.
 //
-// Rounding model (flash_common.cuh, accum fp32): S and O in fp32 wgmma accumulators; m, l in fp32;
-// P in fp32, l takes the fp32 row sums, P is rounded to the element type before P V.
+// Rounding model (flash_common.cuh): accum fp32: S and O in fp32 wgmma accumulators; m, l in fp32;
+// P in fp32, l takes the fp32 row sums, P is rounded to the element type before P V. accum fp16
+// (fp16 inputs): S and O in fp16 wgmma accumulators (each k16 instruction rounds its result to
+// fp16); P computed in fp32 from the fp16 scores and rounded to fp16 in place, which is both its
+// accumulator and its element rounding, so the S registers become P V's A fragments by a copy; l
+// keeps the full fp32 row sum of the unrounded P, rounded to fp16 once per tile (fc_softmax_l).
 //
 // Kernel parameters: three CUtensorMap (128 bytes, by value) for q, k, v, then FC_FWD_PARAMS
 // (the pointers and strides of q, k, v are not read: the tensor maps carry them).
@@ -36,15 +40,13 @@
 // Dynamic shared memory (bytes), to be passed at launch and as FC_SMEM_FWD:
 //     1024 (alignment slack) + (FC_BLOCK_M + 2 * FC_KV_STAGES * FC_BLOCK_N) * FC_HEAD_DIM * 2
 //     + 8 * (1 + 4 * FC_KV_STAGES)  (mbarriers)
-// Supported: FC_DTYPE 1 or 2, FC_ACCUM_F16 0, FC_HEAD_DIM in {64, 128}, FC_BLOCK_M in {64, 128, 192},
-// FC_BLOCK_N in {64, 128}, FC_KV_STAGES >= 2 (default 2).
+// Supported: FC_DTYPE 1 or 2; FC_ACCUM_F16 only with FC_DTYPE 1; FC_HEAD_DIM in {64, 128, 256};
+// FC_BLOCK_M in {64, 128, 192}, FC_BLOCK_N in {64, 128} (D=256: FC_BLOCK_M 64 or 128, FC_BLOCK_N 64,
+// so that the O accumulator and the K/V stages fit); FC_KV_STAGES >= 2 (default 2).
 
 #include "flash_common.cuh"
 #include "wgmma_common.cuh"
 
-#if FC_ACCUM_F16
-#error "fwd_wgmma: FC_ACCUM_F16=1 (fp16 accumulators) is not implemented; use FC_ACCUM_F16=0"
-#endif
 #ifndef FC_KV_STAGES
 #define FC_KV_STAGES 2
 #endif
@@ -77,13 +79,14 @@ constexpr int NTHR = 128 * (1 + NCWG);
 constexpr int PANELS = HD / 64;            // 128-byte column panels per tile row
 constexpr int KSTEPS = HD / 16;            // k16 steps of S = Q K^T
 constexpr int PSTEPS = BN / 16;            // k16 steps of O += P V
-constexpr int SN = BN / 2;                 // fp32 S accumulators per thread
-constexpr int ON = HD / 2;                 // fp32 O accumulators per thread
+constexpr int SN = WgMma<BN>::REGS;        // S accumulator registers per thread (BN / 8 tiles)
+constexpr int ON = WgMma<HD>::REGS;        // O accumulator registers per thread (HD / 8 tiles)
 
-static_assert(HD == 64 || HD == 128, "fwd_wgmma: FC_HEAD_DIM must be 64 or 128");
+static_assert(HD == 64 || HD == 128 || HD == 256, "fwd_wgmma: FC_HEAD_DIM must be 64, 128 or 256");
 static_assert(FC_HEAD_DIM_PAD >= HD, "FC_HEAD_DIM_PAD must cover FC_HEAD_DIM");
 static_assert(BM == 64 || BM == 128 || BM == 192, "fwd_wgmma: FC_BLOCK_M must be 64, 128 or 192");
 static_assert(BN == 64 || BN == 128, "fwd_wgmma: FC_BLOCK_N must be 64 or 128");
+static_assert(HD < 256 || (BM <= 128 && BN == 64), "fwd_wgmma: D=256 runs FC_BLOCK_M 64 or 128, FC_BLOCK_N 64");
 static_assert(STAGES >= 2, "fwd_wgmma: FC_KV_STAGES must be at least 2");
 static_assert(FC_NUM_THREADS == NTHR, "fwd_wgmma: FC_NUM_THREADS must be 128 * (1 + FC_BLOCK_M / 64)");
 
@@ -171,16 +174,17 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         const int g = lane >> 2, t = lane & 3;
         const int row_g = m0 + 64 * cw + 16 * (lt >> 5) + g;  // query rows row_g and row_g + 8
 
-        float o_acc[ON];
+        acc_t o_acc[ON];
 #pragma unroll
-        for (int i = 0; i < ON; ++i) o_acc[i] = 0.f;
-        float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this lane's partial sums
+        for (int i = 0; i < HD / 8; ++i) acc_zero(wg_tile(o_acc, i));
+        // l: this lane's partial sums with fp32 accumulators, the full row sum with fp16 ones
+        float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
         if (n_tiles > 0) mbar_wait(bar_q, 0);
         const u32 q_rows = sQ + 64 * cw * 128;       // this warpgroup's 64 rows of each Q panel
 
         // S = Q K^T from stage s into sacc: one wgmma group, committed, not waited for.
-        auto issue_s = [&](float(&sacc)[SN], int s) {
+        auto issue_s = [&](acc_t(&sacc)[SN], int s) {
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -207,8 +211,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             if (lane == 0) mbar_arrive(bar);
         };
         // Mask tile j (invisible keys: causal edge, keys >= nk score -inf), then one online-softmax step
-        // per row (fc_softmax_step): sacc becomes P in fp32, in place; l takes its fp32 row sums.
-        auto softmax = [&](float(&sacc)[SN], int j, float(&alpha)[2]) {
+        // per row (fc_softmax_step): sacc becomes P in place (fp32, or rounded to fp16 with fp16
+        // accumulators, which is P's rounding to the element type); l takes the fp32 row sums.
+        auto softmax = [&](acc_t(&sacc)[SN], int j, float(&alpha)[2]) {
             if (j >= mask_from) {
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
@@ -217,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
                         for (int e = 0; e < 2; ++e)
-                            if (8 * i + e > last) sacc[4 * i + 2 * hf + e] = -INFINITY;
+                            if (8 * i + e > last) acc_set_neg_inf(wg_tile(sacc, i), 2 * hf + e);
                 }
             }
 #pragma unroll
@@ -226,31 +231,37 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     float mx = -INFINITY;  // rowmax(S_j) over the 4 lanes holding the row
 #pragma unroll
                     for (int i = 0; i < BN / 8; ++i)
-                        mx = fmaxf(mx, fmaxf(sacc[4 * i + 2 * hf], sacc[4 * i + 2 * hf + 1]));
+                        mx = fmaxf(mx, fmaxf(acc_get(wg_tile(sacc, i), 2 * hf), acc_get(wg_tile(sacc, i), 2 * hf + 1)));
                     return quad_max(mx);
                 });
                 float rs = 0.f;
 #pragma unroll
                 for (int i = 0; i < BN / 8; ++i) {
-                    const float p0 = fc_softmax_p(sacc[4 * i + 2 * hf], scale_log2, sub);
-                    const float p1 = fc_softmax_p(sacc[4 * i + 2 * hf + 1], scale_log2, sub);
+                    const float p0 = fc_softmax_p(acc_get(wg_tile(sacc, i), 2 * hf), scale_log2, sub);
+                    const float p1 = fc_softmax_p(acc_get(wg_tile(sacc, i), 2 * hf + 1), scale_log2, sub);
                     rs += p0;
                     rs += p1;
-                    sacc[4 * i + 2 * hf] = p0;
-                    sacc[4 * i + 2 * hf + 1] = p1;
+                    acc_set_pair(wg_tile(sacc, i), hf, p0, p1);
                 }
-                l_run[hf] = fc_softmax_l(l_run[hf], alpha[hf], rs);
+                l_run[hf] = fc_softmax_l(l_run[hf], alpha[hf], FC_ACCUM_F16 ? quad_sum(rs) : rs);
             }
         };
-        // P (fp32, accumulator layout) rounded to the element type into the A fragments of P V: the
-        // k16 step kk takes accumulator tiles 2kk and 2kk + 1. Done only while no wgmma is in flight
-        // (registers an in-flight wgmma group may read are never written: ptxas would serialize, C7513).
-        auto pack_p = [&](const float(&sacc)[SN], u32(&p)[PSTEPS][4]) {
+        // P (accumulator layout) rounded to the element type into the A fragments of P V: the k16
+        // step kk takes accumulator tiles 2kk and 2kk + 1 (with fp16 accumulators a plain copy). Done
+        // only while no wgmma is in flight (registers an in-flight wgmma group may read are never
+        // written: ptxas would serialize, C7513).
+        auto pack_p = [&](acc_t(&sacc)[SN], u32(&p)[PSTEPS][4]) {
 #pragma unroll
             for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-                for (int hf = 0; hf < 2; ++hf)
-                    p[i >> 1][hf + 2 * (i & 1)] = pack_elem2(sacc[4 * i + 2 * hf], sacc[4 * i + 2 * hf + 1]);
+                for (int hf = 0; hf < 2; ++hf) p[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(sacc, i), hf);
+            // fp16 accumulators make this a plain copy, which ptxas would otherwise sink past the next
+            // S_j issue into the wgmma pipeline stage (C7513: every wgmma serialized, 0.62x the fp32
+            // path's speed measured); pin it here. fp32's conversions stay where they are.
+            if (FC_ACCUM_F16) {
+#pragma unroll
+                for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p[kk]);
+            }
         };
         // O *= alpha (skipped, warp-uniformly, when every alpha is exactly 1; compiled out by both
         // breaks)
@@ -259,12 +270,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 const bool any = (alpha[0] != 1.f) | (alpha[1] != 1.f);
                 if (__any_sync(0xffffffffu, any)) {
 #pragma unroll
-                    for (int i = 0; i < HD / 8; ++i) {
-                        o_acc[4 * i + 0] *= alpha[0];
-                        o_acc[4 * i + 1] *= alpha[0];
-                        o_acc[4 * i + 2] *= alpha[1];
-                        o_acc[4 * i + 3] *= alpha[1];
-                    }
+                    for (int i = 0; i < HD / 8; ++i) acc_scale(wg_tile(o_acc, i), alpha[0], alpha[1]);
                 }
             }
         };
@@ -286,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         // Per element of O the operations keep their order, O = alpha_j (O + P_{j-1} V_{j-1}), so the
         // result is bitwise that of the plain loop.
         if (n_tiles > 0) {
-            float s_acc[SN];
+            acc_t s_acc[SN];
             u32 p_frag[PSTEPS][4];
             float alpha[2];
             mbar_wait(k_full(0), 0);
@@ -335,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         // Plain loop: each product is waited for before the softmax / the next tile.
         for (int j = 0; j < n_tiles; ++j) {
             const int s = j % STAGES;
-            float s_acc[SN];
+            acc_t s_acc[SN];
             u32 p_frag[PSTEPS][4];
             float alpha[2];
             mbar_wait(k_full(s), phase(j));
@@ -364,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         const long long row_base = ((long long)b * gridDim.y + h) * nq;  // (b, h, row 0) in o and lse
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const float l = quad_sum(l_run[hf]);
+            const float l = FC_ACCUM_F16 ? l_run[hf] : quad_sum(l_run[hf]);
             // o = (O * pre) * (1 / (l * pre)): one reciprocal per row, kept normal under -ftz by a
             // 2^-64 prescale when l > 2^126 (reachable by the max-subtraction break)
             const float pre = (l > 0x1p126f) ? 0x1p-64f : 1.f;
@@ -376,7 +382,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
                 for (int i = 0; i < HD / 8; ++i)
                     *reinterpret_cast<u32 *>(orow + 8 * i) =
-                        pack_elem2(o_acc[4 * i + 2 * hf] * pre * inv, o_acc[4 * i + 2 * hf + 1] * pre * inv);
+                        pack_elem2(acc_get(wg_tile(o_acc, i), 2 * hf) * pre * inv,
+                                   acc_get(wg_tile(o_acc, i), 2 * hf + 1) * pre * inv);
             }
         }
     }

@@ -11,9 +11,10 @@
 //     at chunk c ^ (r % 8) (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B). Panels start on
 //     1024-byte boundaries (the swizzle pattern repeats every 8 rows = 1024 bytes and is taken
 //     from the absolute address bits).
-//   * Accumulator fragment of m64nN (fp32), per warp w of the warpgroup (rows 16w .. 16w+15), lane
-//     l (g = l / 4, t = l % 4): d[4i + 0], d[4i + 1] = row g, columns 8i + 2t, 8i + 2t + 1;
-//     d[4i + 2], d[4i + 3] = row g + 8, same columns (i = 0 .. N/8 - 1).
+//   * Accumulator fragment of m64nN, per warp w of the warpgroup (rows 16w .. 16w+15), lane l
+//     (g = l / 4, t = l % 4): N / 8 tiles, tile i holding row g and row g + 8 at columns 8i + 2t,
+//     8i + 2t + 1 in the accumulator-tile layout of flash_common.cuh (fp32: d[4i + 0, 1] = row g,
+//     d[4i + 2, 3] = row g + 8; fp16: d[2i] = row g, d[2i + 1] = row g + 8 as half2).
 //   * A fragment from registers (m64k16, 16-bit elements), per warp: a[0] = (row g, k 2t, 2t+1),
 //     a[1] = (row g+8, k 2t, 2t+1), a[2] = (row g, k 2t+8, 2t+9), a[3] = (row g+8, k 2t+8, 2t+9):
 //     the k16 step kk of P V takes accumulator tiles 2kk (a[0], a[1]) and 2kk+1 (a[2], a[3]).
@@ -72,7 +73,10 @@ __device__ __forceinline__ u64 wg_desc_sw128(u32 addr, u32 lbo, u32 sbo) {
            ((u64)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
 }
 
-// Fixed-shape wrappers m64nNk16, fp32 accumulators, A and B of the element type (FC_DTYPE).
+// Fixed-shape wrappers m64nNk16, A and B of the element type (FC_DTYPE), accumulators of acc_t
+// (flash_common.cuh): fp32 (N / 2 registers a thread) or, with FC_ACCUM_F16 (fp16 inputs only: wgmma
+// has no bf16 form with fp16 accumulators), packed half2 (N / 4 registers). Either way the register
+// array is N / 8 accumulator tiles of ACC_REGS (wg_tile below).
 //   ss(d, da, db, scale_d):    d = A B + (scale_d ? d : 0); A and B from shared memory, both
 //                              K-major (S = Q K^T: A = Q rows, B = K rows).
 //   rs_tb(d, a, db, scale_d):  the same with A from registers and B MN-major (transpose bit): O += P V
@@ -80,15 +84,26 @@ __device__ __forceinline__ u64 wg_desc_sw128(u32 addr, u32 lbo, u32 sbo) {
 // scale_d = 0 ignores the old accumulator: the first k16 step of a product needs no zeroing.
 // Each shape is written once, by WG_MMA_SHAPE below, from two operand lists shared by both forms:
 //   WG_REGS<R>: the asm string "%0, %1, ..., %R-1" of the R accumulator registers (16 a chunk),
-//   WG_ACC<R>(0): the matching operand list "+f"(d[0]), ..., "+f"(d[R - 1]).
+//   WG_ACC<R>(0): the matching operand list WG_C(d[0]), ..., WG_C(d[R - 1]).
 // The operands after the accumulators are numbered from R on; the macro takes those numbers as
 // tokens (R, R+1, .. R+5) because an asm string can only name operands by number.
+#if FC_ACCUM_F16
+#if FC_DTYPE != 1
+#error "the wgmma family: FC_ACCUM_F16 requires FC_DTYPE 1 (float16)"
+#endif
+#define WG_D "f16"
+#define WG_C "+r"
+#else
+#define WG_D "f32"
+#define WG_C "+f"
+#endif
+
 template <int N>
 struct WgMma;
 
-#define WG_REGS16_0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define WG_REGS16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define WG_REGS16_1 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define WG_REGS32 WG_REGS16_0 "," WG_REGS16_1
+#define WG_REGS32 WG_REGS16 "," WG_REGS16_1
 #define WG_REGS16_2 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
 #define WG_REGS16_3 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define WG_REGS64 WG_REGS32 "," WG_REGS16_2 "," WG_REGS16_3
@@ -98,7 +113,7 @@ struct WgMma;
 #define WG_REGS16_7 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 #define WG_REGS128 WG_REGS64 "," WG_REGS16_4 "," WG_REGS16_5 "," WG_REGS16_6 "," WG_REGS16_7
 
-#define WG_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define WG_ACC4(i) WG_C(d[i]), WG_C(d[i + 1]), WG_C(d[i + 2]), WG_C(d[i + 3])
 #define WG_ACC16(i) WG_ACC4(i), WG_ACC4(i + 4), WG_ACC4(i + 8), WG_ACC4(i + 12)
 #define WG_ACC32(i) WG_ACC16(i), WG_ACC16(i + 16)
 #define WG_ACC64(i) WG_ACC32(i), WG_ACC32(i + 32)
@@ -106,20 +121,21 @@ struct WgMma;
 
 // "{ .reg .pred p; p = (operand I != 0)": the scale-d predicate, then the instruction of shape m64nNk16.
 #define WG_MMA_HEAD(N, I) "{\n.reg .pred p;\nsetp.ne.b32 p, %" #I ", 0;\n" \
-    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." WG_AB "." WG_AB " "
+    "wgmma.mma_async.sync.aligned.m64n" #N "k16." WG_D "." WG_AB "." WG_AB " "
 
-// WgMma<N> with R = N / 2 accumulators per thread; R0 .. R5 are the tokens R, R + 1, .. R + 5.
+// WgMma<N> with R accumulator registers a thread; R0 .. R5 are the tokens R, R + 1, .. R + 5.
 //   ss:    operands {d}, da = %R0, db = %R1, scale_d = %R2; imm-scale-a/b 1, tnspA 0, tnspB 0
 //   rs_tb: operands {d}, {a} = %R0 .. %R3, db = %R4, scale_d = %R5; imm-scale-a/b 1, tnspB 1
 #define WG_MMA_SHAPE(N, R0, R1, R2, R3, R4, R5)                                                    \
     template <> struct WgMma<N> {                                                                  \
-        static __device__ __forceinline__ void ss(float (&d)[R0], u64 da, u64 db, int scale_d) {  \
+        static constexpr int REGS = R0;                                                            \
+        static __device__ __forceinline__ void ss(acc_t (&d)[R0], u64 da, u64 db, int scale_d) {  \
             asm volatile(WG_MMA_HEAD(N, R2) "{" WG_REGS##R0 "}, %" #R0 ", %" #R1                   \
                          ", p, 1, 1, 0, 0;\n}\n"                                                   \
                          : WG_ACC##R0(0)                                                           \
                          : "l"(da), "l"(db), "r"(scale_d));                                        \
         }                                                                                          \
-        static __device__ __forceinline__ void rs_tb(float (&d)[R0], const u32 (&a)[4], u64 db,   \
+        static __device__ __forceinline__ void rs_tb(acc_t (&d)[R0], const u32 (&a)[4], u64 db,   \
                                                      int scale_d) {                                \
             asm volatile(WG_MMA_HEAD(N, R5) "{" WG_REGS##R0 "}, {%" #R0 ", %" #R1 ", %" #R2        \
                          ", %" #R3 "}, %" #R4 ", p, 1, 1, 1;\n}\n"                                 \
@@ -127,9 +143,21 @@ struct WgMma;
                          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));    \
         }                                                                                          \
     };
+#if FC_ACCUM_F16
+WG_MMA_SHAPE(64, 16, 17, 18, 19, 20, 21)
+WG_MMA_SHAPE(128, 32, 33, 34, 35, 36, 37)
+WG_MMA_SHAPE(256, 64, 65, 66, 67, 68, 69)
+#else
 WG_MMA_SHAPE(64, 32, 33, 34, 35, 36, 37)
 WG_MMA_SHAPE(128, 64, 65, 66, 67, 68, 69)
 WG_MMA_SHAPE(256, 128, 129, 130, 131, 132, 133)
+#endif
+
+// Accumulator tile i (8 columns) of a wgmma register array, for the acc_* helpers of flash_common.cuh.
+template <int R>
+__device__ __forceinline__ acc_t (&wg_tile(acc_t (&d)[R], int i))[ACC_REGS] {
+    return *reinterpret_cast<acc_t(*)[ACC_REGS]>(&d[i * ACC_REGS]);
+}
 
 // ------------------------------------------------------------------------------ mbarrier ----
 // An mbarrier completes a phase when its pending arrivals reach 0 and its expected transaction

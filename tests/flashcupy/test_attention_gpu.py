@@ -7,6 +7,7 @@ import pytest
 
 import flashcupy
 from flashcupy import naive, reference
+from flashcupy._build import Variant
 from flashcupy._checks import numpy_dtype
 from tests.helpers import (
     LN_MAX,
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.gpu
 
 SHAPES = [(1, 1), (113, 203), (203, 113), (1023, 1024), (1024, 1023), (2049, 2049)]
 COMBOS = [  # (kernel, dtype, accum)
-    ("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"),
+    ("wgmma", "f16", "fp32"), ("wgmma", "f16", "fp16"), ("wgmma", "bf16", "fp32"),
     ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("mma", "bf16", "fp32"),
     ("simt", "f32", "fp32"), ("simt", "f32", "fp16"), ("simt", "f16", "fp32"), ("simt", "f16", "fp16"),
     ("simt", "bf16", "fp32"), ("simt", "bf16", "fp16"),
@@ -54,6 +55,22 @@ def test_forward_matches_reference(rng, nq, nk, combo, d, causal):
 
 
 HEAD_DIMS = [8, 32, 40, 64, 96, 128, 256]
+WGMMA_COMBOS = [c for c in COMBOS if c[0] == "wgmma"]
+SHAPES_256 = [(113, 203), (1023, 1024), (2049, 2049)]
+
+
+@parametrize_causal
+@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("combo", WGMMA_COMBOS, ids=combo_id)
+@pytest.mark.parametrize("nq,nk", SHAPES_256, ids=shape_ids(SHAPES_256))
+def test_wgmma_head_dim_256(rng, nq, nk, combo, bm, causal):
+    """D=256 on the Hopper family: both of its tiles (block_n 64), GQA, ragged lengths."""
+    kernel, dname, accum = combo
+    qh, kh, vh = qkv(rng, (1, 4, 2, nq, nk, 256), dname)
+    o, lse = run_poisoned(*to_device(qh, kh, vh), causal=causal, accum=accum, kernel=kernel, block_m=bm,
+                          block_n=64)
+    _check_against_reference(qh, kh, vh, o, lse, dname, accum, causal,
+                             what=f"{kernel} {dname} acc={accum} d=256 bm={bm} {nq}x{nk} causal={causal}")
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -72,10 +89,17 @@ def test_head_dims(rng, combo, d):
 def test_block_sizes(rng, kernel, dname, bm, bn):
     qh, kh, vh = qkv(rng, (1, 4, 2, 300, 517, 64), dname)
     q, k, v = to_device(qh, kh, vh)
-    for causal in (False, True):
-        o, lse = run_poisoned(q, k, v, causal=causal, kernel=kernel, block_m=bm, block_n=bn)
-        _check_against_reference(qh, kh, vh, o, lse, dname, "fp32", causal,
-                                 what=f"{kernel} bm={bm} bn={bn} causal={causal}")
+    for accum in ("fp32", "fp16") if kernel == "wgmma" else ("fp32",):
+        try:
+            Variant(f"fwd_{kernel}", dname, accum, bm, bn, 64)
+        except ValueError:  # a tile the family refuses for this accumulator: a clear error, no launch
+            with pytest.raises(ValueError, match="block_m"):
+                flashcupy.attention(q, k, v, accum=accum, kernel=kernel, block_m=bm, block_n=bn)
+            continue
+        for causal in (False, True):
+            o, lse = run_poisoned(q, k, v, causal=causal, accum=accum, kernel=kernel, block_m=bm, block_n=bn)
+            _check_against_reference(qh, kh, vh, o, lse, dname, accum, causal,
+                                     what=f"{kernel} acc={accum} bm={bm} bn={bn} causal={causal}")
 
 
 @pytest.mark.parametrize("kernel,dname", [("wgmma", "f16"), ("wgmma", "bf16"), ("mma", "f16"),
@@ -114,9 +138,9 @@ def test_bitwise_deterministic_and_public_api_matches(rng, combo):
 
 
 @pytest.mark.parametrize("ablate", [None, "max_subtraction", "rescaling"])
-@pytest.mark.parametrize("combo", [("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"),
-                                   ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("simt", "f32", "fp32"),
-                                   ("simt", "f16", "fp16"), ("simt", "bf16", "fp32")], ids=combo_id)
+@pytest.mark.parametrize("combo", [*WGMMA_COMBOS, ("mma", "f16", "fp32"), ("mma", "f16", "fp16"),
+                                   ("simt", "f32", "fp32"), ("simt", "f16", "fp16"),
+                                   ("simt", "bf16", "fp32")], ids=combo_id)
 def test_kernels_agree_with_numpy_twin(rng, combo, ablate):
     """Same tiles, same breaks: the GPU kernel and the twin compute the same function."""
     import cupy
@@ -203,10 +227,15 @@ def test_auto_picks_wgmma_on_hopper_where_it_has_the_variant():
     kw = dict(head_dim=128, backend="cuda")
     assert resolve_family("auto", "f16", "fp32", "fwd", **kw) == ("fwd_wgmma" if hopper else "fwd_mma")
     assert resolve_family("auto", "bf16", "fp32", "fwd", **kw) == ("fwd_wgmma" if hopper else "fwd_mma")
+    assert resolve_family("auto", "f16", "fp16", "fwd", **kw) == ("fwd_wgmma" if hopper else "fwd_mma")
+    assert resolve_family("auto", "f16", "fp32", "fwd", head_dim=256, backend="cuda") == (
+        "fwd_wgmma" if hopper else "fwd_mma")
     # where the wgmma family lacks the variant, auto keeps mma (or simt)
-    assert resolve_family("auto", "f16", "fp16", "fwd", **kw) == "fwd_mma"
+    assert resolve_family("auto", "bf16", "fp16", "fwd", **kw) == "fwd_simt"
     assert resolve_family("auto", "f16", "fp32", "fwd", head_dim=96, backend="cuda") == "fwd_mma"
     assert resolve_family("auto", "f16", "fp32", "fwd", block_n=32, **kw) == "fwd_mma"
+    assert resolve_family("auto", "f16", "fp32", "fwd", head_dim=256, block_n=128,
+                          backend="cuda") == "fwd_mma"
     assert resolve_family("auto", "f16", "fp32", "bwd", **kw) == "bwd_mma"
     assert resolve_family("auto", "f32", "fp32", "fwd", **kw) == "fwd_simt"
     if not hopper:

@@ -35,10 +35,13 @@ BAD = [  # (id, mutate(q, k, v, kwargs), error type, words the message must cont
     ("kernel", lambda q, k, v, kw: (q, k, v, {**kw, "kernel": "cuda"}), ValueError,
      ["kernel", "wgmma", "simt"]),
     ("wgmma-head-dim", lambda q, k, v, kw: (q, k, v, {**kw, "kernel": "wgmma"}), ValueError,
-     ["wgmma", "(64, 128)", "D=32", "mma", "simt"]),
-    ("wgmma-accum-fp16", lambda q, k, v, kw: (*(np.concatenate([x] * 2, -1) for x in (q, k, v)),
-                                              {**kw, "kernel": "wgmma", "accum": "fp16"}),
-     ValueError, ["wgmma", "accum='fp32'", "mma"]),
+     ["wgmma", "(64, 128, 256)", "D=32", "mma", "simt"]),
+    ("wgmma-fp16-bm192", lambda q, k, v, kw: (*(np.concatenate([x] * 2, -1) for x in (q, k, v)),
+                                              {**kw, "kernel": "wgmma", "accum": "fp16", "block_m": 192}),
+     ValueError, ["wgmma", "accum='fp16'", "block_m 64 or 128", "192"]),
+    ("wgmma-d256-block_n", lambda q, k, v, kw: (*(np.concatenate([x] * 8, -1) for x in (q, k, v)),
+                                                {**kw, "kernel": "wgmma", "block_n": 128}), ValueError,
+     ["wgmma", "D=256", "block_n 64", "block_n=128"]),
     ("wgmma-float32", lambda q, k, v, kw: (*(np.concatenate([x] * 2, -1).astype(np.float32)
                                              for x in (q, k, v)),
                                            {**kw, "kernel": "wgmma"}), ValueError, ["wgmma", "simt"]),
@@ -75,10 +78,12 @@ def test_bad_argument_raises_clearly(mutate, exc, words):
         assert w in str(info.value), f"{w!r} not in message: {info.value}"
 
 
-def test_bf16_mma_fp16_accum_is_refused():
-    q, k, v = _qkv("bf16")
-    with pytest.raises(ValueError, match="accum='fp32' only"):
-        flashcupy.attention(q, k, v, kernel="mma", accum="fp16")
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+def test_bf16_tensor_core_fp16_accum_is_refused(kernel):
+    q, k, v = (np.concatenate([x] * 2, -1) for x in _qkv("bf16"))  # D=64: a head dim both families run
+    msg = f"kernel='{kernel}' with bfloat16 inputs supports accum='fp32' only"
+    with pytest.raises(ValueError, match=msg):
+        flashcupy.attention(q, k, v, kernel=kernel, accum="fp16")
     # auto falls back to the scalar family, which has fp16 accumulators for every dtype
     o = flashcupy.attention(q, k, v, accum="fp16")
     assert o.dtype == q.dtype
