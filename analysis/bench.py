@@ -38,7 +38,7 @@ def flops(b, h, n, d, causal, direction):
 
 def full_grid():
     """fp16 and bf16 at N 1024 / 4096 / 16384, D 64 and 128, causal or not; plus fp16 D=256 at N 4096 and
-    16384 (the mma family's widest head dim; the wgmma family does not run it yet)."""
+    16384 (the widest head dim of the mma and wgmma families)."""
     return ([(dname, n, d, causal) for dname in ("f16", "bf16") for n in (1024, 4096, 16384)
              for d in (64, 128) for causal in (False, True)]
             + [("f16", n, 256, causal) for n in (4096, 16384) for causal in (False, True)])
@@ -429,8 +429,8 @@ def run_bench(ctx: Context, cells=None) -> Report:
     finding = _finding(ctx, raw, columns, table_rows, b, h, torch is not None)
     fig = _figure(ctx, columns, table_rows, MINE + peers)
     setup = {"grid": f"B={b}, H={h}, cells (dtype, N, D, causal) = {cells}",
-             "providers": f"flashcupy wgmma (forward; Hopper GPUs, D 64 and 128), mma and simt (simt only "
-                          f"for N <= {SIMT_MAX_N} to fit the time budget), "
+             "providers": "flashcupy wgmma (forward; Hopper GPUs, D 64, 128 and 256), mma and simt "
+                          f"(simt only for N <= {SIMT_MAX_N} to fit the time budget), "
                           "naive attention (flashcupy.naive) where 4 (fwd) / 6 (bwd) fp32 N x N matrices "
                           "fit, torch SDPA flash / cuDNN / mem-efficient when torch is importable "
                           "(on CUDA only)",

@@ -189,10 +189,10 @@ def measure(dname: str, acc: str, a: np.ndarray, b: np.ndarray, c: np.ndarray) -
 # the experiment
 
 
-def _model_name(ref, w, mode, p):
+def _model_name(ref, w, mode):
     if w is None:
         return f"exact sum, {mode}"
-    return f"align to the largest {ref}, {p}+{w - p} bits, {mode}"
+    return f"align to the largest {ref}, {w} bits (24 + {w - 24}), {mode}"
 
 
 def run_tensorcore(ctx: Context) -> Report:
@@ -217,7 +217,7 @@ def run_tensorcore(ctx: Context) -> Report:
             ref, w, mode, agree = ranking[0]
             by_value = max(r[3] for r in ranking if r[0] == "value")
             nan = int(np.isnan(d).sum())
-            rows.append([instr, dname, acc, _model_name(ref, w, mode, p), agree, len(c), by_value,
+            rows.append([instr, dname, acc, _model_name(ref, w, mode), agree, len(c), by_value,
                          float(np.mean(twin == d)), same, nan])
             series[(instr, dname, acc)] = (d[:ALIGN_STEPS] - C_BIG) / (C_BIG * 2.0 ** (1 - p))  # ulps of c
             data[f"{instr} {dname} acc {acc}"] = {
@@ -226,7 +226,7 @@ def run_tensorcore(ctx: Context) -> Report:
                             for r in ranking[:8]],
                 "directed": {nm: float(x) for nm, x in zip(names, d[:len(names)])},
                 "twin_agreement": float(np.mean(twin == d)), "nan": nan}
-            log(f"[tensorcore] {instr} {dname} acc {acc}: {_model_name(ref, w, mode, p)} explains "
+            log(f"[tensorcore] {instr} {dname} acc {acc}: {_model_name(ref, w, mode)} explains "
                 f"{agree:.4f} of {len(c)} cases; the twin's exact-sum-rn {np.mean(twin == d):.4f}")
 
     cols = ["instruction", "inputs", "accum", "model that fits best", "cases it explains", "cases",
