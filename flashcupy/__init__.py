@@ -32,8 +32,9 @@ def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, 
         output accumulator). The rounding model is written in ``flashcupy._twin``.
     kernel : "wgmma" (Hopper only: wgmma + TMA + warp specialization, FlashAttention-3's design;
         float16/bfloat16, D 64, 128 or 256; accum="fp16" with float16 only), "mma" (tensor cores
-        through mma.sync, float16/bfloat16), "simt" (scalar, every dtype) or "auto": wgmma on a compute-capability-9.0
-        GPU where it has the variant, else mma where tensor cores apply, else simt.
+        through mma.sync, float16/bfloat16), "simt" (scalar, every dtype) or "auto": wgmma on a
+        compute-capability-9.0 GPU where it has the variant, else mma where tensor cores apply, else
+        simt.
     ablate : None, "max_subtraction" (exponentiate raw scores, no running max, no rescaling) or
         "rescaling" (subtract each tile's own max, never rescale the running sum and output).
     return_lse : also return lse, float32 (B, Hq, Nq), the natural log of the softmax denominator.
