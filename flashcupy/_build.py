@@ -166,9 +166,9 @@ WGMMA_HEAD_DIMS = (64, 128, 256)
 
 def _wgmma_smem(v: "Variant", role: str) -> int:
     # 1024 bytes of alignment slack, the Q tile and WGMMA_KV_STAGES K and V tiles (2-byte elements),
-    # and the mbarriers (q_full; k_full, k_empty, v_full, v_empty per stage)
+    # and the mbarriers (q_full, q_empty; k_full, k_empty, v_full, v_empty per stage)
     return (1024 + (v.block_m + 2 * WGMMA_KV_STAGES * v.block_n) * v.head_dim * 2
-            + 8 * (1 + 4 * WGMMA_KV_STAGES))
+            + 8 * (2 + 4 * WGMMA_KV_STAGES))
 
 
 def _wgmma_limits(v: "Variant") -> str | None:

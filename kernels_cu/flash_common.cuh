@@ -200,15 +200,17 @@ __device__ __forceinline__ int fc_last_key(int row, int nq, int nk) {
 }
 __device__ __forceinline__ bool fc_visible(int row, int key, int nq, int nk) { return key <= fc_last_key(row, nq, nk); }
 
-// The query tile of this CTA (blockIdx.x of a grid of ceil(nq / BM) tiles). Causal grids run the
-// heaviest tiles (the last query rows, which see the most keys) first.
-__device__ __forceinline__ int fc_query_tile() {
+// The query tile run x-th of n (x = blockIdx.x of a grid of n = ceil(nq / BM) tiles, or a persistent
+// CTA's x-th tile of a head). Causal grids run the heaviest tiles (the last query rows, which see the
+// most keys) first.
+__device__ __forceinline__ int fc_query_tile(int x, int n) {
 #if FC_CAUSAL
-    return gridDim.x - 1 - blockIdx.x;
+    return n - 1 - x;
 #else
-    return blockIdx.x;
+    return x;
 #endif
 }
+__device__ __forceinline__ int fc_query_tile() { return fc_query_tile(blockIdx.x, gridDim.x); }
 
 // The key tiles (BN keys each) that the query rows [m0, min(m0 + rows, nq)) of one CTA visit:
 // tiles [0, n) hold a key visible to some of those rows; from tile mask_from on, some key of a tile

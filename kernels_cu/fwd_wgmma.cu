@@ -1,11 +1,18 @@
 // fwd_wgmma.cu: FlashAttention forward pass on Hopper (sm_90a), FlashAttention-3's structure: TMA
 // loads from tensor maps, an mbarrier pipeline, warp specialization, wgmma, setmaxnreg.
 //
-// One CTA owns FC_BLOCK_M query rows of one (batch, query head). Its warpgroups (128 threads):
+// Tile loop: CTA x runs the tiles x, x + gridDim.x, ... of the ceil(nq / FC_BLOCK_M) x Hq x B (query
+// tile, head, batch) tiles, the query tile fastest (so the CTAs running at once share a head's K and
+// V in L2; causal runs each head's heaviest tiles first). Any grid size gives the same bits; the
+// launch (flashcupy/_launch.py) uses one CTA per SM (persistent) without a causal mask and one CTA
+// per tile with one.
+// A tile is FC_BLOCK_M query rows of one (batch, query head). The CTA's warpgroups (128 threads):
 //   warpgroup 0, the producer: gives registers back (setmaxnreg.dec) and one thread issues every TMA
-//       load: the Q tile once, then K_j and V_j for each key tile j into a ring of FC_KV_STAGES
+//       load: per tile the Q tile (once the consumers have seen the previous tile's last S: the
+//       "q_empty" mbarrier), then K_j and V_j for each key tile j into a ring of FC_KV_STAGES
 //       buffers, each guarded by a "full" mbarrier (TMA transaction bytes) and an "empty" mbarrier
-//       (one arrival per consumer warp once its wgmma has read the buffer).
+//       (one arrival per consumer warp once its wgmma has read the buffer). The ring runs on across
+//       tiles, so the next tile's Q, K and V load while the consumers finish this one.
 //   warpgroups 1 .. NCWG, the consumers (NCWG = FC_BLOCK_M / 64): take registers (setmaxnreg.inc);
 //       consumer c owns query rows 64c .. 64c+63 of the tile; per key tile j:
 //           S = Q K_j^T            wgmma m64nBNk16, A = Q, B = K_j, both from shared memory (K-major)
@@ -35,11 +42,12 @@
 // keeps the full fp32 row sum of the unrounded P, rounded to fp16 once per tile (fc_softmax_l).
 //
 // Kernel parameters: three CUtensorMap (128 bytes, by value) for q, k, v, then FC_FWD_PARAMS
-// (the pointers and strides of q, k, v are not read: the tensor maps carry them).
-// Grid: (ceil(nq / FC_BLOCK_M), Hq, B); block: FC_NUM_THREADS = 128 * (1 + FC_BLOCK_M / 64).
+// (the pointers and strides of q, k, v are not read: the tensor maps carry them), then Hq and B.
+// Grid: (any number of CTAs, 1, 1), e.g. min(tiles, SMs); every grid size writes the same bits.
+// Block: FC_NUM_THREADS = 128 * (1 + FC_BLOCK_M / 64).
 // Dynamic shared memory (bytes), to be passed at launch and as FC_SMEM_FWD:
 //     1024 (alignment slack) + (FC_BLOCK_M + 2 * FC_KV_STAGES * FC_BLOCK_N) * FC_HEAD_DIM * 2
-//     + 8 * (1 + 4 * FC_KV_STAGES)  (mbarriers)
+//     + 8 * (2 + 4 * FC_KV_STAGES)  (mbarriers)
 // Supported: FC_DTYPE 1 or 2; FC_ACCUM_F16 only with FC_DTYPE 1; FC_HEAD_DIM in {64, 128, 256};
 // FC_BLOCK_M in {64, 128, 192}, FC_BLOCK_N in {64, 128} (D=256: FC_BLOCK_M 64 or 128, FC_BLOCK_N 64,
 // so that the O accumulator and the K/V stages fit); FC_KV_STAGES >= 2 (default 2).
@@ -96,7 +104,7 @@ constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
 constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
-constexpr int N_BARS = 1 + 4 * STAGES;     // q_full, k_full[], k_empty[], v_full[], v_empty[]
+constexpr int N_BARS = 2 + 4 * STAGES;     // q_full, q_empty, k_full[], k_empty[], v_full[], v_empty[]
 constexpr int SMEM_NEEDED = 1024 + OFF_BAR + 8 * N_BARS;
 static_assert(FC_SMEM_FWD == SMEM_NEEDED, "shared memory (Q, K/V stages, mbarriers) differs from FC_SMEM_FWD");
 
@@ -108,28 +116,41 @@ constexpr int CONSUMER_REGS = NCWG == 3 ? 160 : 240;
 
 extern "C" __global__ void __launch_bounds__(NTHR, 1)
     flash_fwd_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
-                    const __grid_constant__ FcTensorMap tm_v, FC_FWD_PARAMS) {
+                    const __grid_constant__ FcTensorMap tm_v, FC_FWD_PARAMS, const int heads_q,
+                    const int batch) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     const u32 sQ = base, sK = base + OFF_K, sV = base + OFF_V;
-    const u32 bar_q = base + OFF_BAR;
-    // stage s: k_full = bar_q + 8 (1 + s), k_empty, v_full, v_empty follow in blocks of STAGES
-    auto k_full = [&](int s) { return bar_q + 8 * (1 + s); };
-    auto k_empty = [&](int s) { return bar_q + 8 * (1 + STAGES + s); };
-    auto v_full = [&](int s) { return bar_q + 8 * (1 + 2 * STAGES + s); };
-    auto v_empty = [&](int s) { return bar_q + 8 * (1 + 3 * STAGES + s); };
+    const u32 bar_q = base + OFF_BAR, bar_q_empty = bar_q + 8;
+    // stage s: k_full = bar_q + 8 (2 + s), k_empty, v_full, v_empty follow in blocks of STAGES
+    auto k_full = [&](int s) { return bar_q + 8 * (2 + s); };
+    auto k_empty = [&](int s) { return bar_q + 8 * (2 + STAGES + s); };
+    auto v_full = [&](int s) { return bar_q + 8 * (2 + 2 * STAGES + s); };
+    auto v_empty = [&](int s) { return bar_q + 8 * (2 + 3 * STAGES + s); };
+    // K/V load number `it` (counted over all the tiles this CTA runs) uses stage it % STAGES, phase:
+    auto stage = [](int it) { return it % STAGES; };
+    auto phase = [](int it) { return (u32)((it / STAGES) & 1); };
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    const int m0 = fc_query_tile() * BM;
-    // Key tiles [0, n_tiles) hold a key visible to some valid row of this CTA; from mask_from on a
-    // tile holds a key invisible to some row (causal edge or keys >= nk) and is masked.
-    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
-    const int n_tiles = tiles.n, mask_from = tiles.mask_from;
+    // Persistent: CTA x runs tiles x, x + gridDim.x, ... of the n_mt * heads_q * batch (query tile,
+    // head, batch) tiles, the query tile fastest (neighbouring CTAs share a head's K and V in L2).
+    const int n_mt = (nq + BM - 1) / BM, n_work = n_mt * heads_q * batch;
+    struct Tile {
+        int m0, h, b, n, mask_from;
+    };
+    auto tile_at = [&](int w) {
+        const int bh = w / n_mt, h = bh % heads_q, b = bh / heads_q;
+        const int m0 = fc_query_tile(w - bh * n_mt, n_mt) * BM;
+        // key tiles [0, n) hold a key visible to some valid row of the tile; from mask_from on a key
+        // tile holds a key invisible to some row (causal edge or keys >= nk) and is masked
+        const FcKeyTiles kt = fc_key_tiles<BN>(m0, BM, nq, nk);
+        return Tile{m0, h, b, kt.n, kt.mask_from};
+    };
 
     if (tid == 0) {
         mbar_init(bar_q, 1);
+        mbar_init(bar_q_empty, 4 * NCWG);  // one arrival per consumer warp once its last S has landed
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full(s), 1);
             mbar_init(v_full(s), 1);
@@ -143,27 +164,37 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     if (wg == 0) {
         // ------------------------------------------------------------------ producer ----------
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (tid == 0 && n_tiles > 0) {
+        if (tid == 0) {
             tma_prefetch_map(&tm_q);
             tma_prefetch_map(&tm_k);
             tma_prefetch_map(&tm_v);
-            mbar_arrive_expect_tx(bar_q, Q_BYTES);
-#pragma unroll
-            for (int p = 0; p < PANELS; ++p) tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, 64 * p, m0, h, b);
-            for (int j = 0; j < n_tiles; ++j) {
-                const int s = j % STAGES;
-                const u32 ph = (u32)((j / STAGES) & 1);
-                // buffer s was last used by tile j - STAGES; wait for every consumer warp to release it
-                if (j >= STAGES) mbar_wait(k_empty(s), ph ^ 1u);
-                mbar_arrive_expect_tx(k_full(s), KV_BYTES);
-#pragma unroll
-                for (int p = 0; p < PANELS; ++p)
-                    tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), 64 * p, j * BN, hk, b);
-                if (j >= STAGES) mbar_wait(v_empty(s), ph ^ 1u);
-                mbar_arrive_expect_tx(v_full(s), KV_BYTES);
+            int it = 0, tq = 0;  // K/V loads and Q loads so far
+            for (int w = blockIdx.x; w < n_work; w += gridDim.x) {
+                const Tile tl = tile_at(w);
+                if (tl.n == 0) continue;  // rows that see no key: nothing to load
+                const int hk = tl.h / group;
+                // the Q buffer is free once every consumer warp has seen the last S of the previous tile
+                if (tq > 0) mbar_wait(bar_q_empty, (u32)((tq - 1) & 1));
+                mbar_arrive_expect_tx(bar_q, Q_BYTES);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
-                    tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p, j * BN, hk, b);
+                    tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, 64 * p, tl.m0, tl.h, tl.b);
+                ++tq;
+                for (int j = 0; j < tl.n; ++j, ++it) {
+                    const int s = stage(it);
+                    const u32 ph = phase(it);
+                    // buffer s was last used by load it - STAGES; wait for every consumer warp to release it
+                    if (it >= STAGES) mbar_wait(k_empty(s), ph ^ 1u);
+                    mbar_arrive_expect_tx(k_full(s), KV_BYTES);
+#pragma unroll
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), 64 * p, j * BN, hk, tl.b);
+                    if (it >= STAGES) mbar_wait(v_empty(s), ph ^ 1u);
+                    mbar_arrive_expect_tx(v_full(s), KV_BYTES);
+#pragma unroll
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p, j * BN, hk, tl.b);
+                }
             }
         }
     } else {
@@ -172,219 +203,232 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         const int cw = wg - 1;                       // consumer warpgroup: tile rows 64 cw ..
         const int lt = tid & 127, lane = tid & 31;
         const int g = lane >> 2, t = lane & 3;
-        const int row_g = m0 + 64 * cw + 16 * (lt >> 5) + g;  // query rows row_g and row_g + 8
-
-        acc_t o_acc[ON];
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i) acc_zero(wg_tile(o_acc, i));
-        // l: this lane's partial sums with fp32 accumulators, the full row sum with fp16 ones
-        float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-
-        if (n_tiles > 0) mbar_wait(bar_q, 0);
         const u32 q_rows = sQ + 64 * cw * 128;       // this warpgroup's 64 rows of each Q panel
+        int it = 0, tq = 0;                          // K/V loads and Q loads consumed so far
+        for (int w = blockIdx.x; w < n_work; w += gridDim.x) {
+            const Tile tl = tile_at(w);
+            const int n_tiles = tl.n, mask_from = tl.mask_from, it0 = it;
+            const int row_g = tl.m0 + 64 * cw + 16 * (lt >> 5) + g;  // query rows row_g and row_g + 8
 
-        // S = Q K^T from stage s into sacc: one wgmma group, committed, not waited for.
-        auto issue_s = [&](acc_t(&sacc)[SN], int s) {
-            wg_fence();
+            acc_t o_acc[ON];
 #pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) {
-                const u32 off = (kk % 4) * 32;  // k16 step inside the panel
-                const u64 da = wg_desc_sw128(q_rows + (kk / 4) * Q_PANEL + off, 16, 1024);
-                const u64 db = wg_desc_sw128(sK + s * KV_BYTES + (kk / 4) * KV_PANEL + off, 16, 1024);
-                WgMma<BN>::ss(sacc, da, db, kk > 0);
-            }
-            wg_commit();
-        };
-        // O += P V from stage s: one wgmma group, committed, not waited for.
-        auto issue_pv = [&](u32(&p)[PSTEPS][4], int s) {
-            wg_fence();
+            for (int i = 0; i < HD / 8; ++i) acc_zero(wg_tile(o_acc, i));
+            // l: this lane's partial sums with fp32 accumulators, the full row sum with fp16 ones
+            float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+            if (n_tiles > 0) mbar_wait(bar_q, (u32)(tq & 1));
+
+            // S = Q K^T from stage s into sacc: one wgmma group, committed, not waited for.
+            auto issue_s = [&](acc_t(&sacc)[SN], int s) {
+                wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < PSTEPS; ++kk) {
-                const u64 db = wg_desc_sw128(sV + s * KV_BYTES + kk * 16 * 128, KV_PANEL, 1024);
-                WgMma<HD>::rs_tb(o_acc, p[kk], db, 1);
-            }
-            wg_commit();
-        };
-        // After the wait for a group: pin its registers, then release its buffer (one arrival per warp).
-        auto release = [&](u32 bar) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(bar);
-        };
-        // Mask tile j (invisible keys: causal edge, keys >= nk score -inf), then one online-softmax step
-        // per row (fc_softmax_step): sacc becomes P in place (fp32, or rounded to fp16 with fp16
-        // accumulators, which is P's rounding to the element type); l takes the fp32 row sums.
-        auto softmax = [&](acc_t(&sacc)[SN], int j, float(&alpha)[2]) {
-            if (j >= mask_from) {
+                for (int kk = 0; kk < KSTEPS; ++kk) {
+                    const u32 off = (kk % 4) * 32;  // k16 step inside the panel
+                    const u64 da = wg_desc_sw128(q_rows + (kk / 4) * Q_PANEL + off, 16, 1024);
+                    const u64 db = wg_desc_sw128(sK + s * KV_BYTES + (kk / 4) * KV_PANEL + off, 16, 1024);
+                    WgMma<BN>::ss(sacc, da, db, kk > 0);
+                }
+                wg_commit();
+            };
+            // O += P V from stage s: one wgmma group, committed, not waited for.
+            auto issue_pv = [&](u32(&p)[PSTEPS][4], int s) {
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < PSTEPS; ++kk) {
+                    const u64 db = wg_desc_sw128(sV + s * KV_BYTES + kk * 16 * 128, KV_PANEL, 1024);
+                    WgMma<HD>::rs_tb(o_acc, p[kk], db, 1);
+                }
+                wg_commit();
+            };
+            // After the wait for a group: pin its registers, then release its buffer (one arrival per warp).
+            auto release = [&](u32 bar) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(bar);
+            };
+            // Mask tile j (invisible keys: causal edge, keys >= nk score -inf), then one online-softmax step
+            // per row (fc_softmax_step): sacc becomes P in place (fp32, or rounded to fp16 with fp16
+            // accumulators, which is P's rounding to the element type); l takes the fp32 row sums.
+            auto softmax = [&](acc_t(&sacc)[SN], int j, float(&alpha)[2]) {
+                if (j >= mask_from) {
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int last = fc_last_key(row_g + 8 * hf, nq, nk) - (j * BN + 2 * t);
+#pragma unroll
+                        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                if (8 * i + e > last) acc_set_neg_inf(wg_tile(sacc, i), 2 * hf + e);
+                    }
+                }
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    const int last = fc_last_key(row_g + 8 * hf, nq, nk) - (j * BN + 2 * t);
+                    const float sub = fc_softmax_step(m_run[hf], alpha[hf], scale_log2, [&] {
+                        float mx = -INFINITY;  // rowmax(S_j) over the 4 lanes holding the row
 #pragma unroll
-                    for (int i = 0; i < BN / 8; ++i)
+                        for (int i = 0; i < BN / 8; ++i)
+                            mx = fmaxf(mx, fmaxf(acc_get(wg_tile(sacc, i), 2 * hf), acc_get(wg_tile(sacc, i), 2 * hf + 1)));
+                        return quad_max(mx);
+                    });
+                    float rs = 0.f;
 #pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            if (8 * i + e > last) acc_set_neg_inf(wg_tile(sacc, i), 2 * hf + e);
+                    for (int i = 0; i < BN / 8; ++i) {
+                        const float p0 = fc_softmax_p(acc_get(wg_tile(sacc, i), 2 * hf), scale_log2, sub);
+                        const float p1 = fc_softmax_p(acc_get(wg_tile(sacc, i), 2 * hf + 1), scale_log2, sub);
+                        rs += p0;
+                        rs += p1;
+                        acc_set_pair(wg_tile(sacc, i), hf, p0, p1);
+                    }
+                    l_run[hf] = fc_softmax_l(l_run[hf], alpha[hf], FC_ACCUM_F16 ? quad_sum(rs) : rs);
                 }
-            }
+            };
+            // P (accumulator layout) rounded to the element type into the A fragments of P V: the k16
+            // step kk takes accumulator tiles 2kk and 2kk + 1 (with fp16 accumulators a plain copy). Done
+            // only while no wgmma is in flight (registers an in-flight wgmma group may read are never
+            // written: ptxas would serialize, C7513).
+            auto pack_p = [&](acc_t(&sacc)[SN], u32(&p)[PSTEPS][4]) {
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const float sub = fc_softmax_step(m_run[hf], alpha[hf], scale_log2, [&] {
-                    float mx = -INFINITY;  // rowmax(S_j) over the 4 lanes holding the row
+                for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-                    for (int i = 0; i < BN / 8; ++i)
-                        mx = fmaxf(mx, fmaxf(acc_get(wg_tile(sacc, i), 2 * hf), acc_get(wg_tile(sacc, i), 2 * hf + 1)));
-                    return quad_max(mx);
-                });
-                float rs = 0.f;
+                    for (int hf = 0; hf < 2; ++hf) p[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(sacc, i), hf);
+                // fp16 accumulators make this a plain copy, which ptxas would otherwise sink past the next
+                // S_j issue into the wgmma pipeline stage (C7513: every wgmma serialized, 0.62x the fp32
+                // path's speed measured); pin it here. fp32's conversions stay where they are.
+                if (FC_ACCUM_F16) {
 #pragma unroll
-                for (int i = 0; i < BN / 8; ++i) {
-                    const float p0 = fc_softmax_p(acc_get(wg_tile(sacc, i), 2 * hf), scale_log2, sub);
-                    const float p1 = fc_softmax_p(acc_get(wg_tile(sacc, i), 2 * hf + 1), scale_log2, sub);
-                    rs += p0;
-                    rs += p1;
-                    acc_set_pair(wg_tile(sacc, i), hf, p0, p1);
+                    for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p[kk]);
                 }
-                l_run[hf] = fc_softmax_l(l_run[hf], alpha[hf], FC_ACCUM_F16 ? quad_sum(rs) : rs);
-            }
-        };
-        // P (accumulator layout) rounded to the element type into the A fragments of P V: the k16
-        // step kk takes accumulator tiles 2kk and 2kk + 1 (with fp16 accumulators a plain copy). Done
-        // only while no wgmma is in flight (registers an in-flight wgmma group may read are never
-        // written: ptxas would serialize, C7513).
-        auto pack_p = [&](acc_t(&sacc)[SN], u32(&p)[PSTEPS][4]) {
+            };
+            // O *= alpha (skipped, warp-uniformly, when every alpha is exactly 1; compiled out by both
+            // breaks)
+            auto rescale = [&](const float(&alpha)[2]) {
+                if (FC_SOFTMAX_RESCALES) {
+                    const bool any = (alpha[0] != 1.f) | (alpha[1] != 1.f);
+                    if (__any_sync(0xffffffffu, any)) {
 #pragma unroll
-            for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) p[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(sacc, i), hf);
-            // fp16 accumulators make this a plain copy, which ptxas would otherwise sink past the next
-            // S_j issue into the wgmma pipeline stage (C7513: every wgmma serialized, 0.62x the fp32
-            // path's speed measured); pin it here. fp32's conversions stay where they are.
-            if (FC_ACCUM_F16) {
-#pragma unroll
-                for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p[kk]);
-            }
-        };
-        // O *= alpha (skipped, warp-uniformly, when every alpha is exactly 1; compiled out by both
-        // breaks)
-        auto rescale = [&](const float(&alpha)[2]) {
-            if (FC_SOFTMAX_RESCALES) {
-                const bool any = (alpha[0] != 1.f) | (alpha[1] != 1.f);
-                if (__any_sync(0xffffffffu, any)) {
-#pragma unroll
-                    for (int i = 0; i < HD / 8; ++i) acc_scale(wg_tile(o_acc, i), alpha[0], alpha[1]);
+                        for (int i = 0; i < HD / 8; ++i) acc_scale(wg_tile(o_acc, i), alpha[0], alpha[1]);
+                    }
                 }
-            }
-        };
-        // Pingpong: a warpgroup issues its products only on its turn (named barrier 1 + cw) and then
-        // hands the turn to the other (barrier 2 - cw). Warpgroup 1 gives the first turn to warpgroup 0;
-        // each barrier then sees one arrive per sync, and warpgroup 1 skips its last hand-over.
-        constexpr bool PINGPONG = FC_WG_PINGPONG && NCWG == 2;
-        auto turn_wait = [&]() {
-            if (PINGPONG) named_bar_sync(1 + cw, 256);
-        };
-        auto turn_pass = [&](bool last) {
-            if (PINGPONG && !(last && cw == 1)) named_bar_arrive(2 - cw, 256);
-        };
-        auto phase = [](int j) { return (u32)((j / STAGES) & 1); };
-        if (PINGPONG && cw == 1 && n_tiles > 0) named_bar_arrive(1, 256);
+            };
+            // Pingpong: a warpgroup issues its products only on its turn (named barrier 1 + cw) and then
+            // hands the turn to the other (barrier 2 - cw). Warpgroup 1 gives the first turn to warpgroup 0;
+            // each barrier then sees one arrive per sync, and warpgroup 1 skips its last hand-over.
+            constexpr bool PINGPONG = FC_WG_PINGPONG && NCWG == 2;
+            auto turn_wait = [&]() {
+                if (PINGPONG) named_bar_sync(1 + cw, 256);
+            };
+            auto turn_pass = [&](bool last) {
+                if (PINGPONG && !(last && cw == 1)) named_bar_arrive(2 - cw, 256);
+            };
+            // after the last S of the tile has landed, this warp is done with Q
+            auto release_q = [&](int j) {
+                if (j == n_tiles - 1) release(bar_q_empty);
+            };
+            if (PINGPONG && cw == 1 && n_tiles > 0) named_bar_arrive(1, 256);
 
 #if FC_WG_OVERLAP
-        // Software pipeline: P_{j-1} V_{j-1} runs on the tensor cores during the softmax of tile j.
-        // Per element of O the operations keep their order, O = alpha_j (O + P_{j-1} V_{j-1}), so the
-        // result is bitwise that of the plain loop.
-        if (n_tiles > 0) {
-            acc_t s_acc[SN];
-            u32 p_frag[PSTEPS][4];
-            float alpha[2];
-            mbar_wait(k_full(0), 0);
-            turn_wait();
-            issue_s(s_acc, 0);
-            turn_pass(false);
-            wg_wait<0>();
-            reg_fence(s_acc);
-            release(k_empty(0));
-            softmax(s_acc, 0, alpha);  // O = 0: nothing to rescale
-            pack_p(s_acc, p_frag);
-            for (int j = 1; j < n_tiles; ++j) {
-                const int s = j % STAGES, sp = (j - 1) % STAGES;
-                mbar_wait(k_full(s), phase(j));
-                mbar_wait(v_full(sp), phase(j - 1));
+            // Software pipeline: P_{j-1} V_{j-1} runs on the tensor cores during the softmax of tile j.
+            // Per element of O the operations keep their order, O = alpha_j (O + P_{j-1} V_{j-1}), so the
+            // result is bitwise that of the plain loop.
+            if (n_tiles > 0) {
+                acc_t s_acc[SN];
+                u32 p_frag[PSTEPS][4];
+                float alpha[2];
+                mbar_wait(k_full(stage(it0)), phase(it0));
                 turn_wait();
-                issue_s(s_acc, s);      // S_j = Q K_j^T
-                if (FC_WG_EARLY_RESCALE) rescale(alpha);  // alpha of tile j - 1
-                issue_pv(p_frag, sp);   // O += P_{j-1} V_{j-1}
+                issue_s(s_acc, stage(it0));
                 turn_pass(false);
-                wg_wait<1>();           // S_j has landed; P V still running
+                wg_wait<0>();
                 reg_fence(s_acc);
-                release(k_empty(s));
-                softmax(s_acc, j, alpha);
-                wg_wait<0>();           // P_{j-1} V_{j-1} has landed
+                release(k_empty(stage(it0)));
+                release_q(0);
+                softmax(s_acc, 0, alpha);  // O = 0: nothing to rescale
+                pack_p(s_acc, p_frag);
+                for (int j = 1; j < n_tiles; ++j) {
+                    const int s = stage(it0 + j), sp = stage(it0 + j - 1);
+                    mbar_wait(k_full(s), phase(it0 + j));
+                    mbar_wait(v_full(sp), phase(it0 + j - 1));
+                    turn_wait();
+                    issue_s(s_acc, s);      // S_j = Q K_j^T
+                    if (FC_WG_EARLY_RESCALE) rescale(alpha);  // alpha of tile j - 1
+                    issue_pv(p_frag, sp);   // O += P_{j-1} V_{j-1}
+                    turn_pass(false);
+                    wg_wait<1>();           // S_j has landed; P V still running
+                    reg_fence(s_acc);
+                    release(k_empty(s));
+                    release_q(j);
+                    softmax(s_acc, j, alpha);
+                    wg_wait<0>();           // P_{j-1} V_{j-1} has landed
+                    reg_fence(o_acc);
+#pragma unroll
+                    for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
+                    release(v_empty(sp));
+                    if (!FC_WG_EARLY_RESCALE) rescale(alpha);
+                    pack_p(s_acc, p_frag);
+                }
+                const int sl = stage(it0 + n_tiles - 1);
+                mbar_wait(v_full(sl), phase(it0 + n_tiles - 1));
+                turn_wait();
+                if (FC_WG_EARLY_RESCALE && n_tiles > 1) rescale(alpha);
+                issue_pv(p_frag, sl);
+                turn_pass(true);
+                wg_wait<0>();
                 reg_fence(o_acc);
 #pragma unroll
                 for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
-                release(v_empty(sp));
-                if (!FC_WG_EARLY_RESCALE) rescale(alpha);
-                pack_p(s_acc, p_frag);
+                release(v_empty(sl));
             }
-            const int sl = (n_tiles - 1) % STAGES;
-            mbar_wait(v_full(sl), phase(n_tiles - 1));
-            turn_wait();
-            if (FC_WG_EARLY_RESCALE && n_tiles > 1) rescale(alpha);
-            issue_pv(p_frag, sl);
-            turn_pass(true);
-            wg_wait<0>();
-            reg_fence(o_acc);
-#pragma unroll
-            for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
-            release(v_empty(sl));
-        }
 #else
-        // Plain loop: each product is waited for before the softmax / the next tile.
-        for (int j = 0; j < n_tiles; ++j) {
-            const int s = j % STAGES;
-            acc_t s_acc[SN];
-            u32 p_frag[PSTEPS][4];
-            float alpha[2];
-            mbar_wait(k_full(s), phase(j));
-            turn_wait();
-            issue_s(s_acc, s);
-            turn_pass(false);
-            wg_wait<0>();
-            reg_fence(s_acc);
-            release(k_empty(s));  // this warp is done reading K_j
-            softmax(s_acc, j, alpha);
-            pack_p(s_acc, p_frag);
-            rescale(alpha);
-            mbar_wait(v_full(s), phase(j));
-            turn_wait();
-            issue_pv(p_frag, s);
-            turn_pass(j == n_tiles - 1);
-            wg_wait<0>();
-            reg_fence(o_acc);
+            // Plain loop: each product is waited for before the softmax / the next tile.
+            for (int j = 0; j < n_tiles; ++j) {
+                const int s = stage(it0 + j);
+                acc_t s_acc[SN];
+                u32 p_frag[PSTEPS][4];
+                float alpha[2];
+                mbar_wait(k_full(s), phase(it0 + j));
+                turn_wait();
+                issue_s(s_acc, s);
+                turn_pass(false);
+                wg_wait<0>();
+                reg_fence(s_acc);
+                release(k_empty(s));  // this warp is done reading K_j
+                release_q(j);
+                softmax(s_acc, j, alpha);
+                pack_p(s_acc, p_frag);
+                rescale(alpha);
+                mbar_wait(v_full(s), phase(it0 + j));
+                turn_wait();
+                issue_pv(p_frag, s);
+                turn_pass(j == n_tiles - 1);
+                wg_wait<0>();
+                reg_fence(o_acc);
 #pragma unroll
-            for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
-            release(v_empty(s));  // this warp is done reading V_j
-        }
+                for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
+                release(v_empty(s));  // this warp is done reading V_j
+            }
 #endif
 
-        // ---- epilogue: o = O / l (0 where l == 0), lse; straight from registers ----
-        const long long row_base = ((long long)b * gridDim.y + h) * nq;  // (b, h, row 0) in o and lse
+            // ---- epilogue: o = O / l (0 where l == 0), lse; straight from registers ----
+            const long long row_base = ((long long)tl.b * heads_q + tl.h) * nq;  // (b, h, row 0) in o and lse
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const float l = FC_ACCUM_F16 ? l_run[hf] : quad_sum(l_run[hf]);
-            // o = (O * pre) * (1 / (l * pre)): one reciprocal per row, kept normal under -ftz by a
-            // 2^-64 prescale when l > 2^126 (reachable by the max-subtraction break)
-            const float pre = (l > 0x1p126f) ? 0x1p-64f : 1.f;
-            const float inv = (l == 0.f) ? 0.f : __frcp_rn(l * pre);
-            const int row = row_g + 8 * hf;
-            if (row < nq) {
-                if (t == 0) lse[row_base + row] = fc_softmax_lse(m_run[hf], l, scale_log2);
-                elem_t *orow = o + (row_base + row) * HD + 2 * t;
+            for (int hf = 0; hf < 2; ++hf) {
+                const float l = FC_ACCUM_F16 ? l_run[hf] : quad_sum(l_run[hf]);
+                // o = (O * pre) * (1 / (l * pre)): one reciprocal per row, kept normal under -ftz by a
+                // 2^-64 prescale when l > 2^126 (reachable by the max-subtraction break)
+                const float pre = (l > 0x1p126f) ? 0x1p-64f : 1.f;
+                const float inv = (l == 0.f) ? 0.f : __frcp_rn(l * pre);
+                const int row = row_g + 8 * hf;
+                if (row < nq) {
+                    if (t == 0) lse[row_base + row] = fc_softmax_lse(m_run[hf], l, scale_log2);
+                    elem_t *orow = o + (row_base + row) * HD + 2 * t;
 #pragma unroll
-                for (int i = 0; i < HD / 8; ++i)
-                    *reinterpret_cast<u32 *>(orow + 8 * i) =
-                        pack_elem2(acc_get(wg_tile(o_acc, i), 2 * hf) * pre * inv,
-                                   acc_get(wg_tile(o_acc, i), 2 * hf + 1) * pre * inv);
+                    for (int i = 0; i < HD / 8; ++i)
+                        *reinterpret_cast<u32 *>(orow + 8 * i) =
+                            pack_elem2(acc_get(wg_tile(o_acc, i), 2 * hf) * pre * inv,
+                                       acc_get(wg_tile(o_acc, i), 2 * hf + 1) * pre * inv);
+                }
             }
-        }
+            it += n_tiles;
+            tq += n_tiles > 0;
+        }  // tiles
     }
 }

@@ -102,6 +102,26 @@ def test_block_sizes(rng, kernel, dname, bm, bn):
                                      what=f"{kernel} acc={accum} bm={bm} bn={bn} causal={causal}")
 
 
+@pytest.mark.parametrize("combo", WGMMA_COMBOS, ids=combo_id)
+def test_wgmma_persistent_grid_of_any_size_writes_the_same_bits(rng, combo, monkeypatch):
+    """The tile-looping kernel with 1, 3 or 7 CTAs (each running many tiles, its mbarrier phases running
+    on across them) and with one CTA per tile: the bits of the default grid."""
+    import cupy
+
+    from flashcupy import _launch
+
+    kernel, dname, accum = combo
+    q, k, v = to_device(*qkv(rng, (2, 4, 2, 333, 517, 64), dname))
+    for causal in (False, True):
+        kw = dict(causal=causal, accum=accum, kernel=kernel, return_lse=True)
+        o_ref, lse_ref = flashcupy.attention(q, k, v, **kw)
+        for n_cta in (1, 3, 7, 10 ** 6):
+            monkeypatch.setattr(_launch, "_wgmma_ctas", lambda var, tiles, n=n_cta: min(tiles, n))
+            o, lse = run_poisoned(q, k, v, causal=causal, accum=accum, kernel=kernel)
+            assert bool((o.view(cupy.uint16) == o_ref.view(cupy.uint16)).all()), (n_cta, causal)
+            assert bool((lse.view(cupy.uint32) == lse_ref.view(cupy.uint32)).all()), (n_cta, causal)
+
+
 @pytest.mark.parametrize("kernel,dname", [("wgmma", "f16"), ("wgmma", "bf16"), ("mma", "f16"),
                                           ("mma", "bf16"), ("simt", "f32")])
 def test_strided_bnhd_view_runs_without_copy(rng, kernel, dname):
