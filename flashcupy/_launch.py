@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ._build import ATOMIC_DQ_ROLES, DETERMINISTIC_DQ_ROLES, get_kernel
+from ._build import ATOMIC_DQ_ROLES, DETERMINISTIC_DQ_ROLES, get_kernel, wgmma_persistent
 from ._checks import Problem
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -19,15 +19,12 @@ def _rows_aligned(x) -> bool:
     return all(s % 16 == 0 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
 
 
-def _wgmma_ctas(var, tiles: int) -> int:
-    """CTAs of a wgmma forward launch over ``tiles`` tiles. Without a causal mask, one per SM
-    (persistent: the next tile's loads overlap this tile's epilogue; measured on the H200 1.01x to
-    1.11x one CTA per tile at N 1024 to 16384). With one, one per tile: the tiles cost from one key tile
-    to all of them, and the hardware's block scheduler hands them out heaviest first to whichever SM
-    frees up, where a static split over persistent CTAs measured 0.56x to 0.95x of that."""
+def _wgmma_ctas(tiles: int) -> int:
+    """CTAs of a persistent wgmma forward launch over ``tiles`` tiles: one per SM, at most one per tile
+    (the kernel runs on any grid size and writes the same bits)."""
     import cupy
 
-    return tiles if var.causal else min(tiles, _sm_count(cupy.cuda.Device().id))
+    return min(tiles, _sm_count(cupy.cuda.Device().id))
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,12 +65,13 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
     if var.fam.kind == "wgmma":
         # The Hopper kernels load q, k, v by TMA: tensor maps over their real strides come first, by
         # value (the pointers and strides that follow are not read). q, k, v stay alive until return.
-        # The kernel loops over tiles (it takes the head and batch counts) and runs on any grid size.
+        # It takes the head and batch counts; a persistent variant loops over the tiles on one CTA per SM.
         from ._tma import tensor_map
 
         args = (tensor_map(q, var.block_m, name="q"), tensor_map(k, var.block_n, name="k"),
                 tensor_map(v, var.block_n, name="v")) + args + (np.int32(p.heads_q), np.int32(p.batch))
-        grid = (_wgmma_ctas(var, grid[0] * grid[1] * grid[2]), 1, 1)
+        if wgmma_persistent(var):
+            grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
     kern(grid, args)
     return o, lse
 

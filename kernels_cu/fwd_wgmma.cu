@@ -68,6 +68,12 @@
 //                   when FC_BLOCK_M == 128.
 //   FC_WG_EARLY_RESCALE  (default 1) with FC_WG_OVERLAP: O *= alpha_{j-1} runs while S_j is on the tensor cores (just
 //                   before P_{j-1} V_{j-1} is issued) instead of after P_{j-1} V_{j-1} has landed.
+//   FC_WG_PERSISTENT  (set by the build layer, flashcupy/_build.py wgmma_persistent) 1: the CTA loops over
+//                   tiles (any grid size; the launch uses one CTA per SM); 0: one tile per CTA, grid
+//                   (ceil(nq / FC_BLOCK_M), Hq, B).
+#ifndef FC_WG_PERSISTENT
+#error "fwd_wgmma: FC_WG_PERSISTENT (0 or 1) must be defined by the build layer"
+#endif
 #ifndef FC_WG_EARLY_RESCALE
 #define FC_WG_EARLY_RESCALE 1
 #endif
@@ -133,20 +139,30 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
-    // Persistent: CTA x runs tiles x, x + gridDim.x, ... of the n_mt * heads_q * batch (query tile,
-    // head, batch) tiles, the query tile fastest (neighbouring CTAs share a head's K and V in L2).
-    const int n_mt = (nq + BM - 1) / BM, n_work = n_mt * heads_q * batch;
+    // A tile: query rows m0 .. m0 + BM - 1 of head h, batch b, and its key tiles: [0, n) hold a key
+    // visible to some valid row of the tile; from mask_from on a key tile holds a key invisible to
+    // some row (causal edge or keys >= nk) and is masked.
     struct Tile {
         int m0, h, b, n, mask_from;
     };
-    auto tile_at = [&](int w) {
-        const int bh = w / n_mt, h = bh % heads_q, b = bh / heads_q;
-        const int m0 = fc_query_tile(w - bh * n_mt, n_mt) * BM;
-        // key tiles [0, n) hold a key visible to some valid row of the tile; from mask_from on a key
-        // tile holds a key invisible to some row (causal edge or keys >= nk) and is masked
-        const FcKeyTiles kt = fc_key_tiles<BN>(m0, BM, nq, nk);
-        return Tile{m0, h, b, kt.n, kt.mask_from};
+    auto tile_of = [&](int m_tile, int h, int b) {
+        const FcKeyTiles kt = fc_key_tiles<BN>(m_tile * BM, BM, nq, nk);
+        return Tile{m_tile * BM, h, b, kt.n, kt.mask_from};
     };
+#if FC_WG_PERSISTENT
+    // CTA x runs tiles x, x + gridDim.x, ... of the n_mt * heads_q * batch (query tile, head, batch)
+    // tiles, the query tile fastest (neighbouring CTAs share a head's K and V in L2).
+    const int n_mt = (nq + BM - 1) / BM, n_work = n_mt * heads_q * batch;
+    auto tile_at = [&](int w) {
+        const int bh = w / n_mt;
+        return tile_of(fc_query_tile(w - bh * n_mt, n_mt), bh % heads_q, bh / heads_q);
+    };
+#define FC_FOR_EACH_TILE(tl) \
+    for (int w_ = blockIdx.x; w_ < n_work; w_ += gridDim.x) if (const Tile tl = tile_at(w_); true)
+#else
+    // one tile per CTA: (blockIdx.x, blockIdx.y, blockIdx.z) = (query tile, head, batch)
+#define FC_FOR_EACH_TILE(tl) if (const Tile tl = tile_of(fc_query_tile(), blockIdx.y, blockIdx.z); true)
+#endif
 
     if (tid == 0) {
         mbar_init(bar_q, 1);
@@ -169,31 +185,34 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             tma_prefetch_map(&tm_k);
             tma_prefetch_map(&tm_v);
             int it = 0, tq = 0;  // K/V loads and Q loads so far
-            for (int w = blockIdx.x; w < n_work; w += gridDim.x) {
-                const Tile tl = tile_at(w);
-                if (tl.n == 0) continue;  // rows that see no key: nothing to load
-                const int hk = tl.h / group;
-                // the Q buffer is free once every consumer warp has seen the last S of the previous tile
-                if (tq > 0) mbar_wait(bar_q_empty, (u32)((tq - 1) & 1));
-                mbar_arrive_expect_tx(bar_q, Q_BYTES);
-#pragma unroll
-                for (int p = 0; p < PANELS; ++p)
-                    tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, 64 * p, tl.m0, tl.h, tl.b);
-                ++tq;
-                for (int j = 0; j < tl.n; ++j, ++it) {
-                    const int s = stage(it);
-                    const u32 ph = phase(it);
-                    // buffer s was last used by load it - STAGES; wait for every consumer warp to release it
-                    if (it >= STAGES) mbar_wait(k_empty(s), ph ^ 1u);
-                    mbar_arrive_expect_tx(k_full(s), KV_BYTES);
+            FC_FOR_EACH_TILE(tl) {
+                if (tl.n > 0) {  // (rows that see no key: nothing to load)
+                    const int hk = tl.h / group;
+                    // the Q buffer is free once every consumer warp has seen the previous tile's last S
+                    if (tq > 0) mbar_wait(bar_q_empty, (u32)((tq - 1) & 1));
+                    mbar_arrive_expect_tx(bar_q, Q_BYTES);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
-                        tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), 64 * p, j * BN, hk, tl.b);
-                    if (it >= STAGES) mbar_wait(v_empty(s), ph ^ 1u);
-                    mbar_arrive_expect_tx(v_full(s), KV_BYTES);
+                        tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, 64 * p, tl.m0, tl.h, tl.b);
+                    ++tq;
+                    for (int j = 0; j < tl.n; ++j, ++it) {
+                        const int s = stage(it);
+                        const u32 ph = phase(it);
+                        // buffer s was last used by load it - STAGES: wait for every consumer warp to
+                        // release it
+                        if (it >= STAGES) mbar_wait(k_empty(s), ph ^ 1u);
+                        mbar_arrive_expect_tx(k_full(s), KV_BYTES);
 #pragma unroll
-                    for (int p = 0; p < PANELS; ++p)
-                        tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p, j * BN, hk, tl.b);
+                        for (int p = 0; p < PANELS; ++p)
+                            tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), 64 * p, j * BN, hk,
+                                        tl.b);
+                        if (it >= STAGES) mbar_wait(v_empty(s), ph ^ 1u);
+                        mbar_arrive_expect_tx(v_full(s), KV_BYTES);
+#pragma unroll
+                        for (int p = 0; p < PANELS; ++p)
+                            tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p, j * BN, hk,
+                                        tl.b);
+                    }
                 }
             }
         }
@@ -205,8 +224,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         const int g = lane >> 2, t = lane & 3;
         const u32 q_rows = sQ + 64 * cw * 128;       // this warpgroup's 64 rows of each Q panel
         int it = 0, tq = 0;                          // K/V loads and Q loads consumed so far
-        for (int w = blockIdx.x; w < n_work; w += gridDim.x) {
-            const Tile tl = tile_at(w);
+        FC_FOR_EACH_TILE(tl) {
             const int n_tiles = tl.n, mask_from = tl.mask_from, it0 = it;
             const int row_g = tl.m0 + 64 * cw + 16 * (lt >> 5) + g;  // query rows row_g and row_g + 8
 

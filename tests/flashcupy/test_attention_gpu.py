@@ -8,8 +8,9 @@ import pytest
 import flashcupy
 from flashcupy import naive, reference
 from flashcupy._build import Variant
-from flashcupy._checks import numpy_dtype
+from flashcupy._checks import check_forward, numpy_dtype
 from tests.helpers import (
+    FORWARD_DEFAULTS,
     LN_MAX,
     block_params,
     combo_id,
@@ -104,22 +105,24 @@ def test_block_sizes(rng, kernel, dname, bm, bn):
 
 @pytest.mark.parametrize("combo", WGMMA_COMBOS, ids=combo_id)
 def test_wgmma_persistent_grid_of_any_size_writes_the_same_bits(rng, combo, monkeypatch):
-    """The tile-looping kernel with 1, 3 or 7 CTAs (each running many tiles, its mbarrier phases running
-    on across them) and with one CTA per tile: the bits of the default grid."""
+    """A persistent variant (D=64, no causal mask) with 1, 3 or 7 CTAs (each running many tiles, its
+    mbarrier phases running on across them) and with one CTA per tile: the bits of the default grid
+    (one CTA per SM)."""
     import cupy
 
     from flashcupy import _launch
+    from flashcupy._build import wgmma_persistent
 
     kernel, dname, accum = combo
     q, k, v = to_device(*qkv(rng, (2, 4, 2, 333, 517, 64), dname))
-    for causal in (False, True):
-        kw = dict(causal=causal, accum=accum, kernel=kernel, return_lse=True)
-        o_ref, lse_ref = flashcupy.attention(q, k, v, **kw)
-        for n_cta in (1, 3, 7, 10 ** 6):
-            monkeypatch.setattr(_launch, "_wgmma_ctas", lambda var, tiles, n=n_cta: min(tiles, n))
-            o, lse = run_poisoned(q, k, v, causal=causal, accum=accum, kernel=kernel)
-            assert bool((o.view(cupy.uint16) == o_ref.view(cupy.uint16)).all()), (n_cta, causal)
-            assert bool((lse.view(cupy.uint32) == lse_ref.view(cupy.uint32)).all()), (n_cta, causal)
+    kw = dict(accum=accum, kernel=kernel)
+    assert wgmma_persistent(check_forward(q, k, v, **{**FORWARD_DEFAULTS, **kw}).variant)
+    o_ref, lse_ref = flashcupy.attention(q, k, v, return_lse=True, **kw)
+    for n_cta in (1, 3, 7, 10 ** 6):
+        monkeypatch.setattr(_launch, "_wgmma_ctas", lambda tiles, n=n_cta: min(tiles, n))
+        o, lse = run_poisoned(q, k, v, **kw)
+        assert bool((o.view(cupy.uint16) == o_ref.view(cupy.uint16)).all()), n_cta
+        assert bool((lse.view(cupy.uint32) == lse_ref.view(cupy.uint32)).all()), n_cta
 
 
 @pytest.mark.parametrize("kernel,dname", [("wgmma", "f16"), ("wgmma", "bf16"), ("mma", "f16"),
