@@ -62,14 +62,26 @@ def rebuild_index(out: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.splitlines()[0])
-    ap.add_argument("experiment", choices=list(EXPERIMENTS) + ["all", "index"],
-                    help="an experiment, all of them, or 'index' (rebuild DIR/index.md from the JSON there)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "numpy"])
+    width = max(len(n) for n in EXPERIMENTS) + 2
+    listing = "\n".join(f"  {name:<{width}}{desc}" for name, (_, _, desc) in EXPERIMENTS.items())
+    ap = argparse.ArgumentParser(
+        prog="python -m analysis", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="flashcupy's break-it experiments and numerical reports (and the benchmark). Each "
+                    "experiment writes <name>.json, <name>.md and usually <name>.png into the output "
+                    "folder; 'all' runs every one and writes index.md.",
+        epilog=f"experiments:\n{listing}\n  {'all':<{width}}every experiment above, then index.md\n"
+               f"  {'index':<{width}}rebuild index.md from the JSON reports in --out\n\n"
+               "Nsight Compute counters beside FlashAttention-2 and cuDNN (needs ncu and torch): "
+               "python -m analysis.profile_ncu --help")
+    ap.add_argument("experiment", choices=list(EXPERIMENTS) + ["all", "index"], metavar="EXPERIMENT",
+                    help="one of the experiments listed below, 'all' or 'index'")
+    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "numpy"],
+                    help="cuda: the GPU kernels; numpy: the NumPy twin (no GPU needed); auto (default): "
+                         "cuda when a CUDA device is present")
     ap.add_argument("--quick", action="store_true", help="small sizes (always on for the NumPy backend)")
     ap.add_argument("--out", default=None, help="output folder (default reports/, or reports/quick/ "
                                                 "with --quick)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of every random input (default 0)")
     args = ap.parse_args(argv)
     if args.experiment == "index":
         print(f"index: {rebuild_index(args.out or 'reports')}")
@@ -85,6 +97,7 @@ def main(argv=None) -> int:
             paths, rep = run_experiment(name, ctx)
             results[name] = (paths, rep, None)
             print(f"{name}: {rep.finding}")
+            print(f"{name}: wrote " + ", ".join(paths[k] for k in ("md", "json", "png") if k in paths))
         except Exception as e:  # one failing experiment must not hide the others' reports
             if args.experiment != "all":
                 raise
