@@ -14,6 +14,7 @@ def test_demo_prints_intact_and_both_breaks():
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert ("NumPy twin" in out) == (GPU_SKIP_REASON is not None), out
+    assert "errors over the finite rows only" in out, out
     rows = {}
     for line in out.splitlines():
         m = re.match(r"(.+?)\s+([-+.\de]+|nan)\s+([-+.\de]+|nan)\s+(\d+)/(\d+)$", line)
