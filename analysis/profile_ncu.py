@@ -346,24 +346,26 @@ def write_reports(data, out, name):
             for s in sorted(data["sums"], key=lambda s: (s["cell"], s["direction"], s["provider"]))]
     md += ["", md_table(Table("Summed kernel time per (cell, provider, direction)",
                               ["cell", "provider", "direction", "kernels", "µs", "/ torch flash"], sums), g)]
-    md += compare_table(data)
+    md += compare_table(data, "torch_flash", "FA2")
+    md += compare_table(data, "torch_cudnn", "cuDNN")
     with open(paths["md"], "w") as f:
         f.write("\n".join(md) + "\n")
     return paths
 
 
-def compare_table(data):
-    """The longest flashcupy kernel of each (cell, direction) beside FlashAttention-2's: time, work issued
-    (warp instructions, ldmatrix) as ratios, and where the time goes (pipes, occupancy, waves, atomics)."""
+def compare_table(data, peer="torch_flash", short="FA2"):
+    """The longest flashcupy kernel of each (cell, direction) beside the peer's (``torch_flash``:
+    FlashAttention-2; ``torch_cudnn``: cuDNN, the peer of the Hopper forward): time, work issued (warp
+    instructions, ldmatrix) as ratios, and where the time goes (pipes, occupancy, waves, atomics)."""
     main = {}
     for ln in data["launches"]:
         key = (ln["cell"], ln["provider"], ln["direction"])
         if ln["metrics"]["duration_us"] is not None and (key not in main or ln["metrics"]["duration_us"] >
                                                          main[key]["metrics"]["duration_us"]):
             main[key] = ln
-    cols = ["cell", "dir", "kernel (ours / FA2)", "time ratio", "warp inst ratio", "ldmatrix ratio",
-            "tensor % (ours / FA2)", "issue %", "XU %", "occ ach %", "waves/SM", "L2 red req", "bank confl %",
-            "local B"]
+    cols = ["cell", "dir", f"kernel (ours / {short})", "time ratio", "warp inst ratio", "ldmatrix ratio",
+            f"tensor % (ours / {short})", "issue %", "XU %", "occ ach %", "waves/SM", "L2 red req",
+            "bank confl %", "local B"]
     rows = []
 
     def ratio(a, b, k):
@@ -374,7 +376,7 @@ def compare_table(data):
         return f"{g(a['metrics'].get(k))} / {g(b['metrics'].get(k))}"
 
     for (cell, prov, direction), ours in sorted(main.items()):
-        fa = main.get((cell, "torch_flash", "bwd" if direction == "bwd_det" else direction))
+        fa = main.get((cell, peer, "bwd" if direction == "bwd_det" else direction))
         if prov != "flashcupy" or fa is None:
             continue
         rows.append([
@@ -383,7 +385,10 @@ def compare_table(data):
             pair(ours, fa, "issue_pct"), pair(ours, fa, "xu_pct"), pair(ours, fa, "occ_achieved_pct"),
             pair(ours, fa, "waves_per_sm"), pair(ours, fa, "l2_red_requests"),
             pair(ours, fa, "bank_conflict_pct"), pair(ours, fa, "local_bytes")])
-    return ["", md_table(Table("Main kernel against FlashAttention-2's (ratios ours / FA2)", cols, rows), g)]
+    if not rows:
+        return []
+    title = {"FA2": "FlashAttention-2's"}.get(short, f"{short}'s")
+    return ["", md_table(Table(f"Main kernel against {title} (ratios ours / {short})", cols, rows), g)]
 
 
 def main(argv=None):

@@ -158,3 +158,27 @@ def test_nvtx_labels_win(tmp_path):
     torch_bwd = data["launches"][2]
     assert (torch_bwd["provider"], torch_bwd["cell"]) == ("torch_flash", "f16 N4096 D128 causal0")
     assert "f16 N4096 D128 causal0 bwd: flashcupy 2510 µs vs torch flash 1000 µs (2.51x)" in data["finding"]
+
+
+def test_main_kernel_beside_cudnn_and_fa2():
+    """The Hopper forward's peer is cuDNN: the summary compares the longest flashcupy kernel of a cell with
+    cuDNN's as well as with FlashAttention-2's, as ratios ours / peer."""
+    from analysis.profile_ncu import compare_table
+
+    keys = ("warp_inst", "ldsm_inst", "tensor_pct", "issue_pct", "xu_pct", "occ_achieved_pct", "waves_per_sm",
+            "l2_red_requests", "bank_conflict_pct", "local_bytes")
+
+    def launch(provider, short, us):
+        return {"cell": "f16 N4096 D128 causal0", "provider": provider, "direction": "fwd", "short": short,
+                "metrics": {"duration_us": us, **{k: 1.0 for k in keys}}}
+
+    data = {"launches": [launch("flashcupy", "flash_fwd_wgmma", 210.0),
+                         launch("flashcupy", "cupy_helper", 3.0),
+                         launch("torch_cudnn", "cudnn_fprop", 200.0),
+                         launch("torch_flash", "flash_fwd", 350.0)]}
+    cudnn = "\n".join(compare_table(data, "torch_cudnn", "cuDNN"))
+    fa2 = "\n".join(compare_table(data, "torch_flash", "FA2"))
+    assert "Main kernel against cuDNN's (ratios ours / cuDNN)" in cudnn
+    assert "`flash_fwd_wgmma` / `cudnn_fprop` | 1.05 |" in cudnn
+    assert "`flash_fwd_wgmma` / `flash_fwd` | 0.6 |" in fa2
+    assert compare_table({"launches": data["launches"][:2]}, "torch_cudnn", "cuDNN") == []
