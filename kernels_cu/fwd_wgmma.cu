@@ -1,11 +1,11 @@
 // fwd_wgmma.cu: FlashAttention forward pass on Hopper (sm_90a), FlashAttention-3's structure: TMA
 // loads from tensor maps, an mbarrier pipeline, warp specialization, wgmma, setmaxnreg.
 //
-// Tile loop: CTA x runs the tiles x, x + gridDim.x, ... of the ceil(nq / FC_BLOCK_M) x Hq x B (query
-// tile, head, batch) tiles, the query tile fastest (so the CTAs running at once share a head's K and
-// V in L2; causal runs each head's heaviest tiles first). Any grid size gives the same bits; the
-// launch (flashcupy/_launch.py) uses one CTA per SM (persistent) without a causal mask and one CTA
-// per tile with one.
+// Tiles: with FC_WG_PERSISTENT (below) CTA x runs the tiles x, x + gridDim.x, ... of the
+// ceil(nq / FC_BLOCK_M) x Hq x B (query tile, head, batch) tiles, the query tile fastest (so the CTAs
+// running at once share a head's K and V in L2; causal runs each head's heaviest tiles first), and
+// any grid size gives the same bits (the launch uses one CTA per SM); without it each CTA runs the
+// one tile of its block index.
 // A tile is FC_BLOCK_M query rows of one (batch, query head). The CTA's warpgroups (128 threads):
 //   warpgroup 0, the producer: gives registers back (setmaxnreg.dec) and one thread issues every TMA
 //       load: per tile the Q tile (once the consumers have seen the previous tile's last S: the
