@@ -13,7 +13,7 @@ two 16-bit values are exact; what the hardware does with them is the question. T
 
 with W = 24 + 2 meaning "fp32's significand and 2 guard bits". Two kinds of inputs decide W and R:
 directed cases (c = 2^12 and 16 equal products 2^-s accumulator ulps of c, s = 1 ..; sums of 1 + a
-fraction of an ulp, of both signs) and random cases (magnitudes spread over 2^-20 .. 2^8, a quarter with
+fraction of an ulp, of both signs) and random cases (products between 2^-20 and 2^8, a quarter with
 c cancelling the products). The report gives, per (instruction, dtype, accumulator), the model that
 explains every case (or the best and how often it misses), the rounding the NumPy twin assumes (exact
 sum, round to nearest) beside it, and whether mma.sync and wgmma give the same bits.
@@ -125,8 +125,9 @@ def directed_cases(acc: str):
 
 
 def random_cases(rng, n: int, dname: str, acc: str):
-    """n cases: products with magnitudes 2^U(-4, 4) (a quarter spread over 2^U(-20, 4)), random signs; c of
-    magnitude 2^U(-4, 8), or (a quarter) minus the products' sum rounded to the accumulator, times
+    """n cases: a and b of random sign with magnitudes in [2^-2, 2^4) (for a quarter of the cases
+    [2^-10, 2^4)), rounded to the inputs' type, so products in [2^-4, 2^8) ([2^-20, 2^8)); c of random
+    sign in [2^-4, 2^8), or (a quarter) minus the products' sum rounded to the accumulator, times
     1 + U(-2^-8, 2^-8) and rounded again: cancellation, where the alignment shows."""
     dt, acc_dt = numpy_dtype(dname), ACC_DTYPE[acc]
 
