@@ -6,8 +6,8 @@ NumPy arrays. ``flashcupy.reference`` is the float64 truth everything is measure
 """
 from __future__ import annotations
 
-from . import reference
-from ._checks import _check_bool, check_backward, check_forward
+from . import _launch, _twin, reference
+from ._checks import _check_bool, backward_problem, forward_problem
 
 __all__ = ["attention", "attention_backward", "reference"]
 __version__ = "0.1.0"
@@ -44,19 +44,16 @@ def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, 
     O = e^(m - m') O + P V_j; finally o = O / l and lse = m + ln(l), with S = scale * q k^T.
     """
     _check_bool("return_lse", return_lse)
-    problem = check_forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                            accum=accum, kernel=kernel, ablate=ablate)
-    if problem.backend == "numpy":
-        from ._twin import forward
-    else:
-        from ._launch import forward
-    o, lse = forward(q, k, v, problem)
+    problem = forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                              accum=accum, kernel=kernel, ablate=ablate)
+    o, lse = (_twin if problem.backend == "numpy" else _launch).forward(q, k, v, problem)
     return (o, lse) if return_lse else o
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m=None, block_n=None,
-                       accum="fp32", kernel="auto", deterministic=False):
-    """FlashAttention backward: the gradients (dq, dk, dv) of ``sum(do * attention(q, k, v))``.
+                       accum="fp32", kernel="auto", deterministic=False, dlse=None):
+    """FlashAttention backward: the gradients (dq, dk, dv) of ``sum(do * attention(q, k, v))``
+    (plus ``sum(dlse * lse)`` when ``dlse`` is given).
 
     ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same q, k,
     v, causal and scale. Shapes, dtypes, strides, GQA and causal as in ``attention``; dk and dv have
@@ -76,13 +73,15 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m
     * ``deterministic=True`` (and always for kernel 'simt' or accum 'fp16'): a second, query-tile-outer
       kernel recomputes S and dP and accumulates dQ on chip in a fixed order (7 products per tile
       pair): bitwise reproducible, no atomics anywhere.
+
+    ``dlse``: optional float32 (B, Hq, Nq) gradient of the loss with respect to the LSE that the
+    forward returned. Since d lse_i / d S_ij = P_ij, it adds dlse_i * P_ij to dS, which is the same as
+    replacing delta_i by delta_i - dlse_i: dS = P * (dP - (delta - dlse)). The torch bridge passes it
+    when its caller differentiates through the returned LSE.
     """
-    problem = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
-                             block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic)
-    if problem.backend == "numpy":
-        from ._twin import backward
-
-        return backward(do, q, k, v, o, lse, problem)  # one fixed order: deterministic either way
-    from ._launch import backward
-
-    return backward(do, q, k, v, o, lse, problem, deterministic=deterministic)
+    problem = backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
+                               block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic,
+                               dlse=dlse)
+    if problem.backend == "numpy":  # one fixed order: deterministic either way
+        return _twin.backward(do, q, k, v, o, lse, problem, dlse=dlse)
+    return _launch.backward(do, q, k, v, o, lse, problem, deterministic=deterministic, dlse=dlse)

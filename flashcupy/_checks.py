@@ -7,6 +7,7 @@ naming the argument and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -50,6 +51,7 @@ class Problem:
     head_dim: int
     scale: float
     variant: Variant
+    device: int = -1        # the CUDA device that holds the arrays (-1: NumPy)
 
     @property
     def group(self) -> int:
@@ -88,6 +90,7 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
         raise TypeError("q, k, v must all be NumPy arrays (NumPy twin) or all CuPy arrays (CUDA "
                         f"kernels); got {', '.join(f'{n}: {b}' for n, b in backends.items())}")
     backend = backends["q"]
+    device = _common_device(arrays) if backend == "cuda" else -1
 
     for name, x in arrays.items():
         if x.ndim != 4:
@@ -139,7 +142,7 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     _check_choice("ablate", ablate, ABLATIONS)
 
     family = resolve_family(kernel, dname, accum, direction, head_dim=d, block_m=block_m, block_n=block_n,
-                            backend=backend)
+                            backend=backend, device=device)
     fam = FAMILIES[family]
     dm, dn = fam.default_blocks(dname, d, accum)
     bm = dm if block_m is None else block_m
@@ -155,14 +158,31 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
         raise ValueError(f"block_m={bm}, block_n={bn} with D={d} in {dname} needs "
                          f"{variant.smem_bytes} bytes of shared memory in {family}; the limit is "
                          f"{SMEM_LIMIT}. Choose smaller blocks.")
-    return Problem(backend, b, hq, hkv, nq, nk, d, scale, variant)
+    return Problem(backend, b, hq, hkv, nq, nk, d, scale, variant, device)
 
 
-def _device_capability() -> int:
-    """Compute capability of the current CUDA device as an int (90 for Hopper)."""
+def _common_device(arrays: dict) -> int:
+    """The id of the GPU that holds every array of ``arrays`` (name -> CuPy array); ValueError naming
+    the devices when they differ (a kernel reads all of them from one device)."""
+    devices = {name: x.data.device_id for name, x in arrays.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError("the arrays must live on one GPU; got "
+                         + ", ".join(f"{n} on device {d}" for n, d in devices.items()))
+    return next(iter(devices.values()))
+
+
+def _device_capability(device: int | None = None) -> int:
+    """Compute capability of a CUDA device (default: the current one) as an int (90 for Hopper)."""
     import cupy
 
-    return int(cupy.cuda.Device().compute_capability)
+    return _capability_of(cupy.cuda.runtime.getDevice() if device is None else device)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability)
 
 
 def _wgmma_problem(dname: str, accum: str, direction: str, head_dim: int | None) -> str | None:
@@ -184,21 +204,25 @@ def _wgmma_problem(dname: str, accum: str, direction: str, head_dim: int | None)
 
 
 def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", *,
-                   head_dim: int | None = None, block_m=None, block_n=None, backend: str = "numpy") -> str:
+                   head_dim: int | None = None, block_m=None, block_n=None, backend: str = "numpy",
+                   device: int | None = None) -> str:
     """Which family computes this call.
 
     kernel='auto' picks 'wgmma' on a Hopper GPU (compute capability 9.0) where that family has the
     variant (forward, float16/bfloat16, D in 64/128/256, the requested tile among its tiles),
     else 'mma' where tensor cores apply, else 'simt'. kernel='wgmma' on another GPU raises ValueError.
+    ``device`` is the GPU that holds the arrays (None: the current one).
     """
+    if device is not None and device < 0:
+        device = None
     mma = FAMILIES[f"{direction}_mma"]
     if kernel == "wgmma":
         problem = _wgmma_problem(dname, accum, direction, head_dim)
         if problem:
             raise ValueError(problem)
-        if backend == "cuda" and _device_capability() != 90:
+        if backend == "cuda" and _device_capability(device) != 90:
             raise ValueError(f"kernel='wgmma' needs a Hopper GPU (compute capability 9.0, sm_90a); "
-                             f"this device has compute capability {_device_capability()}. "
+                             f"this device has compute capability {_device_capability(device)}. "
                              f"Use kernel='mma' or 'auto'")
         return f"{direction}_wgmma"
     if kernel == "mma":
@@ -213,7 +237,7 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
         return f"{direction}_simt"
     # auto
     if (backend == "cuda" and _wgmma_problem(dname, accum, direction, head_dim) is None
-            and _device_capability() == 90):
+            and _device_capability(device) == 90):
         wgmma = FAMILIES[f"{direction}_wgmma"]
         bm, bn = wgmma.default_blocks(dname, head_dim, accum)
         try:  # the requested tile is one of the family's at this head dim
@@ -227,7 +251,7 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
 
 
 def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,
-                   deterministic) -> Problem:
+                   deterministic, dlse=None) -> Problem:
     """Validate the arguments of ``flashcupy.attention_backward`` and resolve defaults."""
     p = check_forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                       accum=accum, kernel=kernel, ablate=None, direction="bwd")
@@ -235,6 +259,11 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accu
     for name, x in (("do", do), ("o", o), ("lse", lse)):
         if _backend_of(name, x) != p.backend:
             raise TypeError(f"{name} must be a {'CuPy' if p.backend == 'cuda' else 'NumPy'} array like q")
+    if dlse is not None and _backend_of("dlse", dlse) != p.backend:
+        raise TypeError(f"dlse must be None or a {'CuPy' if p.backend == 'cuda' else 'NumPy'} array like q")
+    if p.backend == "cuda":
+        _common_device({"q": q, "k": k, "v": v, "do": do, "o": o, "lse": lse,
+                        **({} if dlse is None else {"dlse": dlse})})
     for name, x in (("do", do), ("o", o)):
         if tuple(x.shape) != tuple(q.shape):
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}; got {tuple(x.shape)}")
@@ -248,4 +277,67 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accu
     if lse.dtype != np.float32:
         raise TypeError(f"lse must be float32 (as attention(..., return_lse=True) returns it); "
                         f"got {lse.dtype}")
+    if dlse is not None:
+        if tuple(dlse.shape) != want:
+            raise ValueError(f"dlse must have lse's shape (B, Hq, Nq) = {want}; got {tuple(dlse.shape)}")
+        if dlse.dtype != np.float32:
+            raise TypeError(f"dlse must be float32 like lse; got {dlse.dtype}")
     return p
+
+
+# --------------------------------------------------------------------------------------------------
+# memoized checks: a call whose arrays and knobs describe the same problem as an earlier call gets the
+# earlier Problem without checking again
+
+
+_MEMO: dict = {}
+_MEMO_LIMIT = 4096  # distinct problems remembered; past that the memo starts over
+
+
+def _array_key(x):
+    """What the checks read of an array: its type, shape, strides, dtype and (CuPy) device; None for
+    an object that is neither a NumPy nor a CuPy array (never memoized: the checks reject it)."""
+    if type(x) is np.ndarray:
+        return (np.ndarray, x.shape, x.strides, x.dtype)
+    data = getattr(x, "data", None)
+    device = getattr(data, "device_id", None)
+    if device is None:
+        return None
+    return (type(x), x.shape, x.strides, x.dtype, device)
+
+
+def _memoized(check, arrays: tuple, knobs: tuple, kwargs: dict) -> Problem:
+    """``check(*arrays, **kwargs)``, remembered under what the checks read: every array's type, shape,
+    strides, dtype and device, and every knob's value *and type* (so ``causal=1`` is still refused after
+    ``causal=True`` passed). The checks are a function of exactly these, so a remembered Problem is the
+    one a fresh check would return; a call that raises is not remembered. The GPU's compute capability
+    enters through the device id."""
+    try:
+        key = (check, *map(_array_key, arrays), knobs, tuple(map(type, knobs)))
+        problem = _MEMO.get(key)
+    except TypeError:  # an unhashable knob: the checks will say what is allowed
+        return check(*arrays, **kwargs)
+    if problem is None or None in key:
+        problem = check(*arrays, **kwargs)
+        if None not in key:
+            if len(_MEMO) >= _MEMO_LIMIT:
+                _MEMO.clear()
+            _MEMO[key] = problem
+    return problem
+
+
+def forward_problem(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate) -> Problem:
+    """``check_forward`` memoized (see ``_memoized``): what ``flashcupy.attention`` calls."""
+    kwargs = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum, kernel=kernel,
+                  ablate=ablate)
+    return _memoized(check_forward, (q, k, v), tuple(kwargs.values()), kwargs)
+
+
+def backward_problem(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,
+                     deterministic, dlse=None) -> Problem:
+    """``check_backward`` memoized (see ``_memoized``): what ``flashcupy.attention_backward`` calls."""
+    kwargs = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum, kernel=kernel,
+                  deterministic=deterministic)
+    if dlse is not None:  # rare: checked every time
+        return check_backward(do, q, k, v, o, lse, dlse=dlse, **kwargs)
+    return _memoized(check_backward, (do, q, k, v, o, lse), tuple(kwargs.values()), kwargs)

@@ -14,9 +14,7 @@ _LOG2E = 1.0 / math.log(2.0)
 
 def _rows_aligned(x) -> bool:
     """Every (b, h, n) row of x starts on a 16-byte boundary (the kernels load 16 bytes at a time)."""
-    if x.data.ptr % 16:
-        return False
-    return all(s % 16 == 0 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
+    return x.data.ptr % 16 == 0 and _strides_aligned(x.shape, x.strides)
 
 
 def _wgmma_ctas(tiles: int) -> int:
@@ -37,47 +35,149 @@ def _sm_count(device_id: int) -> int:
 
 def element_strides(x) -> tuple[np.int64, np.int64, np.int64]:
     """(batch, head, row) strides of a 4-D array in elements, as 64-bit kernel arguments."""
-    return tuple(np.int64(s // x.itemsize) for s in x.strides[:3])
+    return _element_strides(x.strides, x.itemsize)
+
+
+def _element_strides(strides, itemsize: int) -> tuple[np.int64, np.int64, np.int64]:
+    return tuple(np.int64(s // itemsize) for s in strides[:3])
+
+
+def _strides_aligned(shape, strides) -> bool:
+    """Every step along an axis of extent > 1 (the last one aside) is a multiple of 16 bytes."""
+    return all(s % 16 == 0 for s, n in zip(strides[:-1], shape[:-1]) if n > 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# launch plans: everything a call computes from its Problem and its arrays' strides (kernel handles,
+# grids, scalar arguments), made once per (problem, strides) and reused; a call then adds only what
+# depends on its arrays' addresses (the TMA maps, remembered per address) and its outputs.
+
+_PLAN_LIMIT = 1024   # plans remembered; past that the memo starts over
+_MAPS_LIMIT = 64     # TMA map triples remembered per plan (one per (q, k, v) address triple)
+
+
+class _ForwardPlan:
+    __slots__ = ("aligned", "kern", "grid", "args", "tail", "maps", "boxes", "o_shape", "lse_shape")
+
+    def __init__(self, p: Problem, q_strides, k_strides, v_strides, itemsize: int):
+        var = p.variant
+        q_shape = (p.batch, p.heads_q, p.nq, p.head_dim)
+        kv_shape = (p.batch, p.heads_kv, p.nk, p.head_dim)
+        self.aligned = (_strides_aligned(q_shape, q_strides) and _strides_aligned(kv_shape, k_strides)
+                        and _strides_aligned(kv_shape, v_strides))
+        self.kern = get_kernel(var, "fwd")  # compiled (and checked against the device) before any allocation
+        self.o_shape, self.lse_shape = q_shape, q_shape[:3]
+        self.grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
+        self.args = (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
+                     *_element_strides(q_strides, itemsize), *_element_strides(k_strides, itemsize),
+                     *_element_strides(v_strides, itemsize), np.float32(p.scale * _LOG2E))
+        self.tail, self.maps, self.boxes = (), None, None
+        if var.fam.kind == "wgmma":
+            # The Hopper kernels load q, k, v by TMA from tensor maps over their real strides, passed
+            # first, by value; they also take the head and batch counts, and a persistent variant loops
+            # over the tiles on one CTA per SM.
+            self.tail = (np.int32(p.heads_q), np.int32(p.batch))
+            self.maps, self.boxes = {}, (var.block_m, var.block_n, var.block_n)
+            if wgmma_persistent(var):
+                self.grid = (_wgmma_ctas(self.grid[0] * self.grid[1] * self.grid[2]), 1, 1)
+
+    def tensor_maps(self, q, k, v) -> tuple:
+        """The TMA maps of q, k, v: a function of their addresses, shapes, strides and dtype, of which
+        only the addresses can change under one plan, so the maps are remembered per address triple."""
+        ptrs = (q.data.ptr, k.data.ptr, v.data.ptr)
+        maps = self.maps.get(ptrs)
+        if maps is None:
+            from ._tma import tensor_map
+
+            maps = tuple(tensor_map(x, box, name=name)
+                         for x, box, name in zip((q, k, v), self.boxes, "qkv"))
+            if len(self.maps) >= _MAPS_LIMIT:
+                self.maps.clear()
+            self.maps[ptrs] = maps
+        return maps
+
+
+_FORWARD_PLANS: dict = {}
+
+
+def _forward_plan(p: Problem, q, k, v) -> _ForwardPlan:
+    key = (p, q.strides, k.strides, v.strides)
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        plan = _ForwardPlan(p, q.strides, k.strides, v.strides, q.itemsize)
+        if len(_FORWARD_PLANS) >= _PLAN_LIMIT:
+            _FORWARD_PLANS.clear()
+        _FORWARD_PLANS[key] = plan
+    return plan
 
 
 def forward(q, k, v, p: Problem, o=None, lse=None):
-    """Run the variant of ``p`` on the current CuPy stream. Returns (o, lse).
+    """Run the variant of ``p`` on the current CuPy stream of the GPU that holds q, k, v. Returns
+    (o, lse).
 
     ``o`` and ``lse`` may be given preallocated (contiguous, right shape and dtype): the tests pass
     NaN-poisoned buffers to check that the kernel writes every element.
     """
     import cupy
 
-    # A view whose rows are not 16-byte aligned is copied once; (B, N, H, D) views are aligned.
-    q, k, v = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
-    var = p.variant
-    kern = get_kernel(var, "fwd")  # compiled (and checked against the device) before anything is allocated
+    if p.device != cupy.cuda.runtime.getDevice():
+        with cupy.cuda.Device(p.device):
+            return forward(q, k, v, p, o, lse)
+    plan = _forward_plan(p, q, k, v)
+    if not plan.aligned or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
+        # A view whose rows are not 16-byte aligned is copied once; (B, N, H, D) views are aligned.
+        q, k, v = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
+        plan = _forward_plan(p, q, k, v)
     if o is None:
-        o = cupy.empty((p.batch, p.heads_q, p.nq, p.head_dim), dtype=q.dtype)
+        o = cupy.empty(plan.o_shape, dtype=q.dtype)
+    else:
+        assert o.flags.c_contiguous and o.shape == plan.o_shape and o.dtype == q.dtype
     if lse is None:
-        lse = cupy.empty((p.batch, p.heads_q, p.nq), dtype=cupy.float32)
-    assert o.flags.c_contiguous and o.shape == (p.batch, p.heads_q, p.nq, p.head_dim) and o.dtype == q.dtype
-    assert lse.flags.c_contiguous and lse.shape == (p.batch, p.heads_q, p.nq) and lse.dtype == cupy.float32
-    grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
-    args = (q, k, v, o, lse, np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
-            *element_strides(q), *element_strides(k), *element_strides(v),
-            np.float32(p.scale * _LOG2E))
-    if var.fam.kind == "wgmma":
-        # The Hopper kernels load q, k, v by TMA: tensor maps over their real strides come first, by
-        # value (the pointers and strides that follow are not read). q, k, v stay alive until return.
-        # It takes the head and batch counts; a persistent variant loops over the tiles on one CTA per SM.
-        from ._tma import tensor_map
-
-        args = (tensor_map(q, var.block_m, name="q"), tensor_map(k, var.block_n, name="k"),
-                tensor_map(v, var.block_n, name="v")) + args + (np.int32(p.heads_q), np.int32(p.batch))
-        if wgmma_persistent(var):
-            grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
-    kern(grid, args)
+        lse = cupy.empty(plan.lse_shape, dtype=cupy.float32)
+    else:
+        assert lse.flags.c_contiguous and lse.shape == plan.lse_shape and lse.dtype == cupy.float32
+    args = (q, k, v, o, lse) + plan.args
+    if plan.maps is not None:  # q, k, v stay alive until return; the kernel reads them through the maps
+        args = plan.tensor_maps(q, k, v) + args + plan.tail
+    plan.kern(plan.grid, args)
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None):
-    """dq, dk, dv of the variant of ``p`` on the current CuPy stream.
+class _BackwardPlan:
+    __slots__ = ("aligned", "prep", "prep_grid", "prep_tail", "k_kv", "k_q", "kv_grid", "q_grid", "args",
+                 "atomic", "conv_grid", "conv_tail", "q_shape", "kv_shape", "rows_shape")
+
+    def __init__(self, p: Problem, deterministic: bool, strides: tuple, itemsize: int):
+        var = p.variant
+        q_shape = (p.batch, p.heads_q, p.nq, p.head_dim)
+        kv_shape = (p.batch, p.heads_kv, p.nk, p.head_dim)
+        do_s, q_s, k_s, v_s, o_s = strides
+        self.aligned = all(_strides_aligned(shape, st) for shape, st in (
+            (q_shape, do_s), (q_shape, q_s), (kv_shape, k_s), (kv_shape, v_s), (q_shape, o_s)))
+        roles = backward_roles(var, deterministic)
+        self.prep = get_kernel(var, "prep")
+        self.k_kv, self.k_q = (get_kernel(var, role) for role in roles)
+        self.atomic = roles == ATOMIC_DQ_ROLES
+        self.q_shape, self.kv_shape, self.rows_shape = q_shape, kv_shape, q_shape[:3]
+        rows = p.batch * p.heads_q * p.nq
+        self.prep_grid = ((8 * rows + var.threads - 1) // var.threads,)
+        self.prep_tail = (np.int64(rows), np.int32(p.heads_q), np.int32(p.nq),
+                          *_element_strides(do_s, itemsize), *_element_strides(o_s, itemsize))
+        scale_log2 = np.float32(p.scale * _LOG2E)
+        self.args = (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
+                     *(x for st in (q_s, k_s, v_s, do_s) for x in _element_strides(st, itemsize)), scale_log2)
+        self.kv_grid = ((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch)
+        self.q_grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
+        n4 = rows * p.head_dim // 4
+        self.conv_grid = (min((n4 + 255) // 256, 65536),)
+        self.conv_tail = (np.int64(n4), scale_log2)
+
+
+_BACKWARD_PLANS: dict = {}
+
+
+def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None, dlse=None):
+    """dq, dk, dv of the variant of ``p`` on the current CuPy stream of the GPU that holds the arrays.
 
     First flash_bwd_prep computes delta_i = rowsum(dO_i * O_i) in fp32 (O(N) memory) and zeroes the
     atomic path's fp32 dQ buffer. Then:
@@ -90,39 +190,45 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
       a conversion kernel scales and rounds it into dq. The order of the additions varies between
       runs, so dq may differ in the last bits from run to run.
 
-    ``grads`` may hold preallocated (dq, dk, dv) (poisoned by tests).
+    ``dlse`` (the LSE's gradient) is subtracted from delta after the prep kernel. ``grads`` may hold
+    preallocated (dq, dk, dv) (poisoned by tests).
     """
     import cupy
 
-    do, q, k, v, o = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (do, q, k, v, o))
-    var = p.variant
-    roles = backward_roles(var, deterministic)
-    lse = cupy.ascontiguousarray(lse)
-    rows = p.batch * p.heads_q * p.nq
-    delta = cupy.empty((p.batch, p.heads_q, p.nq), dtype=cupy.float32)
-    dq_accum = cupy.empty((p.batch, p.heads_q, p.nq, p.head_dim), dtype=cupy.float32) \
-        if roles == ATOMIC_DQ_ROLES else None
-    get_kernel(var, "prep")(((8 * rows + var.threads - 1) // var.threads,),
-                                      (do, o, delta, np.uint64(0) if dq_accum is None else dq_accum,
-                                       np.int64(rows), np.int32(p.heads_q), np.int32(p.nq),
-                                       *element_strides(do), *element_strides(o)))
+    if p.device != cupy.cuda.runtime.getDevice():
+        with cupy.cuda.Device(p.device):
+            return backward(do, q, k, v, o, lse, p, deterministic=deterministic, grads=grads, dlse=dlse)
+    arrays = (do, q, k, v, o)
+    key = (p, deterministic, *(x.strides for x in arrays))
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None or not plan.aligned or (do.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr
+                                            | o.data.ptr) & 15:
+        do, q, k, v, o = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in arrays)
+        key = (p, deterministic, *(x.strides for x in (do, q, k, v, o)))
+        plan = _BACKWARD_PLANS.get(key)
+        if plan is None:
+            plan = _BackwardPlan(p, deterministic, key[2:], q.itemsize)
+            if len(_BACKWARD_PLANS) >= _PLAN_LIMIT:
+                _BACKWARD_PLANS.clear()
+            _BACKWARD_PLANS[key] = plan
+    if not lse.flags.c_contiguous:
+        lse = cupy.ascontiguousarray(lse)
+    delta = cupy.empty(plan.rows_shape, dtype=cupy.float32)
+    dq_accum = cupy.empty(plan.q_shape, dtype=cupy.float32) if plan.atomic else None
+    plan.prep(plan.prep_grid, (do, o, delta, np.uint64(0) if dq_accum is None else dq_accum) + plan.prep_tail)
+    if dlse is not None:
+        delta -= dlse
     if grads is None:
-        grads = (cupy.empty((p.batch, p.heads_q, p.nq, p.head_dim), dtype=q.dtype),
-                 cupy.empty((p.batch, p.heads_kv, p.nk, p.head_dim), dtype=q.dtype),
-                 cupy.empty((p.batch, p.heads_kv, p.nk, p.head_dim), dtype=q.dtype))
+        grads = (cupy.empty(plan.q_shape, dtype=q.dtype), cupy.empty(plan.kv_shape, dtype=q.dtype),
+                 cupy.empty(plan.kv_shape, dtype=q.dtype))
     dq, dk, dv = grads
-    scale_log2 = np.float32(p.scale * _LOG2E)
-    args = (q, k, v, do, lse, delta, dq, dk, dv, np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
-            *element_strides(q), *element_strides(k), *element_strides(v), *element_strides(do), scale_log2)
-    kv_grid = ((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch)
-    k_kv, k_q = (get_kernel(var, role) for role in roles)
-    if dq_accum is not None:
-        k_kv(kv_grid, args + (dq_accum,))
-        n4 = dq_accum.size // 4
-        k_q((min((n4 + 255) // 256, 65536),), (dq_accum, dq, np.int64(n4), scale_log2))
+    args = (q, k, v, do, lse, delta, dq, dk, dv) + plan.args
+    if plan.atomic:
+        plan.k_kv(plan.kv_grid, args + (dq_accum,))
+        plan.k_q(plan.conv_grid, (dq_accum, dq) + plan.conv_tail)
     else:
-        k_kv(kv_grid, args)
-        k_q(((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch), args)
+        plan.k_kv(plan.kv_grid, args)
+        plan.k_q(plan.q_grid, args)
     return dq, dk, dv
 
 

@@ -138,7 +138,7 @@ def _fp16_accumulate_rows(acc, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return acc
 
 
-def backward(do, q, k, v, o, lse, p: Problem):
+def backward(do, q, k, v, o, lse, p: Problem, dlse=None):
     """The twin of the backward kernels. Returns (dq, dk, dv) in q's dtype.
 
     Per key tile j (``block_n`` keys), for all query rows at once, with c = scale * log2(e):
@@ -146,7 +146,8 @@ def backward(do, q, k, v, o, lse, p: Problem):
         dV_j += P^T dO,   dP = dO V_j^T,   dS = P * (dP - delta),   delta = rowsum(dO * O)
         dK_j += dS^T Q,   dQ += dS K_j;    finally dK and dQ are multiplied by scale.
     P and dS are rounded to the element type before each product; accumulators (S, dP, dV, dK, dQ)
-    are fp32, or with accum="fp16" fp16 rounded every 16 products of their reduction axis.
+    are fp32, or with accum="fp16" fp16 rounded every 16 products of their reduction axis. ``dlse``
+    (the LSE's gradient) is subtracted from delta in fp32, as the kernels do.
     """
     var = p.variant
     elem = numpy_dtype(var.dtype)
@@ -160,6 +161,8 @@ def backward(do, q, k, v, o, lse, p: Problem):
     kf = k.astype(np.float32)[:, :, None]
     vf = v.astype(np.float32)[:, :, None]
     delta = (dof * o.astype(np.float32).reshape(shape_q)).sum(axis=-1, keepdims=True, dtype=np.float32)
+    if dlse is not None:
+        delta = delta - dlse.astype(np.float32).reshape(delta.shape)
     lse2 = (lse.astype(np.float32) * np.float32(_LOG2E)).reshape(b, hkv, g, nq, 1)
     row_empty = np.isneginf(lse2)
     lse2 = np.where(row_empty, np.float32(0), lse2)

@@ -92,8 +92,9 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, return_
     return (o, lse.reshape(b, hq, nq)) if return_lse else o
 
 
-def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = None):
-    """Float64 gradients (dq, dk, dv) of ``sum(do * attention(q, k, v))``.
+def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = None, dlse=None):
+    """Float64 gradients (dq, dk, dv) of ``sum(do * attention(q, k, v))``, plus ``sum(dlse * lse)``
+    when ``dlse`` (B, Hq, Nq) is given (d lse_i / d S_ij = P_ij adds dlse_i * P_ij to dS).
 
     With P the probabilities and O = P V:
         dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D_i),   D_i = sum_j P_ij dP_ij = rowsum(dO * O),
@@ -105,6 +106,7 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
     if do.shape != (b, hq, nq, d):
         raise ValueError(f"do has shape {do.shape}; expected {(b, hq, nq, d)}")
     dog = do.reshape(qg.shape)
+    dlg = np.zeros(qg.shape[:-1] + (1,)) if dlse is None else to_float64(dlse).reshape(qg.shape[:-1] + (1,))
     dq = np.empty(qg.shape, dtype=np.float64)
     dk = np.zeros((b, hkv, nk, d), dtype=np.float64)
     dv = np.zeros((b, hkv, nk, d), dtype=np.float64)
@@ -115,7 +117,7 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
         g = dog[..., r0:r1, :]
         dv += np.matmul(np.swapaxes(p, -1, -2), g).sum(axis=2)
         dp = np.matmul(g, vt)
-        ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+        ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True) + dlg[..., r0:r1, :])
         dq[..., r0:r1, :] = scale * np.matmul(ds, k)
         dk += scale * np.matmul(np.swapaxes(ds, -1, -2), qg[..., r0:r1, :]).sum(axis=2)
     return dq.reshape(b, hq, nq, d), dk, dv

@@ -1,12 +1,18 @@
-"""``flashcupy.torch.attention``: flashcupy's kernels as a ``torch.autograd.Function``.
+"""``flashcupy.torch.attention``: flashcupy's kernels as torch custom operators with autograd.
 
-Tensors cross between torch and CuPy through DLPack without copies, and every kernel runs on torch's
-current CUDA stream (wrapped as a CuPy ``ExternalStream``), so ``loss.backward()`` works and the
-kernels order correctly with the surrounding torch work, inside ``torch.cuda.stream(...)`` too.
-Import this module only where torch is installed (``pip install "flashcupy[torch]"``); nothing else
-in flashcupy imports torch.
+The forward and the backward are registered as ``torch.library.custom_op`` s (``flashcupy::attention``
+and ``flashcupy::attention_backward``) with fake (meta) implementations and ``register_autograd``, so
+``loss.backward()`` works and ``torch.compile(fullgraph=True)`` traces a model that calls them without a
+graph break. Tensors cross between torch and CuPy through DLPack without copies, and every kernel runs on
+torch's current CUDA stream of the tensors' device (wrapped with ``cupy.cuda.Stream.from_external``), so
+the kernels order correctly with the surrounding torch work, inside ``torch.cuda.stream(...)`` too.
+
+Import this module only where torch is installed (``pip install "flashcupy[torch]"``); nothing else in
+flashcupy imports torch.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import cupy
 import torch
@@ -15,54 +21,131 @@ import flashcupy
 
 __all__ = ["attention"]
 
-_FWD_KNOBS = {"block_m", "block_n", "accum", "kernel", "ablate"}
-_BWD_KNOBS = {"accum", "kernel", "deterministic"}  # the backward runs its own default tiles
+_FWD_KNOBS = ("block_m", "block_n", "accum", "kernel", "ablate")
+_BWD_KNOBS = ("accum", "kernel", "deterministic")  # the backward runs its own default tiles
+LAYOUTS = ("bhnd", "bnhd")
 
 
-def _stream():
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+class _TorchStream:
+    """A torch stream seen through the CUDA stream protocol (``__cuda_stream__``) that CuPy's
+    ``Stream.from_external`` reads; it holds the torch stream, which therefore outlives the wrapper."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __cuda_stream__(self):
+        return (0, self.stream.cuda_stream)
+
+
+_STREAMS: dict = {}
+
+
+def _stream(device: torch.device) -> cupy.cuda.Stream:
+    """torch's current stream on ``device`` as a CuPy stream (wrappers remembered per stream handle)."""
+    ts = torch.cuda.current_stream(device)
+    key = (ts.device_index, ts.cuda_stream)
+    cs = _STREAMS.get(key)
+    if cs is None:
+        with cupy.cuda.Device(ts.device_index):
+            cs = cupy.cuda.Stream.from_external(_TorchStream(ts))
+        if len(_STREAMS) >= 64:
+            _STREAMS.clear()
+        _STREAMS[key] = cs
+    return cs
 
 
 def _cp(t: torch.Tensor):
     return cupy.from_dlpack(t.detach())
 
 
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, knobs):
-        fwd = {name: val for name, val in knobs.items() if name in _FWD_KNOBS}
-        with _stream():
-            o, lse = flashcupy.attention(_cp(q), _cp(k), _cp(v), causal=causal, scale=scale,
-                                         return_lse=True, **fwd)
-        o_t, lse_t = torch.from_dlpack(o), torch.from_dlpack(lse)
-        ctx.save_for_backward(q, k, v, o_t, lse_t)
-        ctx.causal, ctx.scale, ctx.knobs = causal, scale, knobs
-        return o_t
+@torch.library.custom_op("flashcupy::attention", mutates_args=(), device_types="cuda")
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
+                  block_m: Optional[int], block_n: Optional[int], accum: str, kernel: str,
+                  ablate: Optional[str], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # ``deterministic`` is the backward's knob, kept by the forward for its autograd context
+    with _stream(q.device):
+        o, lse = flashcupy.attention(_cp(q), _cp(k), _cp(v), causal=causal, scale=scale, block_m=block_m,
+                                     block_n=block_n, accum=accum, kernel=kernel, ablate=ablate,
+                                     return_lse=True)
+    return torch.from_dlpack(o), torch.from_dlpack(lse)
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        if do.stride(-1) != 1:
-            do = do.contiguous()
-        bwd = {name: val for name, val in ctx.knobs.items() if name in _BWD_KNOBS}
-        with _stream():
-            dq, dk, dv = flashcupy.attention_backward(_cp(do), _cp(q), _cp(k), _cp(v), _cp(o), _cp(lse),
-                                                      causal=ctx.causal, scale=ctx.scale, **bwd)
-        return torch.from_dlpack(dq), torch.from_dlpack(dk), torch.from_dlpack(dv), None, None, None
+
+@_attention_op.register_fake
+def _(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, deterministic):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashcupy::attention_backward", mutates_args=(), device_types="cuda")
+def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           o: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
+                           scale: Optional[float], accum: str, kernel: str,
+                           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    with _stream(q.device):
+        grads = flashcupy.attention_backward(_cp(do), _cp(q), _cp(k), _cp(v), _cp(o), _cp(lse), causal=causal,
+                                             scale=scale, accum=accum, kernel=kernel,
+                                             deterministic=deterministic,
+                                             dlse=None if dlse is None else _cp(dlse))
+    return tuple(torch.from_dlpack(g) for g in grads)
+
+
+@_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, _, _, accum, kernel, _, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.knobs = (causal, scale, accum, kernel, deterministic)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(do, q, k, v, o, lse, dlse, *ctx.knobs)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flashcupy::attention", _backward, setup_context=_setup_context)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              scale: float | None = None, **knobs) -> torch.Tensor:
-    """Differentiable flashcupy attention on CUDA tensors (B, Hq, Nq, D) / (B, Hkv, Nk, D).
+              scale: float | None = None, *, layout: str = "bhnd", return_lse: bool = False,
+              deterministic: bool = False, **knobs):
+    """Differentiable flashcupy attention on CUDA tensors.
 
-    ``knobs`` are ``flashcupy.attention``'s block_m, block_n, accum, kernel and ablate, and
-    ``attention_backward``'s deterministic; the backward uses the same accum and kernel with its own
-    default tiles.
+    ``layout="bhnd"`` (default): q is (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), as in
+    ``flashcupy.attention`` and torch SDPA; ``layout="bnhd"``: q is (B, Nq, Hq, D), k and v
+    (B, Nk, Hkv, D), as in flash-attn's ``flash_attn_func``, read through strided views without copies,
+    and the output comes back in the same layout (a view of a (B, H, N, D) buffer). The causal mask is
+    bottom-right aligned when Nq != Nk (flash-attn's; SDPA's ``is_causal`` is top-left).
+
+    ``knobs`` are ``flashcupy.attention``'s block_m, block_n, accum, kernel and ablate; the backward uses
+    the same accum and kernel with its own default tiles, and ``deterministic`` as in
+    ``flashcupy.attention_backward``. ``return_lse=True`` also returns the LSE, float32 (B, Hq, Nq) in
+    both layouts (natural log of the softmax denominator); gradients flow through it too
+    (d lse_i / d s_ij = P_ij, folded into the backward's delta).
     """
-    unknown = set(knobs) - _FWD_KNOBS - _BWD_KNOBS
+    unknown = set(knobs) - set(_FWD_KNOBS)
     if unknown:
-        raise TypeError(f"unknown knobs {sorted(unknown)}; allowed: {sorted(_FWD_KNOBS | _BWD_KNOBS)}")
+        raise TypeError(f"unknown knobs {sorted(unknown)}; allowed: {sorted(_FWD_KNOBS + _BWD_KNOBS)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_cuda:
-            raise TypeError(f"{name} must be a CUDA torch.Tensor")
-    return _FlashAttention.apply(q, k, v, causal, scale, knobs)
+            raise TypeError(f"{name} must be a CUDA torch.Tensor, got "
+                            f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.device}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if layout == "bnhd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    kw = {"block_m": None, "block_n": None, "accum": "fp32", "kernel": "auto", "ablate": None, **knobs}
+    o, lse = _attention_op(q, k, v, causal, scale, kw["block_m"], kw["block_n"], kw["accum"], kw["kernel"],
+                           kw["ablate"], deterministic)
+    if layout == "bnhd":
+        o = o.transpose(1, 2)
+    return (o, lse) if return_lse else o

@@ -7,7 +7,7 @@ import pytest
 import flashcupy
 from flashcupy import naive, reference
 from tests.helpers import do_qkv, parametrize_causal
-from tests.numerics import F32_BLOCK_INVARIANCE, assert_accurate, backward_reduction
+from tests.numerics import F32_BLOCK_INVARIANCE, assert_accurate, backward_reduction, max_abs_err, tolerance
 
 CASES = [  # (B, Hq, Hkv, Nq, Nk, D)
     pytest.param((1, 2, 2, 1, 1, 32), id="n1"),
@@ -75,3 +75,29 @@ def test_backward_argument_checks(rng):
         flashcupy.attention_backward(do, q, k, v, o, lse, deterministic="yes")
     with pytest.raises(TypeError, match="do must be a numpy.ndarray or cupy.ndarray"):
         flashcupy.attention_backward(do.tolist(), q, k, v, o, lse)
+    with pytest.raises(ValueError, match="dlse must have lse's shape"):
+        flashcupy.attention_backward(do, q, k, v, o, lse, dlse=lse[..., :4])
+    with pytest.raises(TypeError, match="dlse must be float32"):
+        flashcupy.attention_backward(do, q, k, v, o, lse, dlse=lse.astype(np.float16))
+    with pytest.raises(TypeError, match="dlse must be a numpy.ndarray or cupy.ndarray"):
+        flashcupy.attention_backward(do, q, k, v, o, lse, dlse=lse.tolist())
+
+
+@pytest.mark.parametrize("dname", ["f32", "f16"])
+def test_twin_backward_with_lse_gradient_matches_reference(rng, dname):
+    """dlse folds into delta: the twin's gradients of sum(do * o) + sum(g * lse) against float64 within
+    the accuracy rule, whose naive same-precision error is the plain backward's (the naive backward has
+    no LSE term; folding it adds one fp32 subtraction)."""
+    do, q, k, v = do_qkv(rng, (1, 4, 2, 37, 70, 32), dname)
+    g = rng.standard_normal((1, 4, 37)).astype(np.float32)
+    o, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)
+    grads = flashcupy.attention_backward(do, q, k, v, o, lse, causal=True, dlse=g)
+    refs = reference.attention_backward(do, q, k, v, causal=True, dlse=g)
+    plain = reference.attention_backward(do, q, k, v, causal=True)
+    naives = naive.attention_backward(do, q, k, v, causal=True)
+    for name, x, r, r0, n in zip(("dq", "dk", "dv"), grads, refs, plain, naives):
+        nerr = max_abs_err(n, r0)
+        err = max_abs_err(x, r)
+        tol = tolerance(dname, "fp32", nerr, "bwd", float(np.abs(r).max()), backward_reduction(q, k))
+        assert err <= tol, f"{name}: {err:.3e} > {tol:.3e} (naive plain error {nerr:.3e})"
+    assert max_abs_err(grads[0], plain[0]) > 100 * max_abs_err(grads[0], refs[0])  # the term is there

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import flashcupy
-from tests.helpers import qkv
+from tests.helpers import FORWARD_DEFAULTS, qkv
 
 
 def _qkv(dname="f16"):
@@ -103,3 +103,70 @@ def test_wgmma_backward_is_refused_with_the_families_that_run_it():
     o, lse = flashcupy.attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match="no backward.*mma.*simt"):
         flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma")
+
+
+# The checks are memoized on what they read (arrays' types, shapes, strides, dtypes, devices; knobs'
+# values and types): a remembered call must never let a different, bad call through.
+
+@pytest.mark.parametrize("mutate,exc,words", [pytest.param(*b[1:], id=b[0]) for b in BAD])
+def test_bad_argument_raises_after_good_calls_are_remembered(mutate, exc, words):
+    q0, k0, v0 = _qkv()
+    for kw in ({}, {"kernel": "simt"}, {"causal": True}, {"block_m": 64, "scale": 0.5}):
+        flashcupy.attention(q0, k0, v0, **kw)  # remembered
+    q, k, v, kw = mutate(*_qkv(), {})
+    for _ in range(2):  # a failed check is not remembered either
+        with pytest.raises(exc) as info:
+            flashcupy.attention(q, k, v, **kw)
+        for w in words:
+            assert w in str(info.value), f"{w!r} not in message: {info.value}"
+
+
+@pytest.mark.parametrize("good,bad,exc", [
+    ({"causal": True}, {"causal": 1}, TypeError),
+    ({"causal": False}, {"causal": 0}, TypeError),
+    ({"block_m": 64}, {"block_m": 64.0}, TypeError),
+    ({"block_m": 64}, {"block_m": True}, TypeError),
+    ({"scale": 1.0}, {"scale": True}, TypeError),
+    ({"return_lse": True}, {"return_lse": 1}, TypeError),
+], ids=["causal-1", "causal-0", "block_m-float", "block_m-bool", "scale-bool", "return_lse-1"])
+def test_equal_knobs_of_another_type_are_checked_again(good, bad, exc):
+    q, k, v = _qkv()
+    flashcupy.attention(q, k, v, **good)
+    with pytest.raises(exc):
+        flashcupy.attention(q, k, v, **bad)
+
+
+def test_strides_are_part_of_what_is_remembered():
+    q, k, v = _qkv()
+    flashcupy.attention(q, k, v)
+    wide = np.concatenate([q, q], -1)[..., ::2]  # q's shape and dtype, last axis strided
+    assert wide.shape == q.shape
+    with pytest.raises(ValueError, match="contiguous"):
+        flashcupy.attention(wide, k, v)
+    # a (B, N, H, D) buffer viewed as (B, H, N, D): same shape, other strides, a valid problem
+    o = flashcupy.attention(np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3), k, v)
+    np.testing.assert_array_equal(o, flashcupy.attention(q, k, v))
+
+
+def test_a_remembered_problem_is_the_one_a_fresh_check_returns():
+    from flashcupy import _checks
+
+    rng = np.random.default_rng(7)
+    for dname in ("f16", "bf16", "f32"):
+        for kw in ({}, {"causal": True}, {"accum": "fp16", "kernel": "simt"}, {"block_n": 32, "scale": 0.3}):
+            q, k, v = qkv(rng, (2, 4, 1, 9, 13, 16), dname)
+            fresh = _checks.check_forward(q, k, v, **{**FORWARD_DEFAULTS, **kw})
+            for _ in range(2):
+                assert _checks.forward_problem(q, k, v, **{**FORWARD_DEFAULTS, **kw}) == fresh
+
+
+def test_backward_arguments_are_checked_after_a_remembered_call():
+    q, k, v = _qkv()
+    o, lse = flashcupy.attention(q, k, v, return_lse=True)
+    flashcupy.attention_backward(o, q, k, v, o, lse)
+    with pytest.raises(TypeError, match="lse must be float32"):
+        flashcupy.attention_backward(o, q, k, v, o, lse.astype(np.float64))
+    with pytest.raises(TypeError, match="deterministic"):
+        flashcupy.attention_backward(o, q, k, v, o, lse, deterministic=1)
+    with pytest.raises(ValueError, match="do must have q's shape"):
+        flashcupy.attention_backward(o[:, :, :5], q, k, v, o, lse)

@@ -121,3 +121,32 @@ def test_accepts_16_bit_and_bfloat16_inputs(rng):
         assert o.dtype == np.float64
         np.testing.assert_allclose(o, reference.attention(xd.astype(np.float64), xd.astype(np.float64),
                                                           xd.astype(np.float64)), rtol=0, atol=0)
+
+
+def test_backward_with_lse_gradient_matches_finite_differences(rng):
+    """The loss sum(do * o) + sum(g * lse): dlse=g adds g_i * P_ij to dS."""
+    b, hq, hkv, nq, nk, d = 1, 2, 1, 4, 6, 8
+    q, do = rng.standard_normal((b, hq, nq, d)), rng.standard_normal((b, hq, nq, d))
+    k, v = rng.standard_normal((b, hkv, nk, d)), rng.standard_normal((b, hkv, nk, d))
+    g = rng.standard_normal((b, hq, nq))
+    grads = reference.attention_backward(do, q, k, v, causal=True, dlse=g)
+
+    def loss(q_, k_, v_):
+        o, lse = reference.attention(q_, k_, v_, causal=True, return_lse=True)
+        return float(np.sum(do * o) + np.sum(g * lse))
+
+    eps = 1e-6
+    for which, x in enumerate((q, k, v)):
+        num = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            args = [q.copy(), k.copy(), v.copy()]
+            args[which][idx] += eps
+            plus = loss(*args)
+            args[which][idx] -= 2 * eps
+            num[idx] = (plus - loss(*args)) / (2 * eps)
+        np.testing.assert_allclose(grads[which], num, rtol=1e-6, atol=1e-7,
+                                   err_msg="dq dk dv"[3 * which:3 * which + 2])
+    # dv does not see the LSE; dq and dk do
+    plain = reference.attention_backward(do, q, k, v, causal=True)
+    np.testing.assert_allclose(grads[2], plain[2], rtol=1e-12, atol=1e-12)
+    assert np.abs(grads[0] - plain[0]).max() > 1e-3
