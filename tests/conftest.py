@@ -43,3 +43,14 @@ def seed(request) -> int:
 @pytest.fixture
 def rng(seed) -> np.random.Generator:
     return np.random.default_rng(seed)
+
+
+try:  # property-based tests: the same examples on every run (CI stays reproducible); search wider with
+    # ``python -m pytest tests/flashcupy/test_twin_properties.py --hypothesis-profile=explore``
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("default", derandomize=True, database=None)
+    _hyp_settings.register_profile("explore", derandomize=False, max_examples=500)
+    _hyp_settings.load_profile("default")
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+    pass

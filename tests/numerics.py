@@ -49,6 +49,7 @@ import numpy as np
 U16 = 2.0 ** -11                      # fp16 unit roundoff
 U32 = 2.0 ** -24                      # float32 unit roundoff
 EPS = {"f16": 2.0 ** -10, "bf16": 2.0 ** -7}   # machine epsilon (ulp of 1) of the 16-bit types
+OUTPUT_ROUNDING = {"f16": U16, "bf16": 2.0 ** -8}   # unit roundoff of the 16-bit output types
 FACTOR = {"fwd": 2.0, "bwd": 3.0}
 FLOORS = {("f32", "fp32"): 1e-6, ("f16", "fp32"): 1e-5, ("bf16", "fp32"): 1e-5}
 FP16_ACCUM_FLOOR = 8 * U16
@@ -83,12 +84,15 @@ def max_abs_err(x, ref) -> float:
 
 def tolerance(dname: str, accum: str, naive_err: float, kind: str = "fwd", magnitude: float = 1.0,
               reduction: int = 0) -> float:
-    """Rule 1: the bound on max|out - ref| given the naive same-precision error ``naive_err``."""
+    """Rule 1: the bound on max|out - ref| given the naive same-precision error ``naive_err``;
+    ``magnitude`` is max|ref|."""
     floor = FP16_ACCUM_FLOOR if accum == "fp16" else FLOORS[(dname, "fp32")]
     if kind == "bwd":
         if accum == "fp16":
             floor = max(floor, 2.0 * math.sqrt(reduction / 16) * U16)
         floor *= max(1.0, magnitude)
+    if accum == "fp32":  # one rounding of the largest output (see rule 1)
+        floor = max(floor, OUTPUT_ROUNDING.get(dname, 0.0) * magnitude)
     return FACTOR[kind] * naive_err + floor
 
 
