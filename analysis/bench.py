@@ -408,6 +408,75 @@ def _figure(ctx: Context, columns, table_rows, names):
     return fig
 
 
+# ---------------------------------------------------------------------------------------------------
+# small calls: host overhead per call (wall time), flashcupy against torch SDPA
+
+SMALL_SHAPES = [(1, 1, 128, 64), (1, 8, 256, 64), (2, 8, 512, 128), (8, 16, 512, 128)]  # (B, H, N, D)
+SMALL_ROUNDS, SMALL_CALLS = 5, 400
+
+
+def _wall_us(ctx: Context, fn, calls: int = SMALL_CALLS, rounds: int = SMALL_ROUNDS) -> float:
+    """Wall time per call over ``calls`` back-to-back calls, synchronized before and after each round
+    (what a loop of small calls costs, host and device together): the median of ``rounds`` rounds."""
+    for _ in range(20):
+        fn()
+    out = []
+    for _ in range(rounds):
+        ctx.sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        ctx.sync()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+    return float(np.median(out))
+
+
+def _device_us(fn, calls: int = 50) -> float:
+    """Device time per call: ``calls`` calls enqueued behind a GPU-holding kernel long enough to cover
+    their dispatch, between two CUDA events (the GPU's own time, with no host gaps)."""
+    import cupy
+
+    fn()
+    a, b = cupy.cuda.Event(), cupy.cuda.Event()
+    _hold_gpu(max(HOLD_MS, calls * 0.3))  # about 300 us of enqueue per call at most
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    b.synchronize()
+    return cupy.cuda.get_elapsed_time(a, b) * 1e3 / calls
+
+
+def _small_calls(ctx: Context, torch) -> list:
+    """Rows (B, H, N, D, direction, flashcupy us, SDPA us, ratio, flashcupy device us, SDPA device us) on
+    fp16 inputs, non-causal, default knobs (what a user's loop runs): SDPA picks its own backend, its
+    backward is ``torch.autograd.grad`` of one retained graph."""
+    import cupy
+
+    rows = []
+    rng = np.random.default_rng(ctx.seed)
+    for b, h, n, d in SMALL_SHAPES:
+        q, k, v, do = (cupy.asarray(rng.standard_normal((b, h, n, d)).astype(np.float16)) for _ in range(4))
+        o, lse = flashcupy.attention(q, k, v, return_lse=True)
+        mine = {"fwd": lambda: flashcupy.attention(q, k, v),
+                "bwd": lambda: flashcupy.attention_backward(do, q, k, v, o, lse)}
+        peer = {}
+        if torch is not None:
+            tq, tk, tv, tdo = sdpa.to_torch(torch, (q, k, v, do))
+            rq, rk, rv = (t.clone().requires_grad_() for t in (tq, tk, tv))
+            out = torch.nn.functional.scaled_dot_product_attention(rq, rk, rv)
+            peer = {"fwd": lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv),
+                    "bwd": lambda: torch.autograd.grad(out, (rq, rk, rv), tdo, retain_graph=True)}
+        for direction in ("fwd", "bwd"):
+            ours = _wall_us(ctx, mine[direction])
+            theirs = _wall_us(ctx, peer[direction]) if peer else None
+            rows.append([b, h, n, d, direction, ours, theirs, ours / theirs if theirs else None,
+                         _device_us(mine[direction]), _device_us(peer[direction]) if peer else None])
+            log(f"small call {(b, h, n, d)} {direction}: flashcupy {ours:.1f} us, SDPA "
+                f"{'-' if theirs is None else f'{theirs:.1f}'} us")
+    return rows
+
+
 def _load_torch():
     try:
         return sdpa.load_torch()
@@ -424,6 +493,7 @@ def run_bench(ctx: Context, cells=None) -> Report:
             cells = tiny_grid()
     torch = _load_torch() if ctx.backend == "cuda" else None
     raw, compile_rows = _measure(ctx, cells, b, h, torch)
+    small = _small_calls(ctx, torch) if ctx.backend == "cuda" else []
     peers = ["naive"] + ([f"torch {short}" for short in sdpa.BACKENDS] if torch is not None else [])
     columns, table_rows, comp, first_rows = _tables(raw, compile_rows, peers)
     finding = _finding(ctx, raw, columns, table_rows, b, h, torch is not None)
@@ -448,8 +518,15 @@ def run_bench(ctx: Context, cells=None) -> Report:
                      "registers per thread", "shared memory bytes", "spill bytes", "NVRTC compile s"], comp),
               Table("First call (compile or cache + load + run), largest over cells",
                     ["provider", "direction", "seconds"], first_rows)]
+    if small:
+        tables.append(Table("Small calls: wall time per call (us; host and device, median of "
+                            f"{SMALL_ROUNDS} rounds of {SMALL_CALLS} synchronized calls), fp16, non-causal, "
+                            "default knobs; device us: the GPU's own time per call",
+                            ["B", "H", "N", "D", "direction", "flashcupy us", "SDPA us", "flashcupy / SDPA",
+                             "flashcupy device us", "SDPA device us"], small))
     return Report("bench", "Speed: flashcupy against naive attention and torch SDPA, same run", finding,
-                  setup, tables, data={"cells": raw, "batch": b, "heads": h}, figure=fig,
+                  setup, tables, data={"cells": raw, "batch": b, "heads": h, "small_calls": small},
+                  figure=fig,
                   figure_caption="TFLOP/s per cell for every provider, forward and backward.",
                   notes=[__doc__.split("\n\n")[1].replace("\n", " "),
                          "Why cells miss: hardware counters of the same kernels on the same inputs are in "

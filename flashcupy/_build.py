@@ -15,6 +15,7 @@ import functools
 import importlib.resources
 import os
 import re
+import threading
 from typing import Callable
 
 __all__ = [
@@ -452,8 +453,27 @@ class KernelHandle:
         self.function(grid, (self.threads,), args, shared_mem=self.smem_bytes)
 
 
-@functools.lru_cache(maxsize=None)
+_MODULES: dict = {}                      # (variant, device id) -> {role: KernelHandle}
+_MODULE_LOCKS: dict = {}                 # (variant, device id) -> the lock its first build holds
+_LOCKS_LOCK = threading.Lock()
+
+
 def _module_on_device(v: Variant, device_id: int):
+    """The variant's kernels on a device, built once per process: threads that ask for the same module
+    at once wait for one build (other modules build in parallel)."""
+    key = (v, device_id)
+    handles = _MODULES.get(key)
+    if handles is None:
+        with _LOCKS_LOCK:
+            lock = _MODULE_LOCKS.setdefault(key, threading.Lock())
+        with lock:
+            handles = _MODULES.get(key)
+            if handles is None:
+                handles = _MODULES[key] = _build_module(v, device_id)
+    return handles
+
+
+def _build_module(v: Variant, device_id: int):
     import cupy
 
     dev = cupy.cuda.Device(device_id)

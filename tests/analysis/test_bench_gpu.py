@@ -34,3 +34,17 @@ def test_bench_one_cell(tmp_path):
             c = cells[r["direction"]]
             assert r[f"mma / {p}"] == pytest.approx(c[p]["ms"] and c[p]["ms"] / c["flashcupy mma"]["ms"],
                                                     rel=1e-9)
+
+
+def test_bench_small_call_table(tmp_path):
+    """The small-call table: every shape in both directions, positive times, ratios of this run."""
+    from analysis import bench
+    from analysis.common import Context
+
+    ctx = Context.make("cuda", True, 0, str(tmp_path))
+    rows = bench._small_calls(ctx, bench._load_torch())
+    assert len(rows) == 2 * len(bench.SMALL_SHAPES)
+    for b, h, n, d, direction, ours, theirs, ratio, dev_ours, dev_theirs in rows:
+        assert ours > 0 and dev_ours > 0
+        if theirs is not None:
+            assert ratio == pytest.approx(ours / theirs)

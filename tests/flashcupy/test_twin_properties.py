@@ -47,14 +47,23 @@ def problems(draw):
 
 def _bnhd_view(x):
     """x as a (B, H, N, D) view of a (B, N, H, D) array: the layout flash_attn_func takes."""
-    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    xp = _xp(x)
+    return xp.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
 
 def _sliced_view(x):
     """x as every other row of an array twice as long in N (a strided view along N)."""
-    big = np.zeros(x.shape[:2] + (2 * x.shape[2],) + x.shape[3:], dtype=x.dtype)
+    big = _xp(x).zeros(x.shape[:2] + (2 * x.shape[2],) + x.shape[3:], dtype=x.dtype)
     big[:, :, ::2] = x
     return big[:, :, ::2]
+
+
+def _xp(x):
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -80,3 +89,33 @@ def test_views_give_the_bits_of_contiguous_arrays(problem, layout):
     o2, lse2 = flashcupy.attention(qv, kv_, vv, return_lse=True, **kw)
     np.testing.assert_array_equal(o.view(np.uint8), o2.view(np.uint8))
     np.testing.assert_array_equal(lse.view(np.uint32), lse2.view(np.uint32))
+
+
+@pytest.mark.gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from(["contiguous", "bnhd", "sliced"]))
+def test_gpu_fuzz_kernels_against_twin_and_float64(problem, layout):
+    """A bounded fuzz of the CUDA kernels through the public (memoized) call path: random shapes, GQA,
+    Nq != Nk, causal, tiles, accumulators and strided views; each result against the twin (rule 3) and
+    float64 (rule 1), twice (the second call runs from the remembered problem and launch plan)."""
+    import cupy
+
+    from tests.numerics import assert_matches_twin
+
+    q, k, v, kw = problem
+    if kw["kernel"] == "wgmma" and int(cupy.cuda.Device().compute_capability) != 90:
+        kw = {**kw, "kernel": "mma", "block_m": None, "block_n": None}
+    view = {"contiguous": lambda x: x, "bnhd": _bnhd_view, "sliced": _sliced_view}[layout]
+    cq, ck, cv = (view(cupy.asarray(x)) for x in (q, k, v))
+    twin = flashcupy.attention(q, k, v, **kw)
+    o_ref = reference.attention(q, k, v, causal=kw["causal"])
+    what = f"{kw} q{q.shape} k{k.shape} {q.dtype} {layout}"
+    first = None
+    for _ in range(2):
+        o = flashcupy.attention(cq, ck, cv, **kw)
+        assert_matches_twin(cupy.asnumpy(o), twin, dtype_name(q.dtype), kw["accum"], what=what)
+        assert_accurate(cupy.asnumpy(o), o_ref, naive.attention(q, k, v, causal=kw["causal"]),
+                        dtype_name(q.dtype), kw["accum"], what=what)
+        if first is not None:
+            assert bool((o == first).all()), f"{what}: a repeated call gave other bits"
+        first = o

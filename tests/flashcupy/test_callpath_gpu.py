@@ -1,0 +1,143 @@
+"""The call path on the GPU: remembered problems and launch plans, TMA maps per address, the first
+calls of a variant from many threads, arrays on another GPU, and the LSE's gradient in the kernels."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import flashcupy
+from flashcupy import _build, naive, reference
+from flashcupy._checks import check_forward
+from tests.helpers import FORWARD_DEFAULTS, do_qkv, qkv
+from tests.numerics import assert_accurate, backward_reduction, max_abs_err
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability) == 90
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+def test_new_addresses_under_one_plan_give_their_own_results(rng, kernel):
+    """One problem, several input buffers (the plan and its TMA maps are remembered per address): each
+    call computes its own inputs' attention, also after the old buffers are freed and new ones take
+    their addresses."""
+    import cupy
+
+    if kernel == "wgmma" and not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    shape = (1, 4, 2, 200, 300, 64)
+    outs = []
+    for _ in range(2):
+        for _ in range(3):
+            q, k, v = qkv(rng, shape, "f16")
+            cq, ck, cv = (cupy.asarray(x) for x in (q, k, v))
+            o = flashcupy.attention(cq, ck, cv, kernel=kernel, causal=True)
+            ref = reference.attention(q, k, v, causal=True)
+            assert_accurate(cupy.asnumpy(o), ref, naive.attention(q, k, v, causal=True), "f16", "fp32",
+                            what=f"{kernel} buffer {cq.data.ptr:#x}")
+            outs.append(cupy.asnumpy(o))
+            del cq, ck, cv, o  # the pool hands these addresses to the next inputs
+    assert all(not np.array_equal(outs[0], x) for x in outs[1:])
+
+
+def test_first_calls_from_eight_threads_compile_once(rng, monkeypatch):
+    """Eight threads call a variant nobody has built yet at the same moment: one module build, eight
+    correct (and identical) results."""
+    import cupy
+
+    q, k, v = qkv(rng, (1, 2, 1, 77, 91, 24), "f32")
+    kw = dict(kernel="simt", block_m=16, block_n=32, causal=True)
+    p = check_forward(q, k, v, **{**FORWARD_DEFAULTS, **kw})
+    for key in [key for key in _build._MODULES if key[0] == p.variant]:
+        del _build._MODULES[key]
+    builds = []
+    real = cupy.RawModule
+
+    def counting(*args, **kwargs):
+        builds.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cupy, "RawModule", counting)
+    cq, ck, cv = (cupy.asarray(x) for x in (q, k, v))
+    start = threading.Barrier(8)
+    results, errors = [None] * 8, []
+
+    def work(i):
+        try:
+            start.wait()
+            with cupy.cuda.Stream(non_blocking=True) as s:
+                o = flashcupy.attention(cq, ck, cv, **kw)
+                s.synchronize()
+            results[i] = cupy.asnumpy(o)
+        except Exception as e:  # reported below with the thread's number
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(builds) == 1, f"{len(builds)} module builds for one variant"
+    ref = reference.attention(q, k, v, causal=True)
+    for r in results:
+        np.testing.assert_array_equal(r, results[0])
+    assert max_abs_err(results[0], ref) < 2e-6
+
+
+def _two_gpus():
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+
+
+def test_arrays_on_another_gpu_run_on_that_gpu(rng):
+    import cupy
+
+    _two_gpus()
+    do, q, k, v = do_qkv(rng, (2, 4, 2, 130, 170, 64), "f16")
+    with cupy.cuda.Device(0):
+        ref = [cupy.asarray(x) for x in (do, q, k, v)]
+        o0, lse0 = flashcupy.attention(*ref[1:], causal=True, return_lse=True)
+        g0 = flashcupy.attention_backward(*ref, o0, lse0, causal=True, deterministic=True)
+    with cupy.cuda.Device(1):
+        on1 = [cupy.asarray(x) for x in (do, q, k, v)]
+    assert cupy.cuda.runtime.getDevice() == 0
+    o1, lse1 = flashcupy.attention(*on1[1:], causal=True, return_lse=True)
+    g1 = flashcupy.attention_backward(*on1, o1, lse1, causal=True, deterministic=True)
+    assert cupy.cuda.runtime.getDevice() == 0
+    for a, b in zip((o0, lse0, *g0), (o1, lse1, *g1)):
+        assert b.device.id == 1
+        np.testing.assert_array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
+    with pytest.raises(ValueError, match="one GPU.*q on device 1.*k on device 0"):
+        flashcupy.attention(on1[1], ref[2], ref[3])
+    with pytest.raises(ValueError, match="one GPU.*do on device 0"):
+        flashcupy.attention_backward(ref[0], *on1[1:], o1, lse1)
+
+
+@pytest.mark.parametrize("kernel,deterministic", [("mma", False), ("mma", True), ("simt", True)])
+def test_kernels_fold_the_lse_gradient_into_delta(rng, kernel, deterministic):
+    """The gradients of sum(do * o) + sum(g * lse) against float64 within the accuracy rule (whose
+    naive error is the plain backward's: the naive backward has no LSE term)."""
+    import cupy
+
+    do, q, k, v = do_qkv(rng, (2, 4, 2, 203, 113, 64), "f16")
+    g = rng.standard_normal((2, 4, 203)).astype(np.float32)
+    cdo, cq, ck, cv, cg = (cupy.asarray(x) for x in (do, q, k, v, g))
+    o, lse = flashcupy.attention(cq, ck, cv, causal=True, return_lse=True, kernel=kernel)
+    grads = flashcupy.attention_backward(cdo, cq, ck, cv, o, lse, causal=True, kernel=kernel,
+                                         deterministic=deterministic, dlse=cg)
+    refs = reference.attention_backward(do, q, k, v, causal=True, dlse=g)
+    plain = reference.attention_backward(do, q, k, v, causal=True)
+    naives = naive.attention_backward(do, q, k, v, causal=True)
+    for name, x, r, r0, n in zip(("dq", "dk", "dv"), grads, refs, plain, naives):
+        assert_accurate(cupy.asnumpy(x), r, n, "f16", "fp32", kind="bwd", what=f"{kernel} {name}",
+                        reduction=backward_reduction(q, k), naive_ref=r0)
+    assert max_abs_err(cupy.asnumpy(grads[0]), plain[0]) > 10 * max_abs_err(cupy.asnumpy(grads[0]), refs[0])

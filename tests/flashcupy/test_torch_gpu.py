@@ -1,0 +1,131 @@
+"""flashcupy.torch: the custom operators (opcheck, torch.compile without graph breaks), the (B, N, H, D)
+layout without copies, the LSE and its gradient, streams without deprecation warnings."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import flashcupy
+from flashcupy import reference
+from tests.numerics import F32_NEAR_FLOAT64, assert_lse_accurate
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch")
+
+
+def _tensors(rng, shapes, dtype=torch.float16, grad=True):
+    return [torch.from_numpy(rng.standard_normal(s)).to("cuda", dtype).requires_grad_(grad) for s in shapes]
+
+
+def test_opcheck_forward_and_backward_operators(rng):
+    import flashcupy.torch  # noqa: F401  (registers the operators)
+
+    q, k, v = _tensors(rng, [(1, 4, 70, 64), (1, 2, 90, 64), (1, 2, 90, 64)])
+    fwd_args = (q, k, v, True, None, None, None, "fp32", "mma", None, False)
+    torch.library.opcheck(torch.ops.flashcupy.attention.default, fwd_args)
+    o, lse = torch.ops.flashcupy.attention(*fwd_args)
+    do, = _tensors(rng, [(1, 4, 70, 64)], grad=False)
+    g = torch.randn(1, 4, 70, device="cuda")
+    for dlse in (None, g):
+        bwd_args = (do, *(x.detach() for x in (q, k, v, o, lse)), dlse, True, None, "fp32", "mma", True)
+        torch.library.opcheck(torch.ops.flashcupy.attention_backward.default, bwd_args)
+
+
+def test_torch_compile_fullgraph_matches_eager(rng):
+    import flashcupy.torch as fct
+
+    class Block(torch.nn.Module):
+        def __init__(self, width=256, heads=4):
+            super().__init__()
+            self.heads = heads
+            self.qkv = torch.nn.Linear(width, 3 * width, dtype=torch.float16)
+            self.out = torch.nn.Linear(width, width, dtype=torch.float16)
+
+        def forward(self, x):
+            b, n, w = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).unbind(2)  # (B, N, H, D)
+            o = fct.attention(q, k, v, causal=True, layout="bnhd", deterministic=True)
+            return self.out(o.reshape(b, n, w))
+
+    torch.manual_seed(0)
+    model = Block().cuda()
+    x = torch.from_numpy(rng.standard_normal((2, 100, 256))).to("cuda", torch.float16)
+    eager = model(x)
+    eager.float().square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break raises
+    out = compiled(x)
+    out.float().square().sum().backward()
+    torch.testing.assert_close(out, eager, rtol=2e-3, atol=2e-3)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=2e-2, atol=2e-2)
+
+
+def test_bnhd_layout_runs_on_views_and_gives_the_bits_of_bhnd(rng):
+    import flashcupy.torch as fct
+
+    q, k, v = _tensors(rng, [(2, 130, 8, 64), (2, 170, 2, 64), (2, 170, 2, 64)])  # (B, N, H, D)
+    do, = _tensors(rng, [(2, 130, 8, 64)], grad=False)
+    o = fct.attention(q, k, v, causal=True, layout="bnhd", deterministic=True)
+    assert o.shape == (2, 130, 8, 64) and o.transpose(1, 2).is_contiguous()  # a view, no copy
+    o.backward(do)
+    grads = [x.grad.clone() for x in (q, k, v)]
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    ot = fct.attention(qt, kt, vt, causal=True, deterministic=True)
+    ot.backward(do.transpose(1, 2))
+    assert torch.equal(ot.transpose(1, 2), o)
+    for g, x in zip(grads, (qt, kt, vt)):
+        assert torch.equal(g.transpose(1, 2), x.grad)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        fct.attention(q, k, v, layout="nhd")
+
+
+def test_returned_lse_and_its_gradient_against_float64(rng):
+    import flashcupy.torch as fct
+
+    shapes = [(1, 4, 90, 32), (1, 2, 120, 32), (1, 2, 120, 32), (1, 4, 90, 32)]
+    q64, k64, v64, do64 = (rng.standard_normal(s) for s in shapes)
+    g64 = rng.standard_normal((1, 4, 90))
+    q, k, v = (torch.from_numpy(x).cuda().float().requires_grad_() for x in (q64, k64, v64))
+    o, lse = fct.attention(q, k, v, causal=True, kernel="simt", return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 4, 90)
+    do, g = (torch.from_numpy(x).cuda().float() for x in (do64, g64))
+    ((o * do).sum() + (lse * g).sum()).backward()
+    o_ref, lse_ref = reference.attention(q64, k64, v64, causal=True, return_lse=True)
+    assert_lse_accurate(lse.detach().cpu().numpy(), lse_ref, "fp32", what="torch bridge lse")
+    refs = reference.attention_backward(do64, q64, k64, v64, causal=True, dlse=g64)
+    for x, r in zip((q, k, v), refs):
+        bound = F32_NEAR_FLOAT64["bwd"] * max(1.0, np.abs(r).max())
+        assert np.abs(x.grad.cpu().numpy() - r).max() < bound
+
+
+def test_bridge_raises_no_deprecation_warning(rng):
+    import flashcupy.torch as fct
+
+    q, k, v = _tensors(rng, [(1, 2, 64, 64)] * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            fct.attention(q, k, v).sum().backward()
+        side.synchronize()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_bridge_argument_errors(rng):
+    import flashcupy.torch as fct
+
+    q, k, v = _tensors(rng, [(1, 2, 16, 64)] * 3)
+    with pytest.raises(TypeError, match="unknown knobs"):
+        fct.attention(q, k, v, block=64)
+    with pytest.raises(TypeError, match="q must be a CUDA torch.Tensor"):
+        fct.attention(q.cpu(), k, v)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        fct.attention(q, k, v, deterministic=1)
+    with pytest.raises(ValueError, match="accum must be one of"):
+        fct.attention(q, k, v, accum="fp8")
+    assert flashcupy.torch is fct
