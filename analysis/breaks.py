@@ -259,11 +259,13 @@ def run_rescaling(ctx: Context) -> Report:
     multi = min(r[5] for r in f32 if r[4] >= 2)
     finding = (f"Dropping the rescaling leaves every output finite but wrong once a row spans two or more "
                f"KV tiles (fp32: smallest max abs error over those cases {multi:.3g}), and exact to "
-               f"rounding with one tile (largest {one:.2e}); the seed chapter's claim (0.1 to 0.5 on "
-               f"B=2, H=4, N=256, D=32, blocks of 32) {'held' if held else 'did not hold'}: measured "
+               f"rounding with one tile (largest {one:.2e}); the claim of the tutorial it reproduces (Under "
+               f"The Hood, ch. 8: 0.1 to 0.5 on B=2, H=4, N=256, D=32, blocks of 32) "
+               f"{'held' if held else 'did not hold'}: measured "
                f"{lo_c:.3f} to {hi_c:.3f} over 5 input draws, inside the range in {n_held}/5.")
     tables = [
-        Table("The seed chapter's setup (fp32, kernel='simt', block_m = block_n = 32), five input draws",
+        Table("The tutorial's setup (Under The Hood, ch. 8: fp32, kernel='simt', block_m = block_n = 32), "
+              "five input draws",
               ["draw", "B", "H", "N", "D", "max abs error (broken)", "RMSE (broken)",
                "max abs error (intact)", "in 0.1 to 0.5"], claim_rows),
         Table("Error against float64 over N and block_n",

@@ -406,10 +406,11 @@ def _cuda_include_dir() -> str | None:
             candidates.append(os.path.join(path, "include"))
     except Exception:  # pragma: no cover - CuPy without a CUDA path
         pass
-    try:
-        import nvidia.cu13  # the CUDA 13 wheels' shared namespace
+    try:  # the CUDA 13 wheels share nvidia/cu13/include; CUDA 12's runtime wheel has its own folder
+        import nvidia
 
-        candidates += [os.path.join(p, "include") for p in nvidia.cu13.__path__]
+        for base in nvidia.__path__:
+            candidates += [os.path.join(base, sub, "include") for sub in ("cu13", "cuda_runtime")]
     except Exception:
         pass
     for c in candidates:
