@@ -120,7 +120,7 @@ def test_rescaling_wrong_with_two_tiles_exact_with_one(reports):
             assert r["max abs error (broken)"] > 1e-2, r
         elif r["dtype"] == "f32":
             assert r["max abs error (broken)"] < F32_NEAR_FLOAT64["fwd"], r
-    claim = table(reports[1]["rescaling"], "The seed chapter's setup")
+    claim = table(reports[1]["rescaling"], "The tutorial's setup")
     assert len(claim) == 5 and all(r["max abs error (broken)"] > 0.1 for r in claim)
     f = reports[1]["rescaling"]["finding"]
     assert "held" in f or "did not hold" in f

@@ -95,7 +95,7 @@ def test_max_subtraction_break_is_harmless_for_small_scores(rng, dname):
 
 
 def test_rescaling_break_exact_with_one_tile_wrong_with_two(rng):
-    """The seed chapter's setup: B=2, H=4, N=256, D=32, blocks of 32."""
+    """The tutorial's setup (Under The Hood, ch. 8): B=2, H=4, N=256, D=32, blocks of 32."""
     q, k, v = qkv(rng, (2, 4, 4, 256, 256, 32), "f32")
     ref = reference.attention(q, k, v)
     broken = flashcupy.attention(q, k, v, ablate="rescaling", kernel="simt", block_m=32, block_n=32)
