@@ -270,9 +270,10 @@ def _measure(ctx: Context, cells, b: int, h: int, torch) -> tuple[list, dict]:
             for p in providers:
                 row[p] = c.res.get((p, direction), {})
             raw.append(row)
+        unit, key, fmt_ = ("TFLOP/s", "tflops", ".1f") if cuda else ("ms (NumPy wall clock)", "ms", ".3g")
         log(f"[bench] {ci + 1}/{len(cells)} {c.dname} N={c.n} D={c.d} causal={c.causal}: "
-            + ", ".join(f"{p} {d_}: {r['tflops']:.1f}" for (p, d_), r in c.res.items() if "tflops" in r)
-            + " TFLOP/s")
+            + ", ".join(f"{p} {d_}: {r[key]:{fmt_}}" for (p, d_), r in c.res.items() if key in r)
+            + f" {unit}")
         del c
         if cuda:
             import cupy
@@ -387,24 +388,72 @@ def _finding(ctx: Context, raw, columns, table_rows, b: int, h: int, with_torch:
     return finding
 
 
-def _figure(ctx: Context, columns, table_rows, names):
-    fig, axes = new_figure(ncols=2, width=6.5)
+def _cell_label(dname, n, d, causal) -> str:
+    return f"N={n // 1024}k\nD={d}" + ("\ncausal" if causal else "")
+
+
+def _figure(ctx: Context, columns, table_rows, raw, names):
+    """CUDA: one panel per (dtype, direction), grouped bars of flashcupy / peer per cell (the fastest
+    flashcupy family of the direction: wgmma forward where it ran, else mma) against FlashAttention-2
+    and cuDNN, with the parity line. NumPy: milliseconds per provider (the twin's wall clock)."""
+    if ctx.backend != "cuda" or not any(f"mma / {p}" in columns for p in HOPPER_PEERS):
+        return _figure_ms(ctx, raw, names)
+    dtypes = sorted({r[0] for r in table_rows}, key=["f16", "bf16"].index)
+    fig, axes = new_figure(ncols=2, width=7.0, height=3.6 * len(dtypes))
+    fig.clf()
+    axes = fig.subplots(len(dtypes), 2, squeeze=False)
+    peers = [p for p in HOPPER_PEERS if f"mma / {p}" in columns]
+    labels = {"torch flash": "FlashAttention-2 (SDPA flash)", "torch cudnn": "cuDNN (SDPA cudnn)"}
+    for row, dname in enumerate(dtypes):
+        for col, direction in enumerate(("fwd", "bwd")):
+            ax = axes[row][col]
+            rs = [r for r in table_rows if r[0] == dname and r[4] == direction]
+            x = np.arange(len(rs))
+            width, top = 0.8 / len(peers), 1.0
+            for i, p in enumerate(peers):
+                def ratio(r, p=p):
+                    w = f"wgmma / {p}"
+                    if direction == "fwd" and w in columns and r[columns.index(w)]:
+                        return r[columns.index(w)]
+                    return r[columns.index(f"mma / {p}")] or np.nan
+                ys = [ratio(r) for r in rs]
+                top = max([top] + [y for y in ys if y == y])
+                ax.bar(x + (i - (len(peers) - 1) / 2) * width, ys, width,
+                       label=f"flashcupy / {labels.get(p, p)}")
+            ax.axhline(1.0, color="k", lw=1, ls="--")
+            ax.set_ylim(0, 1.25 * top)
+            ax.set_xticks(x, [_cell_label(*r[:4]) for r in rs], fontsize=7)
+            ax.set_ylabel("speed ratio (> 1: flashcupy faster)")
+            ours = "wgmma (Hopper) where it runs, else mma" if direction == "fwd" else "mma, atomic dQ"
+            ax.set_title(f"{dname} {'forward' if direction == 'fwd' else 'backward'}: flashcupy {ours}",
+                         fontsize=9)
+            ax.legend(fontsize=7, loc="upper center", ncol=2)
+    fig.suptitle("flashcupy against FlashAttention-2 and cuDNN (torch SDPA), same run, device time")
+    fig.tight_layout()
+    return fig
+
+
+def _figure_ms(ctx: Context, raw, names):
+    """Milliseconds per call and provider, one panel per direction (the NumPy backend's only honest
+    number: wall-clock time of the twin and of naive NumPy attention)."""
+    fig, axes = new_figure(ncols=2, width=6.0)
     for ax, direction in zip(axes, ("fwd", "bwd")):
-        rs = [r for r in table_rows if r[4] == direction]
+        rs = [r for r in raw if r["direction"] == direction]
+        shown = [n for n in names if any("ms" in (r.get(n) or {}) for r in rs)]
         x = np.arange(len(rs))
-        for name in names:
-            col = columns.index(f"{name} TFLOP/s")
-            ys = [r[col] if r[col] else np.nan for r in rs]
-            if not np.all(np.isnan(ys)):
-                ax.plot(x, ys, "o-" if name.startswith("flashcupy") else "s--", ms=4, label=name)
-        ax.set_xticks(x, [f"{r[0]} N{r[1]}\nD{r[2]}{' c' if r[3] else ''}" for r in rs],
-                      fontsize=6, rotation=90)
+        width = 0.8 / max(1, len(shown))
+        for i, name in enumerate(shown):
+            ax.bar(x + (i - (len(shown) - 1) / 2) * width,
+                   [(r.get(name) or {}).get("ms", np.nan) for r in rs], width, label=name)
+        ax.set_xticks(x, [f"{r['dtype']} N={r['N']} D={r['D']}" + (" causal" if r["causal"] else "")
+                          for r in rs], fontsize=7)
         ax.set_yscale("log")
-        ax.set_ylabel("TFLOP/s (4BHN^2D fwd, 2.5x bwd; causal halved)")
-        ax.set_title(f"{'forward' if direction == 'fwd' else 'backward'}")
+        ax.set_ylabel("milliseconds per call (wall clock)")
+        ax.set_title("forward" if direction == "fwd" else "backward")
         ax.legend(fontsize=7)
-    fig.suptitle("Throughput per cell, same process and inputs" + (" (NumPy twin: meaningless)" if
-                                                                     ctx.backend != "cuda" else ""))
+    fig.suptitle("NumPy backend: wall-clock ms of the twin and naive NumPy (not a speed measurement)"
+                 if ctx.backend != "cuda" else "milliseconds per call")
+    fig.tight_layout()
     return fig
 
 
@@ -497,7 +546,7 @@ def run_bench(ctx: Context, cells=None) -> Report:
     peers = ["naive"] + ([f"torch {short}" for short in sdpa.BACKENDS] if torch is not None else [])
     columns, table_rows, comp, first_rows = _tables(raw, compile_rows, peers)
     finding = _finding(ctx, raw, columns, table_rows, b, h, torch is not None)
-    fig = _figure(ctx, columns, table_rows, MINE + peers)
+    fig = _figure(ctx, columns, table_rows, raw, MINE + peers)
     setup = {"grid": f"B={b}, H={h}, cells (dtype, N, D, causal) = {cells}",
              "providers": "flashcupy wgmma (forward; Hopper GPUs, D 64, 128 and 256), mma and simt "
                           f"(simt only for N <= {SIMT_MAX_N} to fit the time budget), "
@@ -527,7 +576,9 @@ def run_bench(ctx: Context, cells=None) -> Report:
     return Report("bench", "Speed: flashcupy against naive attention and torch SDPA, same run", finding,
                   setup, tables, data={"cells": raw, "batch": b, "heads": h, "small_calls": small},
                   figure=fig,
-                  figure_caption="TFLOP/s per cell for every provider, forward and backward.",
+                  figure_caption=("flashcupy / FlashAttention-2 and flashcupy / cuDNN per cell (bars above "
+                                  "the dashed line: flashcupy faster); TFLOP/s of every provider in the "
+                                  "table." if ctx.backend == "cuda" else "NumPy backend: ms per call."),
                   notes=[__doc__.split("\n\n")[1].replace("\n", " "),
                          "Why cells miss: hardware counters of the same kernels on the same inputs are in "
                          "profile.md (python -m analysis.profile_ncu under Nsight Compute)."])
