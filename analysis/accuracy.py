@@ -20,6 +20,85 @@ COMBOS = [("f16", "fp32"), ("f16", "fp16"), ("bf16", "fp32"), ("bf16", "fp16"), 
 # blocks
 
 
+# one colour per (dtype, accumulator), one marker (and a small sideways offset) per family
+_COMBO_COLORS = {("f16", "fp32"): "tab:blue", ("f16", "fp16"): "tab:cyan", ("bf16", "fp32"): "tab:green",
+                 ("bf16", "fp16"): "tab:olive", ("f32", "fp32"): "tab:red", ("f32", "fp16"): "tab:orange"}
+_FAMILY_MARKERS = {"mma": ("o", -0.1), "wgmma": ("s", 0.0), "simt": ("^", 0.1)}
+
+
+def _family_kind(fam_name: str) -> str:
+    return FAMILIES[fam_name].kind if fam_name in FAMILIES else fam_name.removeprefix("fwd_")
+
+
+def _finite(x) -> float:
+    x = float(x)
+    return x if np.isfinite(x) and x > 0 else np.nan
+
+
+def blocks_figure(rows, naive_rows):
+    """RMSE against block_n, one line per (family, dtype, accum), every block_m of a block_n drawn at the
+    same place (they coincide wherever block_m does not change the numerics); the naive same-precision
+    RMSE per dtype as a dashed line. ``rows``: the "Every supported tile size" table, ``naive_rows``: the
+    "Naive same-precision attention" table (as in the report and its JSON)."""
+    from matplotlib.lines import Line2D
+
+    groups = {}
+    for r in rows:
+        groups.setdefault(tuple(r[:3]), []).append(r)
+    bns = sorted({r[4] for r in rows})
+    xpos = {bn: i for i, bn in enumerate(bns)}
+    # how much block_m (at a fixed block_n) and block_n (block_m pooled) move the RMSE, per group
+    bm_spread, bn_spread = 1.0, (1.0, None)
+    for key, rs in groups.items():
+        by_bn = {}
+        for r in rs:
+            by_bn.setdefault(r[4], []).append(_finite(r[6]))
+        for vals in by_bn.values():
+            if len(vals) > 1 and np.all(np.isfinite(vals)):
+                bm_spread = max(bm_spread, max(vals) / min(vals))
+        means = [np.nanmean(v) for v in by_bn.values()]
+        if len(means) > 1 and np.all(np.isfinite(means)) and max(means) / min(means) > bn_spread[0]:
+            bn_spread = (max(means) / min(means), key)
+    fig, (ax,) = new_figure(width=10, height=5)
+    for (fam_name, dname, accum), rs in groups.items():
+        kind = _family_kind(fam_name)
+        marker, dx = _FAMILY_MARKERS.get(kind, ("D", 0.0))
+        color = _COMBO_COLORS.get((dname, accum), "k")
+        ax.plot([xpos[r[4]] + dx for r in rs], [_finite(r[6]) for r in rs], marker, ms=5, mfc="none",
+                color=color, ls="none")
+        line_bns = sorted({r[4] for r in rs})
+        ax.plot([xpos[bn] + dx for bn in line_bns],
+                [np.nanmean([_finite(r[6]) for r in rs if r[4] == bn]) for bn in line_bns],
+                "-", lw=1, color=color, alpha=0.7)
+    for dname, _, rmse in naive_rows:
+        ax.axhline(_finite(rmse), ls="--", lw=1, color="gray")
+        ax.annotate(f"naive {dname}", (0, _finite(rmse)), xycoords=("axes fraction", "data"),
+                    xytext=(3, 2), textcoords="offset points", fontsize=7, color="gray", va="bottom")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(bns)), [str(bn) for bn in bns])
+    ax.set_xlim(-0.5, len(bns) - 0.5)
+    ax.set_xlabel("block_n (keys per tile); every block_m of the family is drawn at its block_n")
+    ax.set_ylabel("RMSE vs float64 (output units)")
+    bm_text = "block_m never does" if bm_spread < 1.0005 else f"block_m up to {bm_spread:.3g}x"
+    bn_text = (f"block_n moves it up to {bn_spread[0]:.2g}x ({_family_kind(bn_spread[1][0])}, "
+               f"{bn_spread[1][1]}, {bn_spread[1][2]} acc)" if bn_spread[1] else "block_n never moves it")
+    ax.set_title(f"dtype and accumulator set the error; {bn_text}; {bm_text}", fontsize=10)
+    combos = [c for c in _COMBO_COLORS if any(k[1:] == c for k in groups)]
+    h1 = [Line2D([], [], color=_COMBO_COLORS[c], lw=2, label=f"{c[0]} inputs, acc {c[1]}") for c in combos]
+    kinds = {}
+    for r in rows:
+        kinds.setdefault(_family_kind(r[0]), set()).add(r[3])
+    h2 = [Line2D([], [], marker=_FAMILY_MARKERS.get(k, ("D", 0))[0], mfc="none", color="k", ls="none",
+                 label=f"{k} (block_m {', '.join(str(m) for m in sorted(ms))})") for k, ms in kinds.items()]
+    h3 = [Line2D([], [], ls="--", lw=1, color="gray", label="naive, same precision")]
+    leg = ax.legend(handles=h1, title="dtype, accumulator", fontsize=8, title_fontsize=8,
+                    loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.add_artist(leg)
+    ax.legend(handles=h2 + h3, title="family (tiles swept)", fontsize=8, title_fontsize=8,
+              loc="lower left", bbox_to_anchor=(1.01, 0.0))
+    return fig
+
+
 def run_blocks(ctx: Context) -> Report:
     from scipy.stats import spearmanr
 
@@ -95,19 +174,7 @@ def run_blocks(ctx: Context) -> Report:
     if skipped:
         tables.append(Table("Variants that raised ValueError (skipped)",
                             ["family", "dtype", "accum", "block_m", "block_n", "reason"], skipped))
-    fig, (ax,) = new_figure(width=8)
-    for (fam_name, dname, accum), rs in groups.items():
-        rs = sorted(rs, key=lambda r: (r[4], r[3]))
-        ax.plot(range(len(rs)), [r[6] for r in rs], "o-", ms=3,
-                label=f"{FAMILIES[fam_name].kind} {dname} acc{accum[2:]}")
-    for dname, _, rmse in naive_rows:
-        ax.axhline(rmse, ls="--", lw=1, color="gray")
-        ax.text(0, rmse, f" naive {dname}", fontsize=7, va="bottom", color="gray")
-    ax.set_yscale("log")
-    ax.set_xlabel("tile index within a group, ordered by (block_n, block_m) (see table)")
-    ax.set_ylabel("RMSE vs float64 (output units)")
-    ax.set_title("Tile sizes move the error little; dtype and accumulator set it")
-    ax.legend(fontsize=7, ncol=2)
+    fig = blocks_figure(rows, naive_rows)
     setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal",
              "inputs": "q, k, v ~ N(0,1), rounded to the dtype",
              "variants": "every (block_m, block_n) of every forward family in flashcupy._build.FAMILIES, per "
@@ -253,6 +320,47 @@ def run_outliers(ctx: Context) -> Report:
 # ---------------------------------------------------------------------------------------------------
 # drift
 
+_DRIFT_BARS = [("naive", "n/a", "naive, same precision", "gray"),
+               ("flashcupy", "fp32", "flashcupy, fp32 accumulators", "tab:blue"),
+               ("flashcupy", "fp16", "flashcupy, fp16 accumulators", "tab:orange")]
+
+
+def drift_figure(rows):
+    """Grouped bars: one group per input dtype, one bar per method (naive, flashcupy fp32 / fp16
+    accumulators), W1 distance on a log axis, and 0.01 u(dtype) drawn over each group. ``rows``: the
+    "Wasserstein distance" table (as in the report and its JSON)."""
+    dtypes = [d for d in ("f16", "bf16", "f32") if any(r[1] == d for r in rows)]
+    dtypes += sorted({r[1] for r in rows} - set(dtypes))
+    w = {(r[0], r[1], r[2]): _finite(r[3]) for r in rows}
+    fig, (ax,) = new_figure(width=7.5, height=4.5)
+    width = 0.8 / len(_DRIFT_BARS)
+    for i, (method, acc, label, color) in enumerate(_DRIFT_BARS):
+        ax.bar([j + (i - (len(_DRIFT_BARS) - 1) / 2) * width for j in range(len(dtypes))],
+               [w.get((method, d, acc), np.nan) for d in dtypes], width * 0.92, color=color, label=label)
+    for j, d in enumerate(dtypes):
+        if d in UNIT_ROUNDOFF:
+            ax.hlines(0.01 * UNIT_ROUNDOFF[d], j - 0.45, j + 0.45, colors="k", linestyles=":", lw=1.2,
+                      label="0.01 u (u: unit roundoff of the dtype)" if j == 0 else None)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(dtypes)),
+                  [f"{d} inputs\nu = 2^{int(np.log2(UNIT_ROUNDOFF[d]))}" if d in UNIT_ROUNDOFF else d
+                   for d in dtypes])
+    ax.set_xlim(-0.6, len(dtypes) - 0.4)
+    ax.set_ylabel("W1 distance to float64 outputs (output units)")
+    ratios = [w[("flashcupy", d, "fp32")] / w[("naive", d, "n/a")] for d in dtypes
+              if ("flashcupy", d, "fp32") in w and ("naive", d, "n/a") in w]
+    acc16 = [(w[("flashcupy", d, "fp16")] / w[("flashcupy", d, "fp32")], d) for d in dtypes
+             if ("flashcupy", d, "fp16") in w and ("flashcupy", d, "fp32") in w]
+    title = "Output drift: "
+    if ratios:
+        title += f"flashcupy (fp32 acc) is {min(ratios):.2f}x to {max(ratios):.2f}x naive's"
+    if acc16:
+        worst = max(acc16)
+        title += f"; fp16 accumulators up to {worst[0]:.3g}x fp32's ({worst[1]} inputs)"
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
 
 def run_drift(ctx: Context) -> Report:
     from scipy.stats import wasserstein_distance
@@ -279,16 +387,7 @@ def run_drift(ctx: Context) -> Report:
                + f"; W1 is {min(r[3] / r[4] for r in rows):.2f} to {max(r[3] / r[4] for r in rows):.2f} "
                  "of the elementwise RMSE (rounding errors move values both ways, so the distribution "
                  "shifts less than the values do).")
-    fig, (ax,) = new_figure()
-    labels = [f"{r[0]}\n{r[1]} {('acc' + r[2][2:]) if r[2] != 'n/a' else ''}" for r in rows]
-    ax.bar(range(len(rows)), [max(r[3], 1e-12) for r in rows],
-           color=["gray" if r[0] == "naive" else "tab:blue" for r in rows])
-    for dname in ("f16", "bf16", "f32"):
-        ax.axhline(UNIT_ROUNDOFF[dname] * 1e-2, ls=":", lw=0.8, color="k")
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("Wasserstein-1 distance to float64 outputs (output units)")
-    ax.set_title("Output distribution drift per dtype and accumulator (dotted: 0.01 u per dtype)")
+    fig = drift_figure(rows)
     setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal",
              "inputs": "q, k, v ~ N(0,1) rounded to the dtype",
              "metric": "scipy.stats.wasserstein_distance between all output values of a method and of "
