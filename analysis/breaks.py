@@ -86,6 +86,78 @@ def _first_broken_tile(ctx, q, k, v, kw, block_n):
     return hi - 1
 
 
+def _intact_frac_broken(r: dict) -> float:
+    """The intact kernel's share of broken rows at one sweep point. Reports written before the run
+    collected it hold only the intact kernel's overall max abs error and non-finite count: zero broken
+    rows follows exactly from no non-finite element and a max abs error <= 0.1 (a row breaks on a
+    non-finite element or a row error > 0.1); otherwise it is unknown (NaN)."""
+    if "intact_frac_broken" in r:
+        return float(r["intact_frac_broken"])
+    return 0.0 if r["intact_nonfinite"] == 0 and r["intact_max_abs"] <= 0.1 else math.nan
+
+
+def _intact_words(fracs: list[float]) -> str:
+    if any(math.isnan(f) for f in fracs):
+        return "broken rows not known at every point"
+    return "no row broken" if max(fracs) == 0 else f"up to {max(fracs):.2g} of the rows broken"
+
+
+def _largest(thr: float) -> str:
+    v = math.exp(thr)
+    return f"{v:.0f}" if v < 1e6 else f"{v:.2e}"
+
+
+def overflow_figure(sweep: list[dict]):
+    """Share of broken rows against the largest scaled score measured from its threshold, at the
+    largest N of ``sweep`` (the rows of data["sweep"]): the no-max-subtraction kernel per (dtype, accum),
+    and the intact kernel on the same inputs (worst over the combos at each offset)."""
+    nmax = max(r["N"] for r in sweep)
+    pts = [r for r in sweep if r["N"] == nmax]
+    combos = list(dict.fromkeys((r["dtype"], r["accum"]) for r in pts))
+    offsets = sorted({round(r["max_score"] - r["threshold"], 9) for r in pts})
+    fig, (ax,) = new_figure(width=7.5, height=6.6)
+    ax.axvline(0.0, color="0.35", ls="--", lw=1.2, zorder=1,
+               label="predicted threshold: max score = ln(largest finite value)")
+    # distinct markers, drawn from large to small, so that coinciding curves stay visible
+    for i, (dname, accum) in enumerate(combos):
+        c = sorted((r for r in pts if (r["dtype"], r["accum"]) == (dname, accum)),
+                   key=lambda r: r["max_score"])
+        thr = c[0]["threshold"]
+        ax.plot([r["max_score"] - thr for r in c], [r["frac_broken"] for r in c], "o^vDP"[i % 5] + "-",
+                ms=max(8 - 1.0 * i, 4), zorder=3,
+                label=f"no max subtraction, {dname} inputs, accum {accum}: "
+                      f"threshold ln({_largest(thr)}) = {thr:.2f}")
+    intact = {}  # offset -> worst share over the combos (NaN where any is unknown)
+    for r in pts:
+        x = round(r["max_score"] - r["threshold"], 9)
+        intact[x] = float(np.max([intact.get(x, 0.0), _intact_frac_broken(r)]))
+    worst_err = max(r["intact_max_abs"] for r in pts)
+    early = min((r["max_score"] - r["threshold"] for r in pts if r["frac_broken"] > 0), default=0.0)
+    ax.plot(offsets, [intact[x] for x in offsets], "s--", color="k", mfc="none", ms=10, lw=1.5, zorder=4,
+            label=f"intact kernel, same inputs (worst of the {len(combos)} combos): "
+                  f"{_intact_words(list(intact.values()))}, "
+                  f"max abs err <= {worst_err:.1e}")
+    ax.set_xscale("symlog", linthresh=0.1, linscale=0.6)
+    ticks = sorted(set(offsets) | {0.0})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t:+g}" if t else "0" for t in ticks])
+    ax.minorticks_off()
+    ax.set_yscale("symlog", linthresh=1e-3, linscale=0.5)
+    ax.set_ylim(-1e-4, 1.5)
+    ax.grid(True, which="major", color="0.9", lw=0.8, zorder=0)
+    ax.set_xlabel("largest scaled score minus its threshold, max(scale * q.k) - ln(max finite)\n"
+                  "(dimensionless, symlog scale)")
+    ax.set_ylabel("broken output rows (fraction of all rows;\nbroken = inf/NaN, or max abs error > 0.1)")
+    ax.set_title("Without max subtraction, rows break at ln(max finite)"
+                 + (f" (or up to {-early:.2g} below it, where\nthe running sum of several large terms "
+                    "overflows first)" if early < 0 else "")
+                 + f"; the intact kernel breaks none (N = {nmax} keys)", fontsize=10)
+    fig.subplots_adjust(left=0.12, right=0.97, top=0.9, bottom=0.33)
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 0.0),
+               frameon=False)
+    return fig
+
+
 def run_overflow(ctx: Context) -> Report:
     ns = ctx.sizes([256, 1024], [256, 1024, 4096, 16384])
     heads, d = ctx.sizes(2, 4), 64
@@ -117,7 +189,9 @@ def run_overflow(ctx: Context) -> Report:
                 ref, first = _float64_truth_and_model(q, k, v, scale, dname, accum)
                 o = flashcupy.attention(qx, kx, vx, ablate="max_subtraction", **kw)
                 nf, wr = _broken_rows(o, ref)
-                intact = errors(flashcupy.attention(qx, kx, vx, **kw), ref)
+                o_intact = flashcupy.attention(qx, kx, vx, **kw)
+                intact = errors(o_intact, ref)
+                inf_i, wr_i = _broken_rows(o_intact, ref)
                 intact_worst = max(intact_worst, intact["max_abs"])
                 intact_finite &= intact["nonfinite"] == 0
                 broken = int(nf.sum() + wr.sum())
@@ -134,7 +208,8 @@ def run_overflow(ctx: Context) -> Report:
                 sweep.append(dict(dtype=dname, accum=accum, N=n, rows=rows, max_score=target,
                                   threshold=thr, frac_nonfinite=nf.mean(), frac_broken=broken / rows,
                                   frac_predicted=float((first >= 0).mean()),
-                                  intact_max_abs=intact["max_abs"], intact_nonfinite=intact["nonfinite"]))
+                                  intact_max_abs=intact["max_abs"], intact_nonfinite=intact["nonfinite"],
+                                  intact_frac_broken=int(inf_i.sum() + wr_i.sum()) / rows))
                 log(f"[overflow] {step}/{total} {dname} acc{accum[2:]} N={n} max score {target:.2f}: "
                     f"{broken}/{rows} rows broken, intact err {intact['max_abs']:.2e}")
             summary.append([dname, accum, n, thr, onset, last_clean, t_for_tile, tile_pred, tile_meas,
@@ -161,27 +236,12 @@ def run_overflow(ctx: Context) -> Report:
               summary),
         Table("Every sweep point",
               ["dtype", "accum", "N", "max score", "rows", "frac rows inf/NaN", "frac rows broken",
-               "frac predicted (float64 model)", "intact max abs err"],
+               "frac predicted (float64 model)", "intact max abs err", "intact frac rows broken"],
               [[r["dtype"], r["accum"], r["N"], r["max_score"], r["rows"], r["frac_nonfinite"],
-                r["frac_broken"], r["frac_predicted"], r["intact_max_abs"]] for r in sweep]),
+                r["frac_broken"], r["frac_predicted"], r["intact_max_abs"], r["intact_frac_broken"]]
+               for r in sweep]),
     ]
-    fig, (ax,) = new_figure()
-    nmax = max(ns)
-    for dname, accum in OVERFLOW_COMBOS:
-        pts = [r for r in sweep if r["dtype"] == dname and r["accum"] == accum and r["N"] == nmax]
-        ax.plot([p["max_score"] for p in pts], [p["frac_broken"] for p in pts], "o-",
-                label=f"{dname}, accum {accum}")
-    for thr, name in ((math.log(65504.0), "ln(65504) = 11.09"), (math.log(MAX_FINITE["f32"]),
-                                                                   "ln(3.4e38) = 88.72")):
-        ax.axvline(thr, color="k", ls="--", lw=1)
-        ax.text(thr * 1.02, 2e-3, name, rotation=90, va="bottom", fontsize=8)
-    ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=1e-3)
-    ax.set_ylim(-1e-4, 1.2)
-    ax.set_xlabel("largest scaled score max(scale * q.k) (dimensionless, log scale)")
-    ax.set_ylabel("fraction of output rows broken (inf/NaN or error > 0.1)")
-    ax.set_title(f"ablate='max_subtraction', N = {nmax}: rows break past ln(max finite)")
-    ax.legend(fontsize=8)
+    fig = overflow_figure(sweep)
     setup = {
         "shapes": f"B=1, H={heads}, Nq=min(N, {nq_cap}) query rows, Nk=N in {ns}, D={d}",
         "inputs": "q, k ~ N(0,1); v ~ U(-1,1) (so the fp16 output accumulator cannot overflow before the "
@@ -199,8 +259,12 @@ def run_overflow(ctx: Context) -> Report:
     }
     return Report("overflow", "Break 1: no max subtraction, the exponentials overflow", finding, setup,
                   tables, data={"sweep": sweep}, figure=fig,
-                  figure_caption="Fraction of broken output rows against the largest score; dashed "
-                                 "lines: predicted thresholds ln(max finite).",
+                  figure_caption="Share of broken output rows (inf/NaN, or max abs error > 0.1 against "
+                                 "float64) against the largest scaled score measured from its predicted "
+                                 "threshold ln(max finite) (dashed line; 11.09 or 88.72 per combo, in the "
+                                 "legend), at the largest N; solid: ablate='max_subtraction', one curve "
+                                 "per (dtype, accum); black: the intact kernel on the same inputs, worst "
+                                 "of the combos.",
                   notes=["With ablate='max_subtraction' P is rounded to the element type before P V, so "
                          "fp16 inputs overflow at 11.09 whatever the accumulator; fp16 accumulators hold "
                          "the running sum in fp16, so every dtype overflows at 11.09 with accum='fp16'.",
