@@ -539,6 +539,21 @@ def _nvrtc_log(variant: Variant, arch: str) -> str:
         nvrtc.destroyProgram(prog)
 
 
+def _nvrtc_log_fresh_process(variant: Variant, arch: str) -> str:
+    """``_nvrtc_log`` run in a new Python process (the first compile of a process gets ptxas's report
+    from NVRTC 13.0; see ``compile_report``). Returns "" if that process fails."""
+    import pickle
+    import subprocess
+    import sys
+
+    code = ("import pickle, sys; from flashcupy._build import _nvrtc_log; "
+            "sys.stdout.write(_nvrtc_log(*pickle.loads(sys.stdin.buffer.read())))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((variant, arch)),
+                         capture_output=True, env=env, timeout=900)
+    return res.stdout.decode(errors="replace") if res.returncode == 0 else ""
+
+
 def ptx(variant: Variant, arch: str | None = None) -> str:
     """The variant's PTX as NVRTC builds it (no GPU needed), for the CUDA toolkit's ptxas and cuobjdump:
     the cubin bytes of CuPy's NVRTC binding can come back truncated, and NVRTC's log can be empty."""
@@ -604,9 +619,14 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
     arch = arch or variant.fam.arch or CHECK_ARCH
     log = _nvrtc_log(variant, arch)
     if "Function properties for" not in log:
-        # NVRTC 13.0 (the H200 machine's toolkit) returns an empty log for every compile, -v or not;
-        # the same PTX through the toolkit's ptxas reports the same resources.
-        log = _toolkit_ptxas_log(variant, arch) or log
+        # NVRTC 13.0 puts ptxas's -v report in the program log only the first time a process compiles
+        # with a given set of ptxas options (measured on the H200 machine: three identical compiles of
+        # a one-line kernel log 306, 0, 0 bytes, and any NVVM-side option such as -ftz, -D or -std keeps
+        # the empty log; a new ptxas option set logs once more; NVRTC 13.5 logs every time). A fresh
+        # process compiles with a fresh ptxas state; the toolkit's ptxas is the last resort.
+        log = _nvrtc_log_fresh_process(variant, arch)
+        if "Function properties for" not in log:
+            log = _toolkit_ptxas_log(variant, arch) or log
     # ptxas reports each entry function in turn; a backward source holds several. Per kernel:
     rep = {"key": variant.key, "threads": variant.threads, "kernels": {}}
     for role in variant.roles:

@@ -108,3 +108,16 @@ def test_compile_error_names_file_and_line(tmp_path, monkeypatch):
     v = covering_variants("fwd_simt")[0]
     with pytest.raises(_build.CompileError, match=r"kernels_cu/fwd_simt\.cu\(\d+\)"):
         compile_report(v)
+
+
+def test_report_survives_an_nvrtc_that_keeps_ptxas_quiet(monkeypatch):
+    """NVRTC 13.0 logs ptxas's resource report only for the first compile of each ptxas option set in
+    a process: with the in-process log emptied, the report comes from a fresh process, the same numbers."""
+    from flashcupy import _build
+
+    v = covering_variants("fwd_mma")[0]
+    want = compile_report(v)
+    monkeypatch.setattr(_build, "_nvrtc_log", lambda variant, arch: "")
+    monkeypatch.setattr(_build, "_toolkit_ptxas_log", lambda variant, arch: None)
+    got = compile_report(v)
+    assert got["kernels"] == want["kernels"] and got["registers"] > 0
