@@ -497,9 +497,10 @@ def _device_us(fn, calls: int = 50) -> float:
 
 
 def _small_calls(ctx: Context, torch) -> list:
-    """Rows (B, H, N, D, direction, flashcupy us, SDPA us, ratio, flashcupy device us, SDPA device us) on
-    fp16 inputs, non-causal, default knobs (what a user's loop runs): SDPA picks its own backend, its
-    backward is ``torch.autograd.grad`` of one retained graph."""
+    """Rows (B, H, N, D, direction, flashcupy us, SDPA us, ratio, flashcupy device us, SDPA device us,
+    flashcupy.torch us) on fp16 inputs, non-causal, default knobs (what a user's loop runs): SDPA picks its
+    own backend; a backward is ``torch.autograd.grad`` of one retained graph (SDPA's and the torch
+    bridge's custom operator's)."""
     import cupy
 
     rows = []
@@ -516,11 +517,18 @@ def _small_calls(ctx: Context, torch) -> list:
             out = torch.nn.functional.scaled_dot_product_attention(rq, rk, rv)
             peer = {"fwd": lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv),
                     "bwd": lambda: torch.autograd.grad(out, (rq, rk, rv), tdo, retain_graph=True)}
+            import flashcupy.torch as fct
+
+            bq, bk, bv = (t.clone().requires_grad_() for t in (tq, tk, tv))
+            bout = fct.attention(bq, bk, bv)
+            bridge = {"fwd": lambda: fct.attention(tq, tk, tv),
+                      "bwd": lambda: torch.autograd.grad(bout, (bq, bk, bv), tdo, retain_graph=True)}
         for direction in ("fwd", "bwd"):
             ours = _wall_us(ctx, mine[direction])
             theirs = _wall_us(ctx, peer[direction]) if peer else None
             rows.append([b, h, n, d, direction, ours, theirs, ours / theirs if theirs else None,
-                         _device_us(mine[direction]), _device_us(peer[direction]) if peer else None])
+                         _device_us(mine[direction]), _device_us(peer[direction]) if peer else None,
+                         _wall_us(ctx, bridge[direction]) if peer else None])
             log(f"small call {(b, h, n, d)} {direction}: flashcupy {ours:.1f} us, SDPA "
                 f"{'-' if theirs is None else f'{theirs:.1f}'} us")
     return rows
@@ -572,7 +580,7 @@ def run_bench(ctx: Context, cells=None) -> Report:
                             f"{SMALL_ROUNDS} rounds of {SMALL_CALLS} synchronized calls), fp16, non-causal, "
                             "default knobs; device us: the GPU's own time per call",
                             ["B", "H", "N", "D", "direction", "flashcupy us", "SDPA us", "flashcupy / SDPA",
-                             "flashcupy device us", "SDPA device us"], small))
+                             "flashcupy device us", "SDPA device us", "flashcupy.torch us"], small))
     return Report("bench", "Speed: flashcupy against naive attention and torch SDPA, same run", finding,
                   setup, tables, data={"cells": raw, "batch": b, "heads": h, "small_calls": small},
                   figure=fig,
