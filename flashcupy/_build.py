@@ -449,9 +449,10 @@ class KernelHandle:
         self.function = function
         self.smem_bytes = smem_bytes
         self.threads = variant.threads
+        self.block = (self.threads,)
 
     def __call__(self, grid, args):
-        self.function(grid, (self.threads,), args, shared_mem=self.smem_bytes)
+        self.function(grid, self.block, args, shared_mem=self.smem_bytes)
 
 
 _MODULES: dict = {}                      # (variant, device id) -> {role: KernelHandle}
