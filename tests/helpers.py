@@ -1,4 +1,4 @@
-"""What the test modules share besides the tolerance rules (those live in tests/numerics.py): input
+"""What the test modules share besides the tolerance rules (those live in flashcupy/accuracy.py): input
 makers, parameter ids, block-size parameters and the NaN-poisoned launch helpers."""
 from __future__ import annotations
 

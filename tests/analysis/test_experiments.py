@@ -11,8 +11,8 @@ import pytest
 from analysis import EXPERIMENTS
 from analysis.__main__ import main
 from analysis.common import fmt, from_json_number
+from flashcupy.accuracy import F32_NEAR_FLOAT64, FACTOR, tolerance
 from tests.helpers import LN_MAX
-from tests.numerics import F32_NEAR_FLOAT64, FACTOR, tolerance
 
 
 @pytest.fixture(scope="module")

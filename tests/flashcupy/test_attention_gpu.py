@@ -9,6 +9,7 @@ import flashcupy
 from flashcupy import naive, reference
 from flashcupy._build import Variant
 from flashcupy._checks import check_forward, numpy_dtype
+from flashcupy.accuracy import assert_accurate, assert_lse_accurate, assert_matches_twin, max_abs_err
 from tests.helpers import (
     FORWARD_DEFAULTS,
     LN_MAX,
@@ -21,7 +22,6 @@ from tests.helpers import (
     shape_ids,
     to_device,
 )
-from tests.numerics import assert_accurate, assert_lse_accurate, assert_matches_twin, max_abs_err
 
 pytestmark = pytest.mark.gpu
 

@@ -7,6 +7,13 @@ import pytest
 
 import flashcupy
 from flashcupy import naive, reference
+from flashcupy.accuracy import (
+    F32_NEAR_FLOAT64,
+    assert_accurate,
+    assert_matches_twin,
+    backward_reduction,
+    dq_order_tolerance,
+)
 from tests.helpers import (
     block_params,
     combo_id,
@@ -15,13 +22,6 @@ from tests.helpers import (
     run_backward_poisoned,
     shape_ids,
     to_device,
-)
-from tests.numerics import (
-    F32_NEAR_FLOAT64,
-    assert_accurate,
-    assert_matches_twin,
-    backward_reduction,
-    dq_order_tolerance,
 )
 
 pytestmark = pytest.mark.gpu

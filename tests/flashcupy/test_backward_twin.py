@@ -6,8 +6,8 @@ import pytest
 
 import flashcupy
 from flashcupy import naive, reference
+from flashcupy.accuracy import F32_BLOCK_INVARIANCE, assert_accurate, backward_reduction, max_abs_err
 from tests.helpers import do_qkv, parametrize_causal
-from tests.numerics import F32_BLOCK_INVARIANCE, assert_accurate, backward_reduction, max_abs_err
 
 CASES = [  # (B, Hq, Hkv, Nq, Nk, D)
     pytest.param((1, 2, 2, 1, 1, 32), id="n1"),

@@ -10,8 +10,8 @@ import pytest
 import flashcupy
 from flashcupy import _build, naive, reference
 from flashcupy._checks import check_forward
+from flashcupy.accuracy import assert_accurate, backward_reduction, max_abs_err
 from tests.helpers import FORWARD_DEFAULTS, do_qkv, qkv
-from tests.numerics import assert_accurate, backward_reduction, max_abs_err
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import pytest
 
 import flashcupy
 from flashcupy import reference
-from tests.numerics import F32_NEAR_FLOAT64, assert_lse_accurate
+from flashcupy.accuracy import F32_NEAR_FLOAT64, assert_lse_accurate
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="the torch bridge needs torch")

@@ -6,8 +6,7 @@ import pytest
 
 import flashcupy
 from flashcupy import naive, reference
-from tests.helpers import LN_MAX, one_hot_score_inputs, parametrize_causal, qkv
-from tests.numerics import (
+from flashcupy.accuracy import (
     F32_BLOCK_INVARIANCE,
     F32_NEAR_FLOAT64,
     assert_accurate,
@@ -15,6 +14,7 @@ from tests.numerics import (
     max_abs_err,
     tolerance,
 )
+from tests.helpers import LN_MAX, one_hot_score_inputs, parametrize_causal, qkv
 
 DTYPES = ["f32", "f16", "bf16"]
 CASES = [  # (B, Hq, Hkv, Nq, Nk, D)

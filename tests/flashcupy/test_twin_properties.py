@@ -14,7 +14,7 @@ import flashcupy  # noqa: E402
 from flashcupy import naive, reference  # noqa: E402
 from flashcupy._build import FAMILIES, Variant  # noqa: E402
 from flashcupy._checks import dtype_name, numpy_dtype  # noqa: E402
-from tests.numerics import assert_accurate, assert_lse_accurate  # noqa: E402
+from flashcupy.accuracy import assert_accurate, assert_lse_accurate  # noqa: E402
 
 
 @st.composite
@@ -36,7 +36,7 @@ def problems(draw):
     rng = np.random.default_rng(seed)
     dt = numpy_dtype(dname)
     # Larger scores (q x 3) with fp32 accumulators only: the fp16-accumulator floor of the accuracy rule
-    # (8 fp16 roundoffs, tests/numerics.py) is calibrated on N(0, 1) inputs; fp16 score accumulators
+    # (8 fp16 roundoffs, flashcupy/accuracy.py) is calibrated on N(0, 1) inputs; fp16 score accumulators
     # err by u |s| per score, so 3x larger scores exceed it (found here: 4.5e-3 against 3.9e-3).
     scale_q = draw(st.sampled_from([1.0, 3.0] if accum == "fp32" else [1.0]))
     q = (scale_q * rng.standard_normal((b, hkv * group, nq, d))).astype(dt)
@@ -100,7 +100,7 @@ def test_gpu_fuzz_kernels_against_twin_and_float64(problem, layout):
     float64 (rule 1), twice (the second call runs from the remembered problem and launch plan)."""
     import cupy
 
-    from tests.numerics import assert_matches_twin
+    from flashcupy.accuracy import assert_matches_twin
 
     q, k, v, kw = problem
     if kw["kernel"] == "wgmma" and int(cupy.cuda.Device().compute_capability) != 90:

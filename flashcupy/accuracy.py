@@ -1,5 +1,6 @@
-"""Every tolerance rule of the tests, in one place (GUIDE.md). A test states what it compares; the
-bound it compares against comes from here.
+"""The accuracy rules flashcupy's kernels are held to, in one place: every test states what it compares
+and takes the bound it compares against from here, the analysis draws the same bounds, and a kernel
+writer can hold their own kernel to them (``tolerance``, ``assert_accurate``).
 
 1. The accuracy rule (flash-attention's own): the error of flashcupy against the float64 reference may
    be at most FACTOR times the error of a naive attention computed in the same input precision
