@@ -541,15 +541,15 @@ def _nvrtc_log(variant: Variant, arch: str) -> str:
 
 
 def _nvrtc_log_fresh_process(variant: Variant, arch: str) -> str:
-    """``_nvrtc_log`` run in a new Python process (the first compile of a process gets ptxas's report
-    from NVRTC 13.0; see ``compile_report``). Returns "" if that process fails."""
+    """``_nvrtc_log`` in a new Python process with NVRTC's compile cache off (CUDA_CACHE_DISABLE=1), so
+    that ptxas runs and reports (see ``compile_report``). Returns "" if that process fails."""
     import pickle
     import subprocess
     import sys
 
     code = ("import pickle, sys; from flashcupy._build import _nvrtc_log; "
             "sys.stdout.write(_nvrtc_log(*pickle.loads(sys.stdin.buffer.read())))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "CUDA_CACHE_DISABLE": "1"}
     res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((variant, arch)),
                          capture_output=True, env=env, timeout=900)
     return res.stdout.decode(errors="replace") if res.returncode == 0 else ""
@@ -620,11 +620,11 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
     arch = arch or variant.fam.arch or CHECK_ARCH
     log = _nvrtc_log(variant, arch)
     if "Function properties for" not in log:
-        # NVRTC 13.0 puts ptxas's -v report in the program log only the first time a process compiles
-        # with a given set of ptxas options (measured on the H200 machine: three identical compiles of
-        # a one-line kernel log 306, 0, 0 bytes, and any NVVM-side option such as -ftz, -D or -std keeps
-        # the empty log; a new ptxas option set logs once more; NVRTC 13.5 logs every time). A fresh
-        # process compiles with a fresh ptxas state; the toolkit's ptxas is the last resort.
+        # NVRTC >= 12.9 keeps compiled cubins in the CUDA compute cache on disk (shared by processes); a
+        # compile served from it never runs ptxas, so the log holds no -v report (measured on the H200
+        # machine, NVRTC 13.0: three identical compiles of a one-line kernel log 306, 0, 0 bytes;
+        # NVIDIA/cuda-python#1124 describes the same). The report is compiled again in a fresh process
+        # with CUDA_CACHE_DISABLE=1; the toolkit's ptxas on NVRTC's PTX is the last resort.
         log = _nvrtc_log_fresh_process(variant, arch)
         if "Function properties for" not in log:
             log = _toolkit_ptxas_log(variant, arch) or log
