@@ -1,8 +1,10 @@
 """Launching the kernels on CuPy arrays (shapes and knobs already checked)."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import threading
 
 import numpy as np
 
@@ -56,8 +58,73 @@ _PLAN_LIMIT = 1024   # plans remembered; past that the memo starts over
 _MAPS_LIMIT = 64     # TMA map triples remembered per plan (one per (q, k, v) address triple)
 
 
+class _Launcher:
+    """One kernel's launches with a fixed argument layout through the driver's ``cuLaunchKernel``
+    (``cuda.bindings``) on an argument array built once from the first call's arguments; a later call
+    writes only what changes: the arrays' addresses and, when the q, k, v addresses change, the TMA maps.
+    CuPy's launch converts every argument on every call: 10.4 us against 6.0 us for the 23 arguments of
+    the Hopper forward (measured on the H200); the bits are the same (the same kernel, the same bytes)."""
+
+    def __init__(self, kern, grid, args):
+        from cuda.bindings import driver
+
+        self._driver = driver
+        self._fn = driver.CUfunction(kern.function.kernel.ptr)  # the kernel on the current device
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        self._dims = (*grid, kern.threads, 1, 1, kern.smem_bytes)
+        self._slots = [_c_value(a) for a in args]
+        self._arrays = [s for a, s in zip(args, self._slots) if _is_device_array(a)]
+        self._maps = [s for a, s in zip(args, self._slots) if isinstance(a, np.void)]
+        self._params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, self._slots))
+        self._addr = ctypes.addressof(self._params)
+        self._last_maps = tuple(args[i] for i, a in enumerate(args) if isinstance(a, np.void))
+        self._lock = threading.Lock()  # one argument array: one launch at a time
+
+    def __call__(self, stream: int, pointers: tuple, maps: tuple = ()) -> None:
+        with self._lock:
+            for slot, ptr in zip(self._arrays, pointers):
+                slot.value = ptr
+            if maps and maps is not self._last_maps:
+                for slot, m in zip(self._maps, maps):
+                    ctypes.memmove(slot, m.tobytes(), len(slot))
+                self._last_maps = maps
+            err, = self._driver.cuLaunchKernel(self._fn, *self._dims, stream, self._addr, 0)
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel failed: {err}")
+
+    @staticmethod
+    def make(kern, grid, args):
+        """A launcher, or None where cuda.bindings is not installed (CuPy launches then)."""
+        try:
+            return _Launcher(kern, grid, args)
+        except ImportError:
+            return None
+
+
+_C_SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
+              np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float}
+
+
+def _is_device_array(a) -> bool:
+    return hasattr(getattr(a, "data", None), "ptr")
+
+
+def _c_value(a):
+    """A kernel argument as the ctypes object whose bytes the kernel receives: an array's device address,
+    a 128-byte TMA map, or a NumPy scalar of a fixed width."""
+    if _is_device_array(a):
+        return ctypes.c_uint64(a.data.ptr)
+    if isinstance(a, np.void):
+        return (ctypes.c_ubyte * a.dtype.itemsize).from_buffer_copy(a.tobytes())
+    if isinstance(a, np.generic) and a.dtype in _C_SCALARS:
+        return _C_SCALARS[a.dtype](a.item())
+    raise TypeError(f"kernel argument of type {type(a).__name__} ({getattr(a, 'dtype', '')}) has no fixed "
+                    "C layout here")
+
+
 class _ForwardPlan:
-    __slots__ = ("aligned", "kern", "grid", "args", "tail", "maps", "boxes", "o_shape", "lse_shape")
+    __slots__ = ("aligned", "kern", "grid", "args", "tail", "maps", "boxes", "o_shape", "lse_shape",
+                 "launcher")
 
     def __init__(self, p: Problem, q_strides, k_strides, v_strides, itemsize: int):
         var = p.variant
@@ -71,7 +138,7 @@ class _ForwardPlan:
         self.args = (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
                      *_element_strides(q_strides, itemsize), *_element_strides(k_strides, itemsize),
                      *_element_strides(v_strides, itemsize), np.float32(p.scale * _LOG2E))
-        self.tail, self.maps, self.boxes = (), None, None
+        self.tail, self.maps, self.boxes, self.launcher = (), None, None, None
         if var.fam.kind == "wgmma":
             # The Hopper kernels load q, k, v by TMA from tensor maps over their real strides, passed
             # first, by value; they also take the head and batch counts, and a persistent variant loops
@@ -136,10 +203,14 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
         lse = cupy.empty(plan.lse_shape, dtype=cupy.float32)
     else:
         assert lse.flags.c_contiguous and lse.shape == plan.lse_shape and lse.dtype == cupy.float32
-    args = (q, k, v, o, lse) + plan.args
-    if plan.maps is not None:  # q, k, v stay alive until return; the kernel reads them through the maps
-        args = plan.tensor_maps(q, k, v) + args + plan.tail
+    maps = plan.tensor_maps(q, k, v) if plan.maps is not None else ()  # q, k, v stay alive until return
+    if plan.launcher is not None:
+        plan.launcher(cupy.cuda.get_current_stream().ptr,
+                      (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr), maps)
+        return o, lse
+    args = maps + (q, k, v, o, lse) + plan.args + plan.tail
     plan.kern(plan.grid, args)
+    plan.launcher = _Launcher.make(plan.kern, plan.grid, args)  # the next calls launch through it
     return o, lse
 
 

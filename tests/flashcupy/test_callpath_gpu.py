@@ -141,3 +141,46 @@ def test_kernels_fold_the_lse_gradient_into_delta(rng, kernel, deterministic):
         assert_accurate(cupy.asnumpy(x), r, n, "f16", "fp32", kind="bwd", what=f"{kernel} {name}",
                         reduction=backward_reduction(q, k), naive_ref=r0)
     assert max_abs_err(cupy.asnumpy(grads[0]), plain[0]) > 10 * max_abs_err(cupy.asnumpy(grads[0]), refs[0])
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "simt"])
+def test_driver_launcher_gives_the_bits_of_cupys_launch_from_many_threads(rng, kernel, monkeypatch):
+    """Calls after the first go through the driver-level launcher (one argument array per plan, under a
+    lock): the bits of CuPy's launch, for several address triples, from 6 threads at once."""
+    import cupy
+
+    from flashcupy import _launch
+
+    if kernel == "wgmma" and not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    sets = [[cupy.asarray(x) for x in qkv(rng, (2, 4, 2, 150, 190, 64), "f16")] for _ in range(3)]
+    monkeypatch.setattr(_launch._Launcher, "make", staticmethod(lambda *args: None))  # CuPy launches only
+    _launch._FORWARD_PLANS.clear()
+    first = [flashcupy.attention(*s, kernel=kernel, causal=True) for s in sets]
+    monkeypatch.undo()
+    _launch._FORWARD_PLANS.clear()
+    out, errors = [[None] * 3 for _ in range(6)], []
+    start = threading.Barrier(6)
+
+    def work(t):
+        try:
+            start.wait()
+            with cupy.cuda.Stream(non_blocking=True) as s:
+                for i in range(3):
+                    for _ in range(4):
+                        out[t][i] = flashcupy.attention(*sets[(i + t) % 3], kernel=kernel, causal=True)
+                s.synchronize()
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    p = check_forward(*sets[0], **{**FORWARD_DEFAULTS, "kernel": kernel, "causal": True})
+    assert _launch._forward_plan(p, *sets[0]).launcher is not None, "cuda.bindings is installed: no launcher"
+    for t in range(6):
+        for i in range(3):
+            assert bool((out[t][i] == first[(i + t) % 3]).all()), f"thread {t}, input set {(i + t) % 3}"
