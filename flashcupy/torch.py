@@ -3,9 +3,10 @@
 The forward and the backward are registered as ``torch.library.custom_op`` s (``flashcupy::attention``
 and ``flashcupy::attention_backward``) with fake (meta) implementations and ``register_autograd``, so
 ``loss.backward()`` works and ``torch.compile(fullgraph=True)`` traces a model that calls them without a
-graph break. Tensors cross between torch and CuPy through DLPack without copies, and every kernel runs on
-torch's current CUDA stream of the tensors' device (wrapped with ``cupy.cuda.Stream.from_external``), so
-the kernels order correctly with the surrounding torch work, inside ``torch.cuda.stream(...)`` too.
+graph break. The kernels read torch's tensors through CuPy views of their memory and write outputs that
+torch allocated (no copies; the memory stays with torch's caching allocator), on torch's current CUDA
+stream of the tensors' device (wrapped with ``cupy.cuda.Stream.from_external``), so they order correctly
+with the surrounding torch work, inside ``torch.cuda.stream(...)`` too.
 
 Import this module only where torch is installed (``pip install "flashcupy[torch]"``); nothing else in
 flashcupy imports torch.
@@ -15,9 +16,11 @@ from __future__ import annotations
 from typing import Optional
 
 import cupy
+import numpy as np
 import torch
 
-import flashcupy
+from . import _launch
+from ._checks import backward_problem, forward_problem, numpy_dtype
 
 __all__ = ["attention"]
 
@@ -56,20 +59,38 @@ def _stream(device: torch.device) -> cupy.cuda.Stream:
     return cs
 
 
+_NP_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
+              torch.bfloat16: numpy_dtype("bf16")}
+
+
 def _cp(t: torch.Tensor):
-    return cupy.from_dlpack(t.detach())
+    """A CuPy view of a CUDA tensor's memory (no copy; the view holds the tensor). Built directly from the
+    tensor's address, shape and strides: DLPack's import costs 16 us a tensor on the H200, this about 5;
+    both need the kernels to run on torch's current stream, as they do here. Other dtypes and empty
+    tensors go through DLPack (the checks then say what is allowed)."""
+    dt = _NP_DTYPES.get(t.dtype)
+    if dt is None or t.numel() == 0:
+        return cupy.from_dlpack(t.detach())
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span * dt.itemsize, t, t.device.index)
+    return cupy.ndarray(tuple(t.shape), dt, cupy.cuda.MemoryPointer(mem, 0),
+                        tuple(st * dt.itemsize for st in t.stride()))
 
 
 @torch.library.custom_op("flashcupy::attention", mutates_args=(), device_types="cuda")
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
                   block_m: Optional[int], block_n: Optional[int], accum: str, kernel: str,
                   ablate: Optional[str], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # ``deterministic`` is the backward's knob, kept by the forward for its autograd context
+    # ``deterministic`` is the backward's knob, kept by the forward for its autograd context. The outputs
+    # come from torch's allocator; the kernels write them through CuPy views.
+    cq, ck, cv = _cp(q), _cp(k), _cp(v)
+    p = forward_problem(cq, ck, cv, causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum,
+                        kernel=kernel, ablate=ablate)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     with _stream(q.device):
-        o, lse = flashcupy.attention(_cp(q), _cp(k), _cp(v), causal=causal, scale=scale, block_m=block_m,
-                                     block_n=block_n, accum=accum, kernel=kernel, ablate=ablate,
-                                     return_lse=True)
-    return torch.from_dlpack(o), torch.from_dlpack(lse)
+        _launch.forward(cq, ck, cv, p, o=_cp(o), lse=_cp(lse))
+    return o, lse
 
 
 @_attention_op.register_fake
@@ -84,12 +105,14 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if do.stride(-1) != 1:
         do = do.contiguous()
+    arrays = [_cp(x) for x in (do, q, k, v, o, lse)]
+    cdlse = None if dlse is None else _cp(dlse)
+    p = backward_problem(*arrays, causal=causal, scale=scale, block_m=None, block_n=None, accum=accum,
+                         kernel=kernel, deterministic=deterministic, dlse=cdlse)
+    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     with _stream(q.device):
-        grads = flashcupy.attention_backward(_cp(do), _cp(q), _cp(k), _cp(v), _cp(o), _cp(lse), causal=causal,
-                                             scale=scale, accum=accum, kernel=kernel,
-                                             deterministic=deterministic,
-                                             dlse=None if dlse is None else _cp(dlse))
-    return tuple(torch.from_dlpack(g) for g in grads)
+        _launch.backward(*arrays, p, deterministic=deterministic, grads=tuple(map(_cp, grads)), dlse=cdlse)
+    return grads
 
 
 @_attention_backward_op.register_fake
