@@ -16,6 +16,15 @@ from tests.helpers import FORWARD_DEFAULTS, do_qkv, qkv
 pytestmark = pytest.mark.gpu
 
 
+def _run_threads(work, n: int) -> None:
+    """work(0), ..., work(n - 1) on n threads at once; returns when all have finished."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def _hopper() -> bool:
     import cupy
 
@@ -78,11 +87,7 @@ def test_first_calls_from_eight_threads_compile_once(rng, monkeypatch):
         except Exception as e:  # reported below with the thread's number
             errors.append((i, repr(e)))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads(work, 8)
     assert not errors, errors
     assert len(builds) == 1, f"{len(builds)} module builds for one variant"
     ref = reference.attention(q, k, v, causal=True)
@@ -173,11 +178,7 @@ def test_driver_launcher_gives_the_bits_of_cupys_launch_from_many_threads(rng, k
         except Exception as e:  # reported below
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads(work, 6)
     assert not errors, errors
     p = check_forward(*sets[0], **{**FORWARD_DEFAULTS, "kernel": kernel, "causal": True})
     assert _launch._forward_plan(p, *sets[0]).launcher is not None, "cuda.bindings is installed: no launcher"

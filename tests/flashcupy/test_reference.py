@@ -85,6 +85,20 @@ def test_row_chunking_changes_nothing(rng, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
 
 
+def _assert_matches_central_differences(grads, loss, inputs, eps: float = 1e-6):
+    """(dq, dk, dv) against central differences of the float64 ``loss(q, k, v)``, element by element."""
+    for which, x in enumerate(inputs):
+        num = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            args = [a.copy() for a in inputs]
+            args[which][idx] += eps
+            plus = loss(*args)
+            args[which][idx] -= 2 * eps
+            num[idx] = (plus - loss(*args)) / (2 * eps)
+        np.testing.assert_allclose(grads[which], num, rtol=1e-6, atol=1e-7,
+                                   err_msg="dq dk dv"[3 * which:3 * which + 2])
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_backward_matches_finite_differences(rng, causal):
     b, hq, hkv, nq, nk, d = 1, 4, 2, 5, 7, 8
@@ -98,17 +112,7 @@ def test_backward_matches_finite_differences(rng, causal):
     def loss(q_, k_, v_):
         return float(np.sum(do * reference.attention(q_, k_, v_, causal=causal, scale=scale)))
 
-    eps = 1e-6
-    for which, x in enumerate((q, k, v)):
-        num = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            args = [q.copy(), k.copy(), v.copy()]
-            args[which][idx] += eps
-            plus = loss(*args)
-            args[which][idx] -= 2 * eps
-            num[idx] = (plus - loss(*args)) / (2 * eps)
-        np.testing.assert_allclose(grads[which], num, rtol=1e-6, atol=1e-7,
-                                   err_msg="dq dk dv"[3 * which:3 * which + 2])
+    _assert_matches_central_differences(grads, loss, (q, k, v))
 
 
 def test_accepts_16_bit_and_bfloat16_inputs(rng):
@@ -135,17 +139,7 @@ def test_backward_with_lse_gradient_matches_finite_differences(rng):
         o, lse = reference.attention(q_, k_, v_, causal=True, return_lse=True)
         return float(np.sum(do * o) + np.sum(g * lse))
 
-    eps = 1e-6
-    for which, x in enumerate((q, k, v)):
-        num = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            args = [q.copy(), k.copy(), v.copy()]
-            args[which][idx] += eps
-            plus = loss(*args)
-            args[which][idx] -= 2 * eps
-            num[idx] = (plus - loss(*args)) / (2 * eps)
-        np.testing.assert_allclose(grads[which], num, rtol=1e-6, atol=1e-7,
-                                   err_msg="dq dk dv"[3 * which:3 * which + 2])
+    _assert_matches_central_differences(grads, loss, (q, k, v))
     # dv does not see the LSE; dq and dk do
     plain = reference.attention_backward(do, q, k, v, causal=True)
     np.testing.assert_allclose(grads[2], plain[2], rtol=1e-12, atol=1e-12)
