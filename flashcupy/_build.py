@@ -550,8 +550,11 @@ def _nvrtc_log_fresh_process(variant: Variant, arch: str) -> str:
     code = ("import pickle, sys; from flashcupy._build import _nvrtc_log; "
             "sys.stdout.write(_nvrtc_log(*pickle.loads(sys.stdin.buffer.read())))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "CUDA_CACHE_DISABLE": "1"}
-    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((variant, arch)),
-                         capture_output=True, env=env, timeout=900)
+    try:
+        res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((variant, arch)),
+                             capture_output=True, env=env, timeout=900)
+    except (subprocess.SubprocessError, OSError):
+        return ""
     return res.stdout.decode(errors="replace") if res.returncode == 0 else ""
 
 
@@ -625,9 +628,8 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
         # machine, NVRTC 13.0: three identical compiles of a one-line kernel log 306, 0, 0 bytes;
         # NVIDIA/cuda-python#1124 describes the same). The report is compiled again in a fresh process
         # with CUDA_CACHE_DISABLE=1; the toolkit's ptxas on NVRTC's PTX is the last resort.
-        log = _nvrtc_log_fresh_process(variant, arch)
-        if "Function properties for" not in log:
-            log = _toolkit_ptxas_log(variant, arch) or log
+        fresh = _nvrtc_log_fresh_process(variant, arch)
+        log = fresh if "Function properties for" in fresh else (_toolkit_ptxas_log(variant, arch) or log)
     # ptxas reports each entry function in turn; a backward source holds several. Per kernel:
     rep = {"key": variant.key, "threads": variant.threads, "kernels": {}}
     for role in variant.roles:

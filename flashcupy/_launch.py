@@ -66,9 +66,11 @@ class _Launcher:
     the Hopper forward (measured on the H200); the bits are the same (the same kernel, the same bytes)."""
 
     def __init__(self, kern, grid, args):
+        import cupy
         from cuda.bindings import driver
 
         self._driver = driver
+        self._device = cupy.cuda.runtime.getDevice()
         self._fn = driver.CUfunction(kern.function.kernel.ptr)  # the kernel on the current device
         grid = tuple(grid) + (1,) * (3 - len(grid))
         self._dims = (*grid, kern.threads, 1, 1, kern.smem_bytes)
@@ -81,6 +83,7 @@ class _Launcher:
         self._lock = threading.Lock()  # one argument array: one launch at a time
 
     def __call__(self, stream: int, pointers: tuple, maps: tuple = ()) -> None:
+        _bind_context(self._device)
         with self._lock:
             for slot, ptr in zip(self._arrays, pointers):
                 slot.value = ptr
@@ -99,6 +102,24 @@ class _Launcher:
             return _Launcher(kern, grid, args)
         except ImportError:
             return None
+
+
+_THREAD = threading.local()
+
+
+def _bind_context(device: int) -> None:
+    """Make ``device``'s primary context current on this thread, once per thread and device. The driver
+    launch needs a current context, and a thread whose CUDA work so far was served from CuPy's caches
+    (memory pool, compiled modules) may have none; ``cudaFree(0)`` is the runtime's way to bind it (CuPy
+    does the same before each of its own launches)."""
+    bound = getattr(_THREAD, "devices", None)
+    if bound is None:
+        bound = _THREAD.devices = set()
+    if device not in bound:
+        import cupy
+
+        cupy.cuda.runtime.free(0)
+        bound.add(device)
 
 
 _C_SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
@@ -198,19 +219,23 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
     if o is None:
         o = cupy.empty(plan.o_shape, dtype=q.dtype)
     else:
-        assert o.flags.c_contiguous and o.shape == plan.o_shape and o.dtype == q.dtype
+        if not (o.flags.c_contiguous and o.shape == plan.o_shape and o.dtype == q.dtype):
+            raise ValueError(f"o must be C-contiguous {plan.o_shape} {q.dtype}; got {o.shape} {o.dtype}")
     if lse is None:
         lse = cupy.empty(plan.lse_shape, dtype=cupy.float32)
     else:
-        assert lse.flags.c_contiguous and lse.shape == plan.lse_shape and lse.dtype == cupy.float32
+        if not (lse.flags.c_contiguous and lse.shape == plan.lse_shape and lse.dtype == cupy.float32):
+            raise ValueError(f"lse must be C-contiguous {plan.lse_shape} float32; got {lse.shape} "
+                             f"{lse.dtype}")
     maps = plan.tensor_maps(q, k, v) if plan.maps is not None else ()  # q, k, v stay alive until return
     if plan.launcher is not None:
         plan.launcher(cupy.cuda.get_current_stream().ptr,
                       (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr), maps)
         return o, lse
     args = maps + (q, k, v, o, lse) + plan.args + plan.tail
+    launcher = _Launcher.make(plan.kern, plan.grid, args)  # first: a layout error raises before any launch
     plan.kern(plan.grid, args)
-    plan.launcher = _Launcher.make(plan.kern, plan.grid, args)  # the next calls launch through it
+    plan.launcher = launcher  # the next calls launch through it
     return o, lse
 
 

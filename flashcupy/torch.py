@@ -88,7 +88,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                         kernel=kernel, ablate=ablate)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    with _stream(q.device):
+    with cupy.cuda.Device(q.device.index), _stream(q.device):
         _launch.forward(cq, ck, cv, p, o=_cp(o), lse=_cp(lse))
     return o, lse
 
@@ -110,7 +110,7 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     p = backward_problem(*arrays, causal=causal, scale=scale, block_m=None, block_n=None, accum=accum,
                          kernel=kernel, deterministic=deterministic, dlse=cdlse)
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    with _stream(q.device):
+    with cupy.cuda.Device(q.device.index), _stream(q.device):
         _launch.backward(*arrays, p, deterministic=deterministic, grads=tuple(map(_cp, grads)), dlse=cdlse)
     return grads
 
@@ -151,7 +151,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     the same accum and kernel with its own default tiles, and ``deterministic`` as in
     ``flashcupy.attention_backward``. ``return_lse=True`` also returns the LSE, float32 (B, Hq, Nq) in
     both layouts (natural log of the softmax denominator); gradients flow through it too
-    (d lse_i / d s_ij = P_ij, folded into the backward's delta).
+    (d lse_i / d s_ij = P_ij, folded into the backward's delta; where the LSE is not used, autograd hands
+    the backward a zero gradient, which costs one subtraction).
     """
     unknown = set(knobs) - set(_FWD_KNOBS)
     if unknown:

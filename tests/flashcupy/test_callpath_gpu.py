@@ -185,3 +185,26 @@ def test_driver_launcher_gives_the_bits_of_cupys_launch_from_many_threads(rng, k
     for t in range(6):
         for i in range(3):
             assert bool((out[t][i] == first[(i + t) % 3]).all()), f"thread {t}, input set {(i + t) % 3}"
+
+
+def test_a_bare_new_thread_launches_through_the_driver(rng):
+    """A thread whose first CUDA work is a remembered call (plan, launcher and pooled memory all cached)
+    still launches: the launcher binds the device's context itself; the bits equal the main thread's."""
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in qkv(rng, (1, 2, 1, 96, 130, 64), "f16"))
+    ref = [flashcupy.attention(q, k, v, kernel="mma") for _ in range(2)][-1]  # the launcher exists
+    cupy.cuda.Device().synchronize()
+    out, errors = [], []
+
+    def work(_):
+        try:
+            o = flashcupy.attention(q, k, v, kernel="mma")
+            cupy.cuda.Device().synchronize()
+            out.append(o)
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    _run_threads(work, 1)
+    assert not errors, errors
+    assert bool((out[0] == ref).all())

@@ -129,3 +129,21 @@ def test_bridge_argument_errors(rng):
     with pytest.raises(ValueError, match="accum must be one of"):
         fct.attention(q, k, v, accum="fp8")
     assert flashcupy.torch is fct
+
+
+def test_bridge_runs_tensors_on_a_gpu_that_is_not_current(rng):
+    import flashcupy.torch as fct
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    host = [torch.from_numpy(rng.standard_normal((1, 4, 90, 64))).half() for _ in range(3)]
+    grads = {}
+    for dev in ("cuda:0", "cuda:1"):
+        q, k, v = (x.to(dev).requires_grad_() for x in host)
+        o = fct.attention(q, k, v, causal=True, deterministic=True)
+        o.float().square().sum().backward()
+        assert o.device == q.device
+        grads[dev] = [t.detach().cpu() for t in (o, q.grad, k.grad, v.grad)]
+    assert torch.cuda.current_device() == 0
+    for a, b in zip(grads["cuda:0"], grads["cuda:1"]):
+        assert torch.equal(a, b)

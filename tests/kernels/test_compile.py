@@ -122,3 +122,22 @@ def test_report_survives_an_nvrtc_that_keeps_ptxas_quiet(monkeypatch):
     monkeypatch.setattr(_build, "_toolkit_ptxas_log", lambda variant, arch: None)
     got = compile_report(v)
     assert got["kernels"] == want["kernels"] and got["registers"] > 0
+
+
+def test_report_falls_back_when_the_fresh_process_fails(monkeypatch):
+    """A fresh process that cannot run (or times out) gives way to the toolkit's ptxas, and with neither
+    the error shows NVRTC's own log."""
+    import subprocess
+
+    from flashcupy import _build
+
+    v = covering_variants("fwd_mma")[0]
+
+    def broken(*args, **kwargs):
+        raise subprocess.TimeoutExpired("python", 900)
+
+    monkeypatch.setattr(_build, "_nvrtc_log", lambda variant, arch: "NVRTC said this")
+    monkeypatch.setattr(subprocess, "run", broken)
+    monkeypatch.setattr(_build, "_toolkit_ptxas_log", lambda variant, arch: None)
+    with pytest.raises(_build.CompileError, match="NVRTC said this"):
+        compile_report(v)
