@@ -192,7 +192,7 @@ def to_base(value, unit):
 
 
 def infer_provider(name):
-    if re.match(r"(void )?flash_(fwd|bwd)_\w*(mma|simt)\b", name):  # extern "C": no namespace, no template
+    if re.fullmatch(r"(void )?flash_(fwd|bwd)_\w+", name):  # extern "C": no namespace, template or arguments
         return "flashcupy"
     if re.search(r"flash_fwd_kernel|flash_fwd_splitkv|flash_bwd_|flash::", name):
         return "torch_flash"

@@ -71,6 +71,9 @@ class Family:
     roles_of: Callable[["Variant"], tuple[str, ...]] | None = None
     # Knobs the family derives from a variant (-D NAME=value), beyond the common ones.
     extra_defines: Callable[["Variant"], dict[str, int]] = lambda v: {}
+    # A backward family whose atomic-dQ kernel also runs deterministically, given a counter per query
+    # tile that orders its dQ additions by key tile (bwd_wgmma): both paths launch ATOMIC_DQ_ROLES.
+    ordered_dq: bool = False
 
     @property
     def name(self) -> str:
@@ -187,6 +190,31 @@ def _wgmma_limits(v: "Variant") -> str | None:
     return None
 
 
+# bwd_wgmma.cu: Q, dO (with L and delta) stream through this many buffers (its FC_BWD_STAGES default).
+WGMMA_BWD_STAGES = 2
+WGMMA_BWD_HEAD_DIMS = (64, 128)
+
+
+def _bwd_wgmma_smem(v: "Variant", role: str) -> int:
+    # 1024 bytes of alignment slack, K and V, the stages of Q, dO (2-byte elements) and of L, delta
+    # (fp32), two dS^T tiles and the mbarriers (kv_full; q_full, q_empty per stage)
+    if role != "dkdvdq":
+        return 0
+    bm, bn, d, st = v.block_m, v.block_n, v.head_dim, WGMMA_BWD_STAGES
+    return 1024 + 2 * bn * d * 2 + st * (2 * bm * d * 2 + 8 * bm) + 2 * bn * bm * 2 + 8 * (1 + 2 * st)
+
+
+def _bwd_wgmma_limits(v: "Variant") -> str | None:
+    if v.head_dim not in WGMMA_BWD_HEAD_DIMS:
+        return (f"kernel='wgmma' backward runs head dims {WGMMA_BWD_HEAD_DIMS}, not {v.head_dim}; "
+                "kernel='mma' runs the others")
+    if v.head_dim == 128 and v.block_n != 128:
+        # one consumer warpgroup would hold dK, dV and a 64 x 128 dQ share: ptxas spills and serializes
+        # every wgmma (C7512), measured locally
+        return f"kernel='wgmma' backward with D=128 supports block_n=128, not {v.block_n}"
+    return None
+
+
 def wgmma_persistent(v: "Variant") -> bool:
     """Whether a fwd_wgmma variant loops over tiles on one CTA per SM (FC_WG_PERSISTENT=1: the next
     tile's Q, K and V load while this tile's epilogue runs) or runs one tile per CTA. Persistent at D=64
@@ -247,7 +275,7 @@ _FAMILIES = (
     Family(
         kind="mma", direction="bwd", source="bwd_mma.cu",
         roles={"dkdv": "flash_bwd_dkdv_mma", "dq": "flash_bwd_dq_mma", "prep": "flash_bwd_prep",
-               "dkdvdq": "flash_bwd_dkdvdq_mma", "dq_convert": "flash_bwd_dq_convert_mma"},
+               "dkdvdq": "flash_bwd_dkdvdq_mma", "dq_convert": "flash_bwd_dq_convert"},
         roles_of=_bwd_mma_roles,
         dtypes=("f16", "bf16"), block_m=(64, 128), block_n=(64, 128),
         accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
@@ -258,6 +286,22 @@ _FAMILIES = (
         no_spill=lambda v: True,
         limits=lambda v: ("kernel='mma' backward with D > 128 supports block_n=64 only"
                           if v.head_dim_pad > 128 and v.block_n != 64 else None),
+    ),
+    Family(
+        kind="wgmma", direction="bwd", source="bwd_wgmma.cu",
+        roles={"prep": "flash_bwd_prep", "dkdvdq": "flash_bwd_dkdvdq_wgmma", "dq_convert": "flash_bwd_dq_convert"},
+        # query tiles of 64 rows; one consumer warpgroup per 64 keys of the key tile
+        dtypes=("f16", "bf16"), block_m=(64,), block_n=(64, 128),
+        # fp32 accumulators only: accum='fp16' runs on the mma family (_checks.py says so)
+        accums=lambda dtype: ("fp32",),
+        head_dim_pad=lambda d: d,
+        threads=lambda v: 128 * (1 + v.block_n // 64),
+        smem_bytes=_bwd_wgmma_smem,
+        default_blocks=lambda dtype, d, accum: (64, 128),
+        no_spill=lambda v: True,
+        limits=_bwd_wgmma_limits, arch="sm_90a",
+        # one kernel forms dQ both ways: its additions in any order, or in key-tile order (deterministic)
+        ordered_dq=True,
     ),
     Family(
         kind="simt", direction="bwd", source="bwd_simt.cu",

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ._build import ABLATIONS, ACCUMS, FAMILIES, SMEM_LIMIT, WGMMA_HEAD_DIMS, Variant
+from ._build import ABLATIONS, ACCUMS, FAMILIES, SMEM_LIMIT, WGMMA_BWD_HEAD_DIMS, WGMMA_HEAD_DIMS, Variant
 
 KERNELS = ("auto", "mma", "simt", "wgmma")
 _GRID_YZ_MAX = 65535
@@ -187,19 +187,21 @@ def _capability_of(device: int) -> int:
 
 def _wgmma_problem(dname: str, accum: str, direction: str, head_dim: int | None) -> str | None:
     """Why the wgmma family cannot run this call (None: it can, device aside)."""
-    wgmma = FAMILIES.get(f"{direction}_wgmma")
-    if wgmma is None:
-        return ("kernel='wgmma' has no backward yet; attention_backward runs kernel='mma' (float16/bfloat16) "
-                "or kernel='simt' (kernel='auto' picks mma)")
+    wgmma = FAMILIES[f"{direction}_wgmma"]
     if dname not in wgmma.dtypes:
         return (f"kernel='wgmma' runs float16 and bfloat16 inputs; {dname} inputs run on kernel='simt' "
                 "(or kernel='auto')")
     if accum not in wgmma.accums(dname):
+        if direction == "bwd":
+            return ("kernel='wgmma' backward supports accum='fp32' only; accum='fp16' runs on kernel='mma' "
+                    "(float16) or kernel='simt' (kernel='auto' picks mma)")
         return ("kernel='wgmma' with bfloat16 inputs supports accum='fp32' only (wgmma has no bf16 form "
                 "with f16 accumulators); use kernel='simt' for accum='fp16'")
-    if head_dim is not None and head_dim not in WGMMA_HEAD_DIMS:
-        return (f"kernel='wgmma' runs head dims {WGMMA_HEAD_DIMS}; D={head_dim} runs on kernel='mma' "
-                "(float16/bfloat16) or kernel='simt' (every multiple of 8 up to 256)")
+    dims = WGMMA_HEAD_DIMS if direction == "fwd" else WGMMA_BWD_HEAD_DIMS
+    if head_dim is not None and head_dim not in dims:
+        return (f"kernel='wgmma' {'forward' if direction == 'fwd' else 'backward'} runs head dims {dims}; "
+                f"D={head_dim} runs on kernel='mma' (float16/bfloat16) or kernel='simt' (every multiple of 8 "
+                "up to 256)")
     return None
 
 

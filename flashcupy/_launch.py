@@ -170,19 +170,23 @@ class _ForwardPlan:
                 self.grid = (_wgmma_ctas(self.grid[0] * self.grid[1] * self.grid[2]), 1, 1)
 
     def tensor_maps(self, q, k, v) -> tuple:
-        """The TMA maps of q, k, v: a function of their addresses, shapes, strides and dtype, of which
-        only the addresses can change under one plan, so the maps are remembered per address triple."""
-        ptrs = (q.data.ptr, k.data.ptr, v.data.ptr)
-        maps = self.maps.get(ptrs)
-        if maps is None:
-            from ._tma import tensor_map
+        return _tensor_maps(self.maps, (q, k, v), self.boxes, ("q", "k", "v"))
 
-            maps = tuple(tensor_map(x, box, name=name)
-                         for x, box, name in zip((q, k, v), self.boxes, "qkv"))
-            if len(self.maps) >= _MAPS_LIMIT:
-                self.maps.clear()
-            self.maps[ptrs] = maps
-        return maps
+
+def _tensor_maps(cache: dict, arrays: tuple, boxes: tuple, names: tuple) -> tuple:
+    """The TMA maps of ``arrays`` (box rows ``boxes``): a function of their addresses, shapes, strides and
+    dtype, of which only the addresses can change under one plan, so ``cache`` (the plan's) remembers
+    them per address tuple."""
+    ptrs = tuple(x.data.ptr for x in arrays)
+    maps = cache.get(ptrs)
+    if maps is None:
+        from ._tma import tensor_map
+
+        maps = tuple(tensor_map(x, box, name=name) for x, box, name in zip(arrays, boxes, names))
+        if len(cache) >= _MAPS_LIMIT:
+            cache.clear()
+        cache[ptrs] = maps
+    return maps
 
 
 _FORWARD_PLANS: dict = {}
@@ -241,7 +245,8 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
 
 class _BackwardPlan:
     __slots__ = ("aligned", "prep", "prep_grid", "prep_tail", "k_kv", "k_q", "kv_grid", "q_grid", "args",
-                 "atomic", "conv_grid", "conv_tail", "q_shape", "kv_shape", "rows_shape")
+                 "atomic", "conv_grid", "conv_tail", "q_shape", "kv_shape", "rows_shape", "maps", "boxes",
+                 "sem_shape")
 
     def __init__(self, p: Problem, deterministic: bool, strides: tuple, itemsize: int):
         var = p.variant
@@ -267,6 +272,12 @@ class _BackwardPlan:
         n4 = rows * p.head_dim // 4
         self.conv_grid = (min((n4 + 255) // 256, 65536),)
         self.conv_tail = (np.int64(n4), scale_log2)
+        self.maps, self.boxes, self.sem_shape = None, None, None
+        if var.fam.kind == "wgmma":
+            # q, k, v, dout by TMA (maps first, by value); deterministic: one counter per query tile
+            self.maps, self.boxes = {}, (var.block_m, var.block_n, var.block_n, var.block_m)
+            if deterministic:
+                self.sem_shape = (p.batch, p.heads_q, (p.nq + var.block_m - 1) // var.block_m)
 
 
 _BACKWARD_PLANS: dict = {}
@@ -319,7 +330,12 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
                  cupy.empty(plan.kv_shape, dtype=q.dtype))
     dq, dk, dv = grads
     args = (q, k, v, do, lse, delta, dq, dk, dv) + plan.args
-    if plan.atomic:
+    if plan.maps is not None:  # wgmma: the maps, and the counters that order dQ's additions (or null)
+        maps = _tensor_maps(plan.maps, (q, k, v, do), plan.boxes, ("q", "k", "v", "do"))
+        sem = np.uint64(0) if plan.sem_shape is None else cupy.zeros(plan.sem_shape, dtype=cupy.int32)
+        plan.k_kv(plan.kv_grid, maps + args + (dq_accum, sem))
+        plan.k_q(plan.conv_grid, (dq_accum, dq) + plan.conv_tail)
+    elif plan.atomic:
         plan.k_kv(plan.kv_grid, args + (dq_accum,))
         plan.k_q(plan.conv_grid, (dq_accum, dq) + plan.conv_tail)
     else:
@@ -330,8 +346,9 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
 
 def backward_roles(var, deterministic: bool) -> tuple[str, str]:
     """The roles of the two kernels a backward call of ``var`` launches after "prep", in order: the
-    atomic-dQ pair where the variant has it and determinism is not asked for, else dK/dV then dQ."""
-    if not deterministic and set(ATOMIC_DQ_ROLES) <= set(var.roles):
+    atomic-dQ pair where the variant has it and determinism is not asked for (or where its kernel can
+    order the additions: ``Family.ordered_dq``), else dK/dV then dQ."""
+    if var.fam.ordered_dq or (not deterministic and set(ATOMIC_DQ_ROLES) <= set(var.roles)):
         return ATOMIC_DQ_ROLES
     return DETERMINISTIC_DQ_ROLES
 

@@ -10,7 +10,7 @@
 // atomic dQ (FlashAttention-2's; fp32 accumulators only; 5 products per tile pair instead of 7):
 //   flash_bwd_dkdvdq_mma  as flash_bwd_dkdv_mma, plus per query tile dQ_tile = dS K (dS^T staged in
 //                         shared memory) added to an fp32 buffer by red.global.add.v2.f32;
-//   flash_bwd_dq_convert_mma  dq = scale * buffer, rounded. dK, dV are bitwise those of the other
+//   flash_bwd_dq_convert (bwd_prep.cuh)  dq = scale * buffer, rounded. dK, dV are bitwise those of the other
 //                         path; dq's fp32 sums run in a varying order.
 // Both recompute P from the saved log-sum-exp (c = scale_log2, L_i = lse_i * log2 e):
 //     S  = Q K^T                      P  = exp2(S c - L_i)   (0: masked key, row >= nq, lse_i = -inf)
@@ -211,7 +211,7 @@ __device__ __forceinline__ void store_tile(unsigned char *smem, const acc_t (&ac
 // =============================================================================================
 // DQ_ATOMIC (flash_bwd_dkdvdq_mma): the CTA also forms dQ_tile = dS K for every query tile it visits
 // (dS^T goes through shared memory once per tile) and adds it, unscaled, to the fp32 buffer dq_accum
-// with vector reductions (red.global.add.v2.f32); flash_bwd_dq_convert_mma then writes dq = scale *
+// with vector reductions (red.global.add.v2.f32); flash_bwd_dq_convert then writes dq = scale *
 // dq_accum. The order of those additions varies from run to run: results are not bitwise repeatable.
 template <bool DQ_ATOMIC>
 __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_accum) {
@@ -403,19 +403,6 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_m
 extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1)
     flash_bwd_dkdvdq_mma(FC_BWD_PARAMS, float *__restrict__ dq_accum) {
     dkdv_body<true>(FC_BWD_ARGS, dq_accum);
-}
-
-// dq = (scale_log2 ln 2) * dq_accum rounded to the element type; n4 = number of elements / 4.
-extern "C" __global__ void flash_bwd_dq_convert_mma(const float *__restrict__ dq_accum, elem_t *__restrict__ dq,
-                                                   const long long n4, const float scale_log2) {
-    const float mul = scale_log2 * FC_LN2;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
-        const float4 x = reinterpret_cast<const float4 *>(dq_accum)[i];
-        uint2 out;
-        out.x = pack_elem2(x.x * mul, x.y * mul);
-        out.y = pack_elem2(x.z * mul, x.w * mul);
-        reinterpret_cast<uint2 *>(dq)[i] = out;
-    }
 }
 #endif
 

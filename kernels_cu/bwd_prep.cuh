@@ -3,6 +3,8 @@
 //   flash_bwd_prep  delta_r = sum_d dO[r, d] * O[r, d]   (fp32 products and sums) for every query row
 //                   r = (b, h, i) of the rows = B * Hq * nq rows, and, when dq_accum is not null, the
 //                   zeroing of dq_accum row r (the fp32 buffer the atomic-dQ path adds into).
+//   flash_bwd_dq_convert  dq = scale * dq_accum, rounded to the element type (16-bit types): the last
+//                   step of the atomic-dQ paths (bwd_mma.cu, bwd_wgmma.cu).
 // One pass over dO and O (16-byte loads; rows need 16-byte aligned starts) instead of fp32 copies,
 // a product array and a reduction. G = 8 threads share a row (chunks c0, c0 + 8, ...), and their
 // partial sums meet by shuffles within the warp. Grid: ceil(8 * rows / blockDim.x) blocks.
@@ -40,3 +42,18 @@ extern "C" __global__ void flash_bwd_prep(const elem_t *__restrict__ dout, const
     for (int s = G / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
     if (r < rows && c0 == 0) delta[r] = acc;
 }
+
+#if FC_DTYPE != 0
+// dq = (scale_log2 ln 2) * dq_accum rounded to the element type; n4 = number of elements / 4.
+extern "C" __global__ void flash_bwd_dq_convert(const float *__restrict__ dq_accum, elem_t *__restrict__ dq,
+                                               const long long n4, const float scale_log2) {
+    const float mul = scale_log2 * FC_LN2;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+        const float4 x = reinterpret_cast<const float4 *>(dq_accum)[i];
+        uint2 out;
+        out.x = pack_elem2(x.x * mul, x.y * mul);
+        out.y = pack_elem2(x.z * mul, x.w * mul);
+        reinterpret_cast<uint2 *>(dq)[i] = out;
+    }
+}
+#endif

@@ -35,11 +35,6 @@ __device__ __forceinline__ void cp_async_4(u32 dst, const void *src, bool pred) 
                  : "memory");
 }
 
-// *addr += (a, b) as one 8-byte reduction in global memory (sm_90; addr 8-byte aligned).
-__device__ __forceinline__ void red_add_f32x2(float *addr, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
-}
-
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -81,6 +81,9 @@ __device__ __forceinline__ u64 wg_desc_sw128(u32 addr, u32 lbo, u32 sbo) {
 //                              K-major (S = Q K^T: A = Q rows, B = K rows).
 //   rs_tb(d, a, db, scale_d):  the same with A from registers and B MN-major (transpose bit): O += P V
 //                              with V stored keys x d, d contiguous.
+//   ss_tt(d, da, db, scale_d): A and B from shared memory, both MN-major (both transpose bits): the
+//                              backward's dQ = dS K with dS stored as dS^T (keys x queries, queries
+//                              contiguous) and K stored keys x d.
 // scale_d = 0 ignores the old accumulator: the first k16 step of a product needs no zeroing.
 // Each shape is written once, by WG_MMA_SHAPE below, from two operand lists shared by both forms:
 //   WG_REGS<R>: the asm string "%0, %1, ..., %R-1" of the R accumulator registers (16 a chunk),
@@ -126,12 +129,19 @@ struct WgMma;
 // WgMma<N> with R accumulator registers a thread; R0 .. R5 are the tokens R, R + 1, .. R + 5.
 //   ss:    operands {d}, da = %R0, db = %R1, scale_d = %R2; imm-scale-a/b 1, tnspA 0, tnspB 0
 //   rs_tb: operands {d}, {a} = %R0 .. %R3, db = %R4, scale_d = %R5; imm-scale-a/b 1, tnspB 1
+//   ss_tt: as ss with tnspA 1, tnspB 1
 #define WG_MMA_SHAPE(N, R0, R1, R2, R3, R4, R5)                                                    \
     template <> struct WgMma<N> {                                                                  \
         static constexpr int REGS = R0;                                                            \
         static __device__ __forceinline__ void ss(acc_t (&d)[R0], u64 da, u64 db, int scale_d) {  \
             asm volatile(WG_MMA_HEAD(N, R2) "{" WG_REGS##R0 "}, %" #R0 ", %" #R1                   \
                          ", p, 1, 1, 0, 0;\n}\n"                                                   \
+                         : WG_ACC##R0(0)                                                           \
+                         : "l"(da), "l"(db), "r"(scale_d));                                        \
+        }                                                                                          \
+        static __device__ __forceinline__ void ss_tt(acc_t (&d)[R0], u64 da, u64 db, int scale_d) {  \
+            asm volatile(WG_MMA_HEAD(N, R2) "{" WG_REGS##R0 "}, %" #R0 ", %" #R1                   \
+                         ", p, 1, 1, 1, 1;\n}\n"                                                   \
                          : WG_ACC##R0(0)                                                           \
                          : "l"(da), "l"(db), "r"(scale_d));                                        \
         }                                                                                          \
@@ -148,6 +158,7 @@ WG_MMA_SHAPE(64, 16, 17, 18, 19, 20, 21)
 WG_MMA_SHAPE(128, 32, 33, 34, 35, 36, 37)
 WG_MMA_SHAPE(256, 64, 65, 66, 67, 68, 69)
 #else
+WG_MMA_SHAPE(32, 16, 17, 18, 19, 20, 21)  // the backward's dQ share at D=64 (fp32 accumulators only)
 WG_MMA_SHAPE(64, 32, 33, 34, 35, 36, 37)
 WG_MMA_SHAPE(128, 64, 65, 66, 67, 68, 69)
 WG_MMA_SHAPE(256, 128, 129, 130, 131, 132, 133)

@@ -27,7 +27,7 @@ from tests.helpers import (
 pytestmark = pytest.mark.gpu
 
 COMBOS = [  # (kernel, dtype, accum)
-    ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("mma", "bf16", "fp32"),
+    ("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"), ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("mma", "bf16", "fp32"),
     ("simt", "f32", "fp32"), ("simt", "f32", "fp16"), ("simt", "f16", "fp32"), ("simt", "bf16", "fp16"),
 ]
 SHAPES = [(1, 1), (113, 203), (203, 113), (1023, 1024)]
@@ -55,8 +55,9 @@ def test_backward_matches_reference(rng, nq, nk, combo, d, causal):
     host = do_qkv(rng, (1, 6, 2, nq, nk, d), dname)
     do, q, k, v = to_device(*host)
     o, lse = _fwd(q, k, v, causal, kernel, accum)
-    # mma with fp32 accumulators has two dQ paths (atomic by default, deterministic on request): both
-    for det in (False, True) if (kernel, accum) == ("mma", "fp32") else (False,):
+    # mma and wgmma with fp32 accumulators have two dQ paths (atomic by default, deterministic on
+    # request): both
+    for det in (False, True) if kernel in ("mma", "wgmma") and accum == "fp32" else (False,):
         grads = run_backward_poisoned(do, q, k, v, o, lse, causal=causal, kernel=kernel, accum=accum,
                                       deterministic=det)
         _check(host, grads, dname, accum, causal, f"{kernel} {dname} acc={accum} d={d} {nq}x{nk} det={det}")
@@ -74,7 +75,8 @@ def test_backward_head_dims(rng, combo, d):
     _check(host, grads, dname, accum, True, f"{kernel} {dname} d={d}")
 
 
-@pytest.mark.parametrize("kernel,dname,bm,bn", block_params("bwd", (("mma", "f16"), ("simt", "f32"))))
+@pytest.mark.parametrize("kernel,dname,bm,bn", block_params("bwd", (("wgmma", "f16"), ("mma", "f16"),
+                                                                    ("simt", "f32"))))
 def test_backward_block_sizes(rng, kernel, dname, bm, bn):
     host = do_qkv(rng, (1, 4, 2, 300, 517, 64), dname)
     do, q, k, v = to_device(*host)
@@ -88,11 +90,16 @@ def test_backward_block_sizes(rng, kernel, dname, bm, bn):
         _check(host, grads, dname, "fp32", causal, f"{kernel} bm={bm} bn={bn} causal={causal}")
 
 
+ATOMIC_CASES = [("mma", d) for d in (64, 128, 256)] + [("wgmma", d) for d in (64, 128)]
+
+
 @pytest.mark.parametrize("dname", ["f16", "bf16"])
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_atomic_dq_path_matches_deterministic_path(rng, monkeypatch, dname, d):
-    """The default (atomic dQ) mma backward launches the atomic kernels, gives dk, dv bit for bit equal
-    to the deterministic path's (same on-chip order) and dq equal up to the order of fp32 additions."""
+@pytest.mark.parametrize("kernel,d", ATOMIC_CASES, ids=[f"{k}-d{d}" for k, d in ATOMIC_CASES])
+def test_atomic_dq_path_matches_deterministic_path(rng, monkeypatch, kernel, dname, d):
+    """The default (atomic dQ) backward gives dk, dv bit for bit equal to the deterministic path's (same
+    on-chip order) and dq equal up to the order of fp32 additions. mma launches its atomic kernels by
+    default and two atomic-free kernels when asked to be deterministic; wgmma launches the same kernel
+    both ways (ordering its dQ additions by key tile when deterministic)."""
     import cupy
 
     from flashcupy import _launch
@@ -101,14 +108,15 @@ def test_atomic_dq_path_matches_deterministic_path(rng, monkeypatch, dname, d):
     real = _launch.get_kernel
     monkeypatch.setattr(_launch, "get_kernel",
                         lambda var, role=None: launched.append(role) or real(var, role))
+    _launch._BACKWARD_PLANS.clear()  # kernels are looked up when a plan is made
     do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, 333, 517, d), dname))
-    o, lse = _fwd(q, k, v, True, "mma", "fp32")
+    o, lse = _fwd(q, k, v, True, kernel, "fp32")
     launched.clear()
-    fast = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel="mma")
+    fast = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel=kernel)
     assert launched == ["prep", "dkdvdq", "dq_convert"]
     launched.clear()
-    det = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel="mma", deterministic=True)
-    assert launched == ["prep", "dkdv", "dq"]
+    det = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel=kernel, deterministic=True)
+    assert launched == (["prep", "dkdv", "dq"] if kernel == "mma" else ["prep", "dkdvdq", "dq_convert"])
     bits = cupy.uint16
     for name, a, b in zip(("dk", "dv"), fast[1:], det[1:]):
         assert bool((a.view(bits) == b.view(bits)).all()), f"{name} differs between the dQ paths"
@@ -116,6 +124,18 @@ def test_atomic_dq_path_matches_deterministic_path(rng, monkeypatch, dname, d):
     diff = float(cupy.abs(a - b).max())
     assert diff <= dq_order_tolerance(dname, float(cupy.abs(b).max())), f"dq paths differ by {diff:.3e}"
     assert float(cupy.abs(b).max()) > 0
+
+
+def test_wgmma_backward_routes_what_it_does_not_run(rng):
+    """Head dims other than 64 and 128 and fp16 accumulators: kernel='wgmma' raises a ValueError naming
+    the family that runs them; kernel='auto' runs them there."""
+    for d, accum in ((96, "fp32"), (256, "fp32"), (64, "fp16")):
+        do, q, k, v = to_device(*do_qkv(rng, (1, 2, 2, 65, 70, d), "f16"))
+        o, lse = _fwd(q, k, v, False, "mma", accum)
+        with pytest.raises(ValueError, match="kernel='mma'"):
+            flashcupy.attention_backward(do, q, k, v, o, lse, kernel="wgmma", accum=accum)
+        grads = run_backward_poisoned(do, q, k, v, o, lse, accum=accum)
+        _check(tuple(x.get() for x in (do, q, k, v)), grads, "f16", accum, False, f"auto d={d} acc={accum}")
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
@@ -133,8 +153,9 @@ def test_backward_bitwise_deterministic(rng, combo):
             assert bool((a.view(bits) == b.view(bits)).all())
 
 
-@pytest.mark.parametrize("combo", [("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("simt", "f32", "fp32"),
-                                   ("simt", "bf16", "fp16")], ids=combo_id)
+@pytest.mark.parametrize("combo", [("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"), ("mma", "f16", "fp32"),
+                                   ("mma", "f16", "fp16"), ("simt", "f32", "fp32"), ("simt", "bf16", "fp16")],
+                         ids=combo_id)
 def test_backward_agrees_with_numpy_twin(rng, combo):
     import cupy
 
@@ -149,10 +170,33 @@ def test_backward_agrees_with_numpy_twin(rng, combo):
         assert_matches_twin(a, b, dname, accum, kind="bwd", what=name)
 
 
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+def test_backward_on_strided_views_equals_contiguous(rng, kernel):
+    """(B, N, H, D) arrays viewed as (B, H, N, D) (q, k, v, do and o strided, GQA, odd lengths) give the
+    contiguous inputs' gradients bit for bit (deterministic path) and pass the accuracy rule."""
+    import cupy
+
+    host = do_qkv(rng, (2, 6, 2, 203, 317, 64), "f16")
+
+    def bnhd(x):  # the same values, stored (B, N, H, D)
+        return cupy.ascontiguousarray(cupy.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+    dense = to_device(*host)
+    views = tuple(bnhd(x) for x in host)
+    assert not views[1].flags.c_contiguous
+    o, lse = _fwd(*dense[1:], True, kernel, "fp32")
+    o_view = bnhd(o.get())
+    a = run_backward_poisoned(*dense, o, lse, causal=True, kernel=kernel, deterministic=True)
+    b = run_backward_poisoned(*views, o_view, lse, causal=True, kernel=kernel, deterministic=True)
+    for name, x, y in zip(("dq", "dk", "dv"), a, b):
+        assert bool((x.view(cupy.uint16) == y.view(cupy.uint16)).all()), f"{kernel} {name}"
+    _check(host, b, "f16", "fp32", True, f"{kernel} strided")
+
+
 def test_backward_empty_rows_and_unseen_keys(rng):
     """Causal with Nq < Nk: keys past the last query's reach get dk = dv = 0; Nq > Nk: rows that see no
     key get dq = 0."""
-    for kernel in ("mma", "simt"):
+    for kernel in ("wgmma", "mma", "simt"):
         do, q, k, v = to_device(*do_qkv(rng, (1, 2, 2, 300, 70, 64), "f16"))
         o, lse = _fwd(q, k, v, True, kernel, "fp32")
         dq, dk, dv = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel=kernel)

@@ -30,12 +30,16 @@ def main() -> None:
                 v = cupy.asarray(rng.standard_normal((1, 2, nk, d)).astype(dt))
                 o, lse = flashcupy.attention(q, k, v, causal=causal, kernel=kernel, accum=accum,
                                              block_m=bm, block_n=bn, return_lse=True)
-                if kernel == "wgmma":  # forward only (no wgmma backward yet)
-                    continue
+                bwd_tile = {}
+                if kernel == "wgmma":  # the backward family's own tiles, where it runs this case
+                    if d not in (64, 128) or accum != "fp32":
+                        continue
+                    bwd_tile = {"block_m": 64, "block_n": 128 if d == 128 else 64}
                 do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
-                for det in (False, True):  # mma fp32: the atomic-dQ kernels, then the two-kernel path
+                # mma / wgmma fp32: the atomic dQ path, then the deterministic one
+                for det in (False, True):
                     flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel,
-                                                 accum=accum, deterministic=det)
+                                                 accum=accum, deterministic=det, **bwd_tile)
     cupy.cuda.Device().synchronize()
     print("sanitizer driver: all launches done")
 

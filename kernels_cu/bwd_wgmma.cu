@@ -1,0 +1,377 @@
+// bwd_wgmma.cu: FlashAttention backward pass on Hopper (sm_90a), FlashAttention-3's structure: one CTA
+// per key tile, K and V resident in shared memory, Q and dO tiles streamed by TMA through an mbarrier
+// pipeline, warp specialization, wgmma; dQ added to an fp32 buffer.
+//
+// flash_bwd_prep (bwd_prep.cuh) runs first (delta_i = rowsum(dO_i * O_i), the zeroed fp32 dQ buffer),
+// flash_bwd_dq_convert (bwd_prep.cuh) last (dq = scale * buffer, rounded). The math (c = scale_log2,
+// L_i = lse_i * log2 e; rounding model of flash_common.cuh's FC_BWD_PARAMS comment):
+//     S^T = K Q^T      P^T = exp2(S^T c - L)      dP^T = V dO^T      dS^T = P^T (dP^T - delta)
+//     dV += P^T dO     dK += dS^T Q               dQ += dS K          (dK, dQ times scale at the end)
+//
+// flash_bwd_dkdvdq_wgmma, grid (ceil(nk / BN), Hkv, B): the CTA owns keys n0 .. n0 + BN - 1 of kv head
+// hk and loops over the `group` query heads that share it and over their query tiles of BM = 64 rows
+// (causal: from the first tile that sees key n0). Its warpgroups (128 threads each):
+//   warpgroup 0, the producer: gives registers back (setmaxnreg.dec); its warp 0 loads K and V once and,
+//       per query tile, the tile's L and delta into shared memory (plain loads, 2 rows a lane) and Q and
+//       dO by TMA into a ring of FC_BWD_STAGES buffers, each guarded by a "full" mbarrier (one arrival
+//       plus TMA transaction bytes) and an "empty" one (one arrival per consumer warp).
+//   warpgroups 1 .. NCWG (NCWG = BN / 64), the consumers: consumer c owns keys n0 + 64c .. n0 + 64c + 63
+//       and keeps their dK and dV in registers (m64nD fp32 accumulators) across all query tiles. Per
+//       query tile:
+//           S^T = K_c Q^T, dP^T = V_c dO^T    wgmma m64n64k16 from shared memory, A = K_c / V_c rows,
+//                                             B = Q / dO rows (all K-major: no transpose)
+//           P^T, dS^T in registers (fp32; masked keys/queries give P = 0), rounded to the element type
+//                                             into A fragments, and dS^T also into shared memory
+//           dV += P^T dO, dK += dS^T Q        wgmma m64nDk16, A from registers, B = dO / Q MN-major
+//           dQ_c = dS K[:, c-th D / NCWG columns]   wgmma m64n(D/NCWG)k16 over all BN keys of the tile,
+//                                             A = dS^T and B = K from shared memory, both MN-major;
+//                                             needs every consumer's dS^T (named barrier 1)
+//           dQ_c added to the fp32 buffer with 8-byte reductions (red.global.add.v2.f32)
+//       and at the end dk = scale * dK and dv = dV (rows < nk), straight from registers.
+//   dS^T has two shared-memory buffers (query tile parity): a consumer writes tile i's only after
+//   every consumer passed barrier 1 of tile i - 1, so every dQ product of tile i - 2 has landed.
+//
+// Deterministic dQ (argument dq_sem not null: int32 (B, Hq, ceil(nq / BM)) zeroed): the additions into
+// query tile i's rows happen in a fixed key-tile order. A CTA waits until the tile's counter reads its
+// place in that order, adds, and increments the counter (acquire / release at GPU scope). The order is
+// the one in which the CTAs, all starting together, reach tile i:
+//   non-causal: ascending key tiles (every CTA runs the query tiles from 0; FlashAttention-3's order);
+//   causal: descending from tile i's diagonal key tile kt_top (CTA kt starts at its own diagonal, so
+//       kt + 1 reaches tile i before kt does; the key tiles that see tile i are exactly 0 .. kt_top);
+//       ascending would make every CTA wait for key tile 0 to come down the diagonal (measured: 0.33x
+//       the atomic path's speed at N = 4096, D = 128).
+// Block x runs key tile x, or n_kt - 1 - x on the causal deterministic path, so that a CTA only waits
+// for CTAs of lower block index, which the hardware started before it: no deadlock, whatever the grid.
+//
+// Tensor maps (flashcupy/_tma.py): 4-D (D, N, H, B) over the real strides of q, k, v, dout; boxes
+// (64, BM) for q and dout, (64, BN) for k and v; 128-byte swizzle. Rows past N arrive as zeros.
+// Shared-memory operands are stacks of 128-byte panels (wgmma_common.cuh); dS^T is BN rows (keys) of
+// BM = 64 queries, one panel, written with the same swizzle.
+//
+// Kernel parameters: four CUtensorMap (q, k, v, dout), FC_BWD_PARAMS (the pointers and strides of q,
+// k, v, dout are not read: the maps carry them; dq is not touched), dq_accum (fp32 (B, Hq, nq, D),
+// zeroed), dq_sem (or null).
+// Grid: (ceil(nk / BN), Hkv, B). Block: FC_NUM_THREADS = 128 * (1 + BN / 64).
+// Dynamic shared memory (bytes), FC_SMEM_DKDVDQ:
+//     1024 (alignment slack) + 2 BN D 2 (K, V) + STAGES (2 BM D 2 + 8 BM) (Q, dO, L, delta)
+//     + 2 BN BM 2 (dS^T) + 8 (1 + 2 STAGES) (mbarriers)
+// Supported: FC_DTYPE 1 or 2, fp32 accumulators (no FC_ACCUM_F16); FC_HEAD_DIM 64 or 128; FC_BLOCK_M 64;
+// FC_BLOCK_N 64 or 128.
+
+#include "flash_common.cuh"
+#include "wgmma_common.cuh"
+#include "bwd_prep.cuh"
+
+#ifndef FC_BWD_STAGES
+#define FC_BWD_STAGES 2
+#endif
+
+constexpr int BM = FC_BLOCK_M;
+constexpr int BN = FC_BLOCK_N;
+constexpr int HD = FC_HEAD_DIM;
+constexpr int STAGES = FC_BWD_STAGES;
+constexpr int NCWG = BN / 64;            // consumer warpgroups, 64 keys each
+constexpr int NTHR = 128 * (1 + NCWG);
+constexpr int NCTHR = 128 * NCWG;        // consumer threads
+constexpr int PANELS = HD / 64;          // 128-byte column panels per row of Q, dO, K, V
+constexpr int KSTEPS = HD / 16;          // k16 steps of S^T, dP^T (over d)
+constexpr int QSTEPS = BM / 16;          // k16 steps of dV, dK (over queries)
+constexpr int NSTEPS = BN / 16;          // k16 steps of dQ (over keys)
+constexpr int DQN = HD / NCWG;           // dQ columns per consumer warpgroup
+constexpr int SN = WgMma<BM>::REGS;      // S^T, dP^T registers per thread
+constexpr int DN = WgMma<HD>::REGS;      // dK, dV registers per thread
+constexpr int QN = WgMma<DQN>::REGS;     // dQ share registers per thread
+
+#if FC_ACCUM_F16
+#error "bwd_wgmma: fp32 accumulators only (the build layer routes accum='fp16' to the mma family)"
+#endif
+static_assert(HD == 64 || HD == 128, "bwd_wgmma: FC_HEAD_DIM must be 64 or 128");
+static_assert(BM == 64, "bwd_wgmma: FC_BLOCK_M must be 64 (dS^T rows are one 128-byte panel)");
+static_assert(BN == 64 || BN == 128, "bwd_wgmma: FC_BLOCK_N must be 64 or 128");
+static_assert(DQN % 32 == 0, "bwd_wgmma: dQ columns per warpgroup");
+static_assert(STAGES >= 2, "bwd_wgmma: FC_BWD_STAGES must be at least 2");
+static_assert(FC_NUM_THREADS == NTHR, "bwd_wgmma: FC_NUM_THREADS must be 128 * (1 + FC_BLOCK_N / 64)");
+
+// Shared-memory layout (offsets from a 1024-byte aligned base).
+constexpr int KV_PANEL = BN * 128, Q_PANEL = BM * 128;   // bytes of one panel
+constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2;
+constexpr int DS_BYTES = BN * BM * 2;
+constexpr int OFF_V = KV_BYTES;
+constexpr int OFF_Q = 2 * KV_BYTES;                      // STAGES Q tiles
+constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;         // STAGES dO tiles
+constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;        // 2 dS^T tiles
+constexpr int OFF_LD = OFF_DS + 2 * DS_BYTES;            // STAGES x (BM values of L, BM of delta), fp32
+constexpr int OFF_BAR = OFF_LD + STAGES * 2 * BM * 4;
+constexpr int N_BARS = 1 + 2 * STAGES;                   // kv_full, q_full[], q_empty[]
+constexpr int SMEM_NEEDED = 1024 + OFF_BAR + 8 * N_BARS;
+static_assert(FC_SMEM_DKDVDQ == SMEM_NEEDED, "shared memory differs from the build layer's FC_SMEM_DKDVDQ");
+
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = 240;
+static_assert(128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= 65536, "register split");
+
+// The deterministic path's counters: an acquire load and a release increment at GPU scope.
+__device__ __forceinline__ int ld_acquire_gpu(const int *p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int *p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(NTHR, 1)
+    flash_bwd_dkdvdq_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
+                           const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
+                           FC_BWD_PARAMS, float *__restrict__ dq_accum, int *__restrict__ dq_sem) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+    unsigned char *const smem = smem_raw + (base - (u32)__cvta_generic_to_shared(smem_raw));
+    const u32 sK = base, sV = base + OFF_V;
+    const u32 bar_kv = base + OFF_BAR;
+    auto q_full = [&](int s) { return bar_kv + 8 * (1 + s); };
+    auto q_empty = [&](int s) { return bar_kv + 8 * (1 + STAGES + s); };
+    auto s_q = [&](int s) { return base + OFF_Q + s * Q_BYTES; };
+    auto s_do = [&](int s) { return base + OFF_DO + s * Q_BYTES; };
+    auto s_ld = [&](int s) { return reinterpret_cast<float *>(smem + OFF_LD + s * 2 * BM * 4); };
+
+    const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
+    // The key tile: block x, except on the causal deterministic path, where block x runs key tile
+    // n_kt - 1 - x (its CTAs wait only on CTAs of lower block index; see the header).
+    const bool ordered = dq_sem != nullptr;
+    const int kt = (FC_CAUSAL && ordered) ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int n0 = kt * BN, hk = blockIdx.y, b = blockIdx.z;
+    const int heads_kv = gridDim.y, heads_q = heads_kv * group;
+
+    // Query tiles [qt0, n_qt) of each of the group's heads hold a query that sees some key of this tile.
+    const int n_qt = (nq + BM - 1) / BM;
+#if FC_CAUSAL
+    const int q_first = max(n0 - (nk - nq), 0);  // first query that sees key n0
+    const int qt0 = q_first < nq ? q_first / BM : n_qt;
+#else
+    const int qt0 = 0;
+#endif
+    const int qt_per_head = n_qt - qt0;
+    const int n_it = group * qt_per_head;
+    // iteration it: query head hk * group + it / qt_per_head, query tile qt0 + it % qt_per_head
+    auto head_of = [&](int it) { return hk * group + it / qt_per_head; };
+    auto tile_of = [&](int it) { return qt0 + it % qt_per_head; };
+
+    if (tid == 0) {
+        mbar_init(bar_kv, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(q_full(s), 1);
+            mbar_init(q_empty(s), 4 * NCWG);  // one arrival per consumer warp
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ------------------------------------------------------------------ producer ----------
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (tid < 32 && n_it > 0) {
+            if (lane == 0) {
+                tma_prefetch_map(&tm_q);
+                tma_prefetch_map(&tm_k);
+                tma_prefetch_map(&tm_v);
+                tma_prefetch_map(&tm_do);
+                mbar_arrive_expect_tx(bar_kv, 2 * KV_BYTES);
+#pragma unroll
+                for (int p = 0; p < PANELS; ++p) {
+                    tma_load_4d(sK + p * KV_PANEL, &tm_k, bar_kv, 64 * p, n0, hk, b);
+                    tma_load_4d(sV + p * KV_PANEL, &tm_v, bar_kv, 64 * p, n0, hk, b);
+                }
+            }
+            for (int it = 0; it < n_it; ++it) {
+                const int s = it % STAGES;
+                const int hq = head_of(it), m0 = tile_of(it) * BM;
+                // stage s was last used by tile it - STAGES: wait until every consumer warp released it
+                if (it >= STAGES) mbar_wait(q_empty(s), (u32)(((it / STAGES) & 1) ^ 1));
+                // L (log2 units; +inf past nq and for rows that see no key: P = 0) and delta
+                const long long rb = ((long long)b * heads_q + hq) * nq;
+                float *ld = s_ld(s);
+                for (int r = lane; r < BM; r += 32) {
+                    const int row = m0 + r;
+                    ld[r] = fc_row_lse_log2(lse + rb, row, nq);
+                    ld[BM + r] = row < nq ? delta[rb + row] : 0.f;
+                }
+                __syncwarp();  // the warp's stores before lane 0's arrival (which releases them)
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(q_full(s), 2 * Q_BYTES);
+#pragma unroll
+                    for (int p = 0; p < PANELS; ++p) {
+                        tma_load_4d(s_q(s) + p * Q_PANEL, &tm_q, q_full(s), 64 * p, m0, hq, b);
+                        tma_load_4d(s_do(s) + p * Q_PANEL, &tm_do, q_full(s), 64 * p, m0, hq, b);
+                    }
+                }
+            }
+        }
+    } else {
+        // ------------------------------------------------------------------ consumers ---------
+        setmaxnreg_inc<CONSUMER_REGS>();
+        const int cw = wg - 1;                   // keys n0 + 64 cw ..
+        const int ct = tid - 128;                // consumer thread 0 .. NCTHR - 1
+        const int wq = (tid & 127) >> 5;         // warp in the warpgroup: rows 16 wq .. of an m64 product
+        const int g = lane >> 2, t = lane & 3;
+        const u32 k_rows = sK + 64 * cw * 128, v_rows = sV + 64 * cw * 128;  // this warpgroup's 64 rows
+        const int key_g = n0 + 64 * cw + 16 * wq + g;  // keys key_g and key_g + 8 (rows of S^T)
+        const int dcol0 = cw * DQN;                    // this warpgroup's dQ columns
+
+        acc_t dk_acc[DN], dv_acc[DN];
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) {
+            acc_zero(wg_tile(dk_acc, i));
+            acc_zero(wg_tile(dv_acc, i));
+        }
+        if (n_it > 0) mbar_wait(bar_kv, 0);
+
+#pragma unroll 1
+        for (int it = 0; it < n_it; ++it) {
+            const int s = it % STAGES;
+            const int hq = head_of(it), qt = tile_of(it), m0 = qt * BM;
+            // masking: queries past nq, keys past nk, or (causal) a query before some key's first
+            const bool need_mask = (m0 + BM > nq) || (n0 + BN > nk) ||
+                                   (FC_CAUSAL && m0 < n0 + BN - 1 - (nk - nq));
+            const u32 sq = s_q(s), sdo = s_do(s);
+            const u32 sds = base + OFF_DS + (it & 1) * DS_BYTES;
+            mbar_wait(q_full(s), (u32)((it / STAGES) & 1));
+
+            // ---- S^T = K_c Q^T and dP^T = V_c dO^T: one wgmma group ----
+            acc_t s_acc[SN], p_acc[SN];
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                const u32 off = (kk / 4) * KV_PANEL + (kk % 4) * 32;
+                const u32 offq = (kk / 4) * Q_PANEL + (kk % 4) * 32;
+                WgMma<BM>::ss(s_acc, wg_desc_sw128(k_rows + off, 16, 1024), wg_desc_sw128(sq + offq, 16, 1024), kk > 0);
+            }
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                const u32 off = (kk / 4) * KV_PANEL + (kk % 4) * 32;
+                const u32 offq = (kk / 4) * Q_PANEL + (kk % 4) * 32;
+                WgMma<BM>::ss(p_acc, wg_desc_sw128(v_rows + off, 16, 1024), wg_desc_sw128(sdo + offq, 16, 1024), kk > 0);
+            }
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(s_acc);
+            reg_fence(p_acc);
+
+            // ---- P^T = exp2(S^T c - L_query), dS^T = P^T (dP^T - delta_query) (fp32), rounded into the
+            //      A fragments of dV, dK (k16 step kk: accumulator tiles 2kk, 2kk + 1) and dS^T into
+            //      shared memory (row = key, 16-byte chunk i of queries at chunk i ^ (row % 8) = i ^ g) ----
+            const float *ld = s_ld(s);
+            u32 p_frag[QSTEPS][4], ds_frag[QSTEPS][4];
+#pragma unroll
+            for (int i = 0; i < BM / 8; ++i) {
+                const int qc = 8 * i + 2 * t;  // queries qc, qc + 1 of the tile (columns of S^T)
+                const float2 l2 = *reinterpret_cast<const float2 *>(ld + qc);
+                const float2 d2 = *reinterpret_cast<const float2 *>(ld + BM + qc);
+                const float lq[2] = {l2.x, l2.y}, dl[2] = {d2.x, d2.y};
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    float p[2], ds[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        p[e] = fc_softmax_p(acc_get(wg_tile(s_acc, i), 2 * hf + e), scale_log2, lq[e]);
+                        if (need_mask) {
+                            const int key = key_g + 8 * hf, query = m0 + qc + e;
+                            p[e] = (query < nq && key < nk && fc_visible(query, key, nq, nk)) ? p[e] : 0.f;
+                        }
+                        ds[e] = p[e] * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
+                    }
+                    p_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(p[0], p[1]);
+                    ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
+                    const int row = 64 * cw + 16 * wq + g + 8 * hf;
+                    *reinterpret_cast<u32 *>(smem + (sds - base) + row * 128 + ((i ^ g) << 4) + 4 * t) =
+                        ds_frag[i >> 1][hf + 2 * (i & 1)];
+                }
+            }
+
+            // ---- dV += P^T dO, dK += dS^T Q (B = dO, Q: rows = queries, MN-major) ----
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < QSTEPS; ++kk)
+                WgMma<HD>::rs_tb(dv_acc, p_frag[kk], wg_desc_sw128(sdo + kk * 16 * 128, Q_PANEL, 1024), 1);
+#pragma unroll
+            for (int kk = 0; kk < QSTEPS; ++kk)
+                WgMma<HD>::rs_tb(dk_acc, ds_frag[kk], wg_desc_sw128(sq + kk * 16 * 128, Q_PANEL, 1024), 1);
+            wg_commit();
+
+            // ---- dQ_c = dS K[:, dcol0 ..]: A = dS^T tile (keys x queries), B = K (keys x d), both
+            //      MN-major; needs every consumer's dS^T ----
+            fence_proxy_async();          // this thread's dS^T stores before the async proxy reads them
+            named_bar_sync(1, NCTHR);
+            acc_t q_acc[QN];
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < NSTEPS; ++kk) {
+                const u64 da = wg_desc_sw128(sds + kk * 16 * 128, DS_BYTES, 1024);
+                const u64 db = wg_desc_sw128(sK + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
+                                             KV_PANEL, 1024);
+                WgMma<DQN>::ss_tt(q_acc, da, db, kk > 0);
+            }
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(dv_acc);
+            reg_fence(dk_acc);
+            reg_fence(q_acc);
+#pragma unroll
+            for (int kk = 0; kk < QSTEPS; ++kk) {
+                reg_fence(p_frag[kk]);
+                reg_fence(ds_frag[kk]);
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(q_empty(s));  // this warp is done with stage s
+
+            // ---- dQ share into the fp32 buffer (rows < nq); in key-tile order when dq_sem is given ----
+            int *sem = ordered ? dq_sem + ((long long)b * heads_q + hq) * n_qt + qt : nullptr;
+            if (ordered) {
+                // this key tile's place in the order of query tile qt's additions
+#if FC_CAUSAL
+                const int place = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) / BN - kt;  // diagonal first
+#else
+                const int place = kt;
+#endif
+                if (ct == 0)
+                    while (ld_acquire_gpu(sem) != place) {
+                    }
+                named_bar_sync(2, NCTHR);
+            }
+            const long long rb = ((long long)b * heads_q + hq) * nq;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = m0 + 16 * wq + g + 8 * hf;
+                if (row < nq) {
+                    float *dst = dq_accum + (rb + row) * HD + dcol0 + 2 * t;
+#pragma unroll
+                    for (int i = 0; i < DQN / 8; ++i)
+                        red_add_f32x2(dst + 8 * i, acc_get(wg_tile(q_acc, i), 2 * hf), acc_get(wg_tile(q_acc, i), 2 * hf + 1));
+                }
+            }
+            if (ordered) {
+                named_bar_sync(2, NCTHR);    // every consumer thread's additions before the release
+                if (ct == 0) red_release_gpu_add(sem, 1);
+            }
+        }
+
+        // ---- epilogue: dk = scale * dK, dv = dV (rows < nk), straight from registers ----
+        const float scale = scale_log2 * FC_LN2;
+        const long long kb = ((long long)b * heads_kv + hk) * nk;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int key = key_g + 8 * hf;
+            if (key < nk) {
+                elem_t *dkr = dk + (kb + key) * HD + 2 * t;
+                elem_t *dvr = dv + (kb + key) * HD + 2 * t;
+#pragma unroll
+                for (int i = 0; i < HD / 8; ++i) {
+                    *reinterpret_cast<u32 *>(dkr + 8 * i) = pack_elem2(acc_get(wg_tile(dk_acc, i), 2 * hf) * scale,
+                                                                       acc_get(wg_tile(dk_acc, i), 2 * hf + 1) * scale);
+                    *reinterpret_cast<u32 *>(dvr + 8 * i) = pack_elem2(acc_get(wg_tile(dv_acc, i), 2 * hf),
+                                                                       acc_get(wg_tile(dv_acc, i), 2 * hf + 1));
+                }
+            }
+        }
+    }
+}
