@@ -199,7 +199,7 @@ def _measure_flashcupy(c: _Cell, compile_rows: dict) -> None:
         outs = [flashcupy.attention(s[0], s[1], s[2], causal=causal, kernel=kernel, return_lse=True)
                 for s in c.sets]
         bsets = [(*s, *o) for s, o in zip(c.sets, outs)]
-        for name, det in [(prov, False)] + ([(f"{prov} det", True)] if kernel == "mma" else []):
+        for name, det in [(prov, False)] + ([(f"{prov} det", True)] if kernel in ("mma", "wgmma") else []):
             def bwd(s, kernel=kernel, det=det):
                 return flashcupy.attention_backward(s[3], s[0], s[1], s[2], s[4], s[5], causal=causal,
                                                     kernel=kernel, deterministic=det)
@@ -321,10 +321,10 @@ def _summarize_report(v, rep, deterministic):
 # ---------------------------------------------------------------------------------------------------
 # tables, finding, figure
 
-MINE = ["flashcupy wgmma", "flashcupy mma", "flashcupy mma det", "flashcupy simt"]
+MINE = ["flashcupy wgmma", "flashcupy wgmma det", "flashcupy mma", "flashcupy mma det", "flashcupy simt"]
 OURS = "flashcupy mma"
 HOPPER = "flashcupy wgmma"
-HOPPER_PEERS = ["torch flash", "torch cudnn"]  # the wgmma forward against FlashAttention-2 and cuDNN
+HOPPER_PEERS = ["torch flash", "torch cudnn"]  # the wgmma family against FlashAttention-2 and cuDNN
 
 
 def _tables(raw, compile_rows, peers) -> tuple[list, list, list, list]:
@@ -379,12 +379,19 @@ def _finding(ctx: Context, raw, columns, table_rows, b: int, h: int, with_torch:
     if cu:
         finding += f" Against cuDNN: {min(cu):.2f}x to {max(cu):.2f}x."
     if "wgmma / torch cudnn" in columns:
-        hw = [(r, x) for r in table_rows if (x := r[columns.index("wgmma / torch cudnn")])]
-        big = [x for r, x in hw if r[1] >= 4096]
-        if hw:
-            finding += (f" Hopper forward (flashcupy wgmma) / cuDNN: {min(x for _, x in hw):.2f}x to "
-                        f"{max(x for _, x in hw):.2f}x over {len(hw)} cells"
-                        + (f", {min(big):.2f}x to {max(big):.2f}x at N >= 4096" if big else "") + ".")
+        for direction, what in (("fwd", "forward"), ("bwd", "backward")):
+            hw = [(r, x) for r in table_rows
+                  if r[4] == direction and (x := r[columns.index("wgmma / torch cudnn")])]
+            big = [x for r, x in hw if r[1] >= 4096]
+            if hw:
+                finding += (f" Hopper {what} (flashcupy wgmma) / cuDNN: {min(x for _, x in hw):.2f}x to "
+                            f"{max(x for _, x in hw):.2f}x over {len(hw)} cells"
+                            + (f", {min(big):.2f}x to {max(big):.2f}x at N >= 4096" if big else "") + ".")
+        i_det, i_atomic = (columns.index(f"flashcupy wgmma{x} TFLOP/s") for x in (" det", ""))
+        det = [x / y for r in table_rows if r[4] == "bwd" and (x := r[i_det]) and (y := r[i_atomic])]
+        if det:
+            finding += (f" Its deterministic backward runs at {min(det):.2f}x to {max(det):.2f}x the "
+                        "atomic-dQ path's speed.")
     return finding
 
 
@@ -394,7 +401,7 @@ def _cell_label(dname, n, d, causal) -> str:
 
 def _figure(ctx: Context, columns, table_rows, raw, names):
     """CUDA: one panel per (dtype, direction), grouped bars of flashcupy / peer per cell (the fastest
-    flashcupy family of the direction: wgmma forward where it ran, else mma) against FlashAttention-2
+    flashcupy family of the direction: wgmma where it ran, else mma) against FlashAttention-2
     and cuDNN, with the parity line. NumPy: milliseconds per provider (the twin's wall clock)."""
     if ctx.backend != "cuda" or not any(f"mma / {p}" in columns for p in HOPPER_PEERS):
         return _figure_ms(ctx, raw, names)
@@ -413,7 +420,7 @@ def _figure(ctx: Context, columns, table_rows, raw, names):
             for i, p in enumerate(peers):
                 def ratio(r, p=p):
                     w = f"wgmma / {p}"
-                    if direction == "fwd" and w in columns and r[columns.index(w)]:
+                    if w in columns and r[columns.index(w)]:
                         return r[columns.index(w)]
                     return r[columns.index(f"mma / {p}")] or np.nan
                 ys = [ratio(r) for r in rs]
@@ -424,7 +431,7 @@ def _figure(ctx: Context, columns, table_rows, raw, names):
             ax.set_ylim(0, 1.25 * top)
             ax.set_xticks(x, [_cell_label(*r[:4]) for r in rs], fontsize=7)
             ax.set_ylabel("speed ratio (> 1: flashcupy faster)")
-            ours = "wgmma (Hopper) where it runs, else mma" if direction == "fwd" else "mma, atomic dQ"
+            ours = "wgmma (Hopper) where it runs, else mma" + ("" if direction == "fwd" else "; atomic dQ")
             ax.set_title(f"{dname} {'forward' if direction == 'fwd' else 'backward'}: flashcupy {ours}",
                          fontsize=9)
             ax.legend(fontsize=7, loc="upper center", ncol=2)

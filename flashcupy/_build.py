@@ -289,7 +289,8 @@ _FAMILIES = (
     ),
     Family(
         kind="wgmma", direction="bwd", source="bwd_wgmma.cu",
-        roles={"prep": "flash_bwd_prep", "dkdvdq": "flash_bwd_dkdvdq_wgmma", "dq_convert": "flash_bwd_dq_convert"},
+        roles={"prep": "flash_bwd_prep", "dkdvdq": "flash_bwd_dkdvdq_wgmma",
+               "dq_convert": "flash_bwd_dq_convert"},
         # query tiles of 64 rows; one consumer warpgroup per 64 keys of the key tile
         dtypes=("f16", "bf16"), block_m=(64,), block_n=(64, 128),
         # fp32 accumulators only: accum='fp16' runs on the mma family (_checks.py says so)

@@ -13,8 +13,9 @@
 // (causal: from the first tile that sees key n0). Its warpgroups (128 threads each):
 //   warpgroup 0, the producer: gives registers back (setmaxnreg.dec); its warp 0 loads K and V once and,
 //       per query tile, the tile's L and delta into shared memory (plain loads, 2 rows a lane) and Q and
-//       dO by TMA into a ring of FC_BWD_STAGES buffers, each guarded by a "full" mbarrier (one arrival
-//       plus TMA transaction bytes) and an "empty" one (one arrival per consumer warp).
+//       dO by TMA into a ring of FC_BWD_STAGES buffers, each guarded by a "full" mbarrier (an arrival
+//       per producer lane, lane 0's with the TMA transaction bytes) and an "empty" one (an arrival per
+//       consumer thread: each one's loads of L and delta are then ordered before the next stores).
 //   warpgroups 1 .. NCWG (NCWG = BN / 64), the consumers: consumer c owns keys n0 + 64c .. n0 + 64c + 63
 //       and keeps their dK and dV in registers (m64nD fp32 accumulators) across all query tiles. Per
 //       query tile:
@@ -160,8 +161,11 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     if (tid == 0) {
         mbar_init(bar_kv, 1);
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(q_full(s), 1);
-            mbar_init(q_empty(s), 4 * NCWG);  // one arrival per consumer warp
+            // Every thread that touches a stage's L and delta (plain shared-memory stores and loads)
+            // arrives itself, so that each access is ordered by its own release / acquire: the 32
+            // producer lanes (lane 0's arrival carries the TMA bytes) and every consumer thread.
+            mbar_init(q_full(s), 32);
+            mbar_init(q_empty(s), NCTHR);
         }
         mbar_init_fence();
     }
@@ -196,8 +200,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     ld[r] = fc_row_lse_log2(lse + rb, row, nq);
                     ld[BM + r] = row < nq ? delta[rb + row] : 0.f;
                 }
-                __syncwarp();  // the warp's stores before lane 0's arrival (which releases them)
-                if (lane == 0) {
+                if (lane != 0) {
+                    mbar_arrive(q_full(s));  // releases this lane's stores
+                } else {
                     mbar_arrive_expect_tx(q_full(s), 2 * Q_BYTES);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p) {
@@ -321,8 +326,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 reg_fence(p_frag[kk]);
                 reg_fence(ds_frag[kk]);
             }
-            __syncwarp();
-            if (lane == 0) mbar_arrive(q_empty(s));  // this warp is done with stage s
+            mbar_arrive(q_empty(s));  // this thread is done with stage s
 
             // ---- dQ share into the fp32 buffer (rows < nq); in key-tile order when dq_sem is given ----
             int *sem = ordered ? dq_sem + ((long long)b * heads_q + hq) * n_qt + qt : nullptr;

@@ -259,7 +259,13 @@ def test_auto_picks_wgmma_on_hopper_where_it_has_the_variant():
     assert resolve_family("auto", "f16", "fp32", "fwd", block_n=32, **kw) == "fwd_mma"
     assert resolve_family("auto", "f16", "fp32", "fwd", head_dim=256, block_n=128,
                           backend="cuda") == "fwd_mma"
-    assert resolve_family("auto", "f16", "fp32", "bwd", **kw) == "bwd_mma"
+    # the backward: wgmma on Hopper for its head dims (64, 128) with fp32 accumulators, else mma
+    assert resolve_family("auto", "f16", "fp32", "bwd", **kw) == ("bwd_wgmma" if hopper else "bwd_mma")
+    assert resolve_family("auto", "bf16", "fp32", "bwd", head_dim=64, backend="cuda") == (
+        "bwd_wgmma" if hopper else "bwd_mma")
+    assert resolve_family("auto", "f16", "fp16", "bwd", **kw) == "bwd_mma"
+    assert resolve_family("auto", "f16", "fp32", "bwd", head_dim=256, backend="cuda") == "bwd_mma"
+    assert resolve_family("auto", "f16", "fp32", "bwd", block_m=128, **kw) == "bwd_mma"
     assert resolve_family("auto", "f32", "fp32", "fwd", **kw) == "fwd_simt"
     if not hopper:
         with pytest.raises(ValueError, match="needs a Hopper GPU"):

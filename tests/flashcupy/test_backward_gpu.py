@@ -27,7 +27,8 @@ from tests.helpers import (
 pytestmark = pytest.mark.gpu
 
 COMBOS = [  # (kernel, dtype, accum)
-    ("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"), ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("mma", "bf16", "fp32"),
+    ("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"),
+    ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("mma", "bf16", "fp32"),
     ("simt", "f32", "fp32"), ("simt", "f32", "fp16"), ("simt", "f16", "fp32"), ("simt", "bf16", "fp16"),
 ]
 SHAPES = [(1, 1), (113, 203), (203, 113), (1023, 1024)]
@@ -153,9 +154,9 @@ def test_backward_bitwise_deterministic(rng, combo):
             assert bool((a.view(bits) == b.view(bits)).all())
 
 
-@pytest.mark.parametrize("combo", [("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"), ("mma", "f16", "fp32"),
-                                   ("mma", "f16", "fp16"), ("simt", "f32", "fp32"), ("simt", "bf16", "fp16")],
-                         ids=combo_id)
+@pytest.mark.parametrize("combo", [("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"),
+                                   ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("simt", "f32", "fp32"),
+                                   ("simt", "bf16", "fp16")], ids=combo_id)
 def test_backward_agrees_with_numpy_twin(rng, combo):
     import cupy
 

@@ -98,11 +98,19 @@ def test_mixing_numpy_and_cupy_is_refused():
         flashcupy.attention(cupy.asarray(q), k, v)
 
 
-def test_wgmma_backward_is_refused_with_the_families_that_run_it():
-    q, k, v = (np.concatenate([x] * 2, -1) for x in _qkv())
+def test_wgmma_backward_refuses_what_it_does_not_run_and_names_the_families_that_do():
+    q, k, v = _qkv()  # D = 32
     o, lse = flashcupy.attention(q, k, v, return_lse=True)
-    with pytest.raises(ValueError, match="no backward.*mma.*simt"):
+    with pytest.raises(ValueError, match=r"backward runs head dims \(64, 128\).*kernel='mma'.*kernel='simt'"):
         flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma")
+    q, k, v = (np.concatenate([x] * 2, -1) for x in _qkv())  # D = 64: the twin runs the family's knobs
+    o, lse = flashcupy.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="accum='fp32' only.*kernel='mma'"):
+        flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma", accum="fp16")
+    with pytest.raises(ValueError, match="block_m=128 is not supported by kernel='wgmma'"):
+        flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma", block_m=128)
+    grads = flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma")
+    assert all(np.isfinite(g.astype(np.float32)).all() for g in grads)
 
 
 # The checks are memoized on what they read (arrays' types, shapes, strides, dtypes, devices; knobs'
