@@ -197,11 +197,12 @@ WGMMA_BWD_HEAD_DIMS = (64, 128)
 
 def _bwd_wgmma_smem(v: "Variant", role: str) -> int:
     # 1024 bytes of alignment slack, K and V, the stages of Q, dO (2-byte elements) and of L, delta
-    # (fp32), two dS^T tiles and the mbarriers (kv_full; q_full, q_empty per stage)
+    # (fp32), two dS^T tiles, the fp32 dQ tile and the mbarriers (kv_full; q_full, q_empty per stage)
     if role != "dkdvdq":
         return 0
     bm, bn, d, st = v.block_m, v.block_n, v.head_dim, WGMMA_BWD_STAGES
-    return 1024 + 2 * bn * d * 2 + st * (2 * bm * d * 2 + 8 * bm) + 2 * bn * bm * 2 + 8 * (1 + 2 * st)
+    return (1024 + 2 * bn * d * 2 + st * (2 * bm * d * 2 + 8 * bm) + 2 * bn * bm * 2 + bm * d * 4
+            + 8 * (1 + 2 * st))
 
 
 def _bwd_wgmma_limits(v: "Variant") -> str | None:

@@ -174,15 +174,16 @@ class _ForwardPlan:
 
 
 def _tensor_maps(cache: dict, arrays: tuple, boxes: tuple, names: tuple) -> tuple:
-    """The TMA maps of ``arrays`` (box rows ``boxes``): a function of their addresses, shapes, strides and
-    dtype, of which only the addresses can change under one plan, so ``cache`` (the plan's) remembers
-    them per address tuple."""
+    """The TMA maps of ``arrays`` (boxes: rows, or (rows, columns) where not 64 columns): a function of
+    their addresses, shapes, strides and dtype, of which only the addresses can change under one plan, so
+    ``cache`` (the plan's) remembers them per address tuple."""
     ptrs = tuple(x.data.ptr for x in arrays)
     maps = cache.get(ptrs)
     if maps is None:
         from ._tma import tensor_map
 
-        maps = tuple(tensor_map(x, box, name=name) for x, box, name in zip(arrays, boxes, names))
+        maps = tuple(tensor_map(x, box[0], box_cols=box[1], name=name) if isinstance(box, tuple)
+                     else tensor_map(x, box, name=name) for x, box, name in zip(arrays, boxes, names))
         if len(cache) >= _MAPS_LIMIT:
             cache.clear()
         cache[ptrs] = maps
@@ -274,8 +275,10 @@ class _BackwardPlan:
         self.conv_tail = (np.int64(n4), scale_log2)
         self.maps, self.boxes, self.sem_shape = None, None, None
         if var.fam.kind == "wgmma":
-            # q, k, v, dout by TMA (maps first, by value); deterministic: one counter per query tile
-            self.maps, self.boxes = {}, (var.block_m, var.block_n, var.block_n, var.block_m)
+            # q, k, v, dout loaded and the fp32 dQ buffer reduced into by TMA (maps first, by value; the
+            # buffer's box is 32 fp32 columns, 128 bytes); deterministic: one counter per query tile
+            self.maps = {}
+            self.boxes = (var.block_m, var.block_n, var.block_n, var.block_m, (var.block_m, 32))
             if deterministic:
                 self.sem_shape = (p.batch, p.heads_q, (p.nq + var.block_m - 1) // var.block_m)
 
@@ -331,9 +334,9 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
     dq, dk, dv = grads
     args = (q, k, v, do, lse, delta, dq, dk, dv) + plan.args
     if plan.maps is not None:  # wgmma: the maps, and the counters that order dQ's additions (or null)
-        maps = _tensor_maps(plan.maps, (q, k, v, do), plan.boxes, ("q", "k", "v", "do"))
+        maps = _tensor_maps(plan.maps, (q, k, v, do, dq_accum), plan.boxes, ("q", "k", "v", "do", "dq_accum"))
         sem = np.uint64(0) if plan.sem_shape is None else cupy.zeros(plan.sem_shape, dtype=cupy.int32)
-        plan.k_kv(plan.kv_grid, maps + args + (dq_accum, sem))
+        plan.k_kv(plan.kv_grid, maps + args + (sem,))
         plan.k_q(plan.conv_grid, (dq_accum, dq) + plan.conv_tail)
     elif plan.atomic:
         plan.k_kv(plan.kv_grid, args + (dq_accum,))

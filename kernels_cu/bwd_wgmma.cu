@@ -1,6 +1,6 @@
 // bwd_wgmma.cu: FlashAttention backward pass on Hopper (sm_90a), FlashAttention-3's structure: one CTA
 // per key tile, K and V resident in shared memory, Q and dO tiles streamed by TMA through an mbarrier
-// pipeline, warp specialization, wgmma; dQ added to an fp32 buffer.
+// pipeline, warp specialization, wgmma; dQ added to an fp32 buffer by TMA reduce-adds.
 //
 // flash_bwd_prep (bwd_prep.cuh) runs first (delta_i = rowsum(dO_i * O_i), the zeroed fp32 dQ buffer),
 // flash_bwd_dq_convert (bwd_prep.cuh) last (dq = scale * buffer, rounded). The math (c = scale_log2,
@@ -27,7 +27,10 @@
 //           dQ_c = dS K[:, c-th D / NCWG columns]   wgmma m64n(D/NCWG)k16 over all BN keys of the tile,
 //                                             A = dS^T and B = K from shared memory, both MN-major;
 //                                             needs every consumer's dS^T (named barrier 1)
-//           dQ_c added to the fp32 buffer with 8-byte reductions (red.global.add.v2.f32)
+//           dQ_c stored to shared memory (fp32, swizzled) and added to the fp32 buffer by one TMA
+//                                             reduce-add per 32 columns (cp.reduce.async.bulk.tensor;
+//                                             measured: the threads' red.global.add.v2.f32 cost 37% of
+//                                             the kernel's time at D = 128, N = 16384)
 //       and at the end dk = scale * dK and dv = dV (rows < nk), straight from registers.
 //   dS^T has two shared-memory buffers (query tile parity): a consumer writes tile i's only after
 //   every consumer passed barrier 1 of tile i - 1, so every dQ product of tile i - 2 has landed.
@@ -45,17 +48,18 @@
 // for CTAs of lower block index, which the hardware started before it: no deadlock, whatever the grid.
 //
 // Tensor maps (flashcupy/_tma.py): 4-D (D, N, H, B) over the real strides of q, k, v, dout; boxes
-// (64, BM) for q and dout, (64, BN) for k and v; 128-byte swizzle. Rows past N arrive as zeros.
+// (64, BM) for q and dout, (64, BN) for k and v; and of the fp32 dQ buffer, box (32, BM); 128-byte
+// swizzle. Rows past N arrive as zeros (loads) or are skipped (reduce-adds).
 // Shared-memory operands are stacks of 128-byte panels (wgmma_common.cuh); dS^T is BN rows (keys) of
 // BM = 64 queries, one panel, written with the same swizzle.
 //
-// Kernel parameters: four CUtensorMap (q, k, v, dout), FC_BWD_PARAMS (the pointers and strides of q,
-// k, v, dout are not read: the maps carry them; dq is not touched), dq_accum (fp32 (B, Hq, nq, D),
-// zeroed), dq_sem (or null).
+// Kernel parameters: five CUtensorMap (q, k, v, dout, and dq_accum: fp32 (B, Hq, nq, D), zeroed),
+// FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; dq is
+// not touched), dq_sem (or null).
 // Grid: (ceil(nk / BN), Hkv, B). Block: FC_NUM_THREADS = 128 * (1 + BN / 64).
 // Dynamic shared memory (bytes), FC_SMEM_DKDVDQ:
 //     1024 (alignment slack) + 2 BN D 2 (K, V) + STAGES (2 BM D 2 + 8 BM) (Q, dO, L, delta)
-//     + 2 BN BM 2 (dS^T) + 8 (1 + 2 STAGES) (mbarriers)
+//     + 2 BN BM 2 (dS^T) + 4 BM D (dQ stages) + 8 (1 + 2 STAGES) (mbarriers)
 // Supported: FC_DTYPE 1 or 2, fp32 accumulators (no FC_ACCUM_F16); FC_HEAD_DIM 64 or 128; FC_BLOCK_M 64;
 // FC_BLOCK_N 64 or 128.
 
@@ -101,7 +105,9 @@ constexpr int OFF_V = KV_BYTES;
 constexpr int OFF_Q = 2 * KV_BYTES;                      // STAGES Q tiles
 constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;         // STAGES dO tiles
 constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;        // 2 dS^T tiles
-constexpr int OFF_LD = OFF_DS + 2 * DS_BYTES;            // STAGES x (BM values of L, BM of delta), fp32
+constexpr int DQ_PANEL = BM * 128, DQ_BYTES = BM * DQN * 4;  // a consumer's dQ stage: DQN / 32 fp32 panels
+constexpr int OFF_DQ = OFF_DS + 2 * DS_BYTES;            // NCWG dQ stages
+constexpr int OFF_LD = OFF_DQ + NCWG * DQ_BYTES;         // STAGES x (BM values of L, BM of delta), fp32
 constexpr int OFF_BAR = OFF_LD + STAGES * 2 * BM * 4;
 constexpr int N_BARS = 1 + 2 * STAGES;                   // kv_full, q_full[], q_empty[]
 constexpr int SMEM_NEEDED = 1024 + OFF_BAR + 8 * N_BARS;
@@ -109,7 +115,10 @@ static_assert(FC_SMEM_DKDVDQ == SMEM_NEEDED, "shared memory differs from the bui
 
 constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = 240;
-static_assert(128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= 65536, "register split");
+// setmaxnreg moves registers within what the CTA was launched with (NTHR x the kernel's count, at most
+// 65536 / NTHR rounded down to 8: 168 at 384 threads); a split that needs more makes setmaxnreg.inc
+// wait forever (measured: producer 32 + 2 x 240 hung every launch).
+static_assert(128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= NTHR * (65536 / NTHR / 8 * 8), "register split");
 
 // The deterministic path's counters: an acquire load and a release increment at GPU scope.
 __device__ __forceinline__ int ld_acquire_gpu(const int *p) {
@@ -124,7 +133,7 @@ __device__ __forceinline__ void red_release_gpu_add(int *p, int v) {
 extern "C" __global__ void __launch_bounds__(NTHR, 1)
     flash_bwd_dkdvdq_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
                            const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
-                           FC_BWD_PARAMS, float *__restrict__ dq_accum, int *__restrict__ dq_sem) {
+                           const __grid_constant__ FcTensorMap tm_dq, FC_BWD_PARAMS, int *__restrict__ dq_sem) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     unsigned char *const smem = smem_raw + (base - (u32)__cvta_generic_to_shared(smem_raw));
@@ -147,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     // Query tiles [qt0, n_qt) of each of the group's heads hold a query that sees some key of this tile.
     const int n_qt = (nq + BM - 1) / BM;
 #if FC_CAUSAL
-    const int q_first = max(n0 - (nk - nq), 0);  // first query that sees key n0
+    const int q_first = fc_first_query(n0, nq, nk);
     const int qt0 = q_first < nq ? q_first / BM : n_qt;
 #else
     const int qt0 = 0;
@@ -217,11 +226,15 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         setmaxnreg_inc<CONSUMER_REGS>();
         const int cw = wg - 1;                   // keys n0 + 64 cw ..
         const int ct = tid - 128;                // consumer thread 0 .. NCTHR - 1
+        const int lt = tid & 127;                // thread in the warpgroup
         const int wq = (tid & 127) >> 5;         // warp in the warpgroup: rows 16 wq .. of an m64 product
         const int g = lane >> 2, t = lane & 3;
         const u32 k_rows = sK + 64 * cw * 128, v_rows = sV + 64 * cw * 128;  // this warpgroup's 64 rows
         const int key_g = n0 + 64 * cw + 16 * wq + g;  // keys key_g and key_g + 8 (rows of S^T)
         const int dcol0 = cw * DQN;                    // this warpgroup's dQ columns
+        // query row r < nq sees key key_g + 8 hf iff r >= q_first_vis[hf] (keys past nk: no row)
+        const int q_first_vis[2] = {key_g < nk ? fc_first_query(key_g, nq, nk) : nq,
+                                    key_g + 8 < nk ? fc_first_query(key_g + 8, nq, nk) : nq};
 
         acc_t dk_acc[DN], dv_acc[DN];
 #pragma unroll
@@ -279,17 +292,18 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         p[e] = fc_softmax_p(acc_get(wg_tile(s_acc, i), 2 * hf + e), scale_log2, lq[e]);
-                        if (need_mask) {
-                            const int key = key_g + 8 * hf, query = m0 + qc + e;
-                            p[e] = (query < nq && key < nk && fc_visible(query, key, nq, nk)) ? p[e] : 0.f;
+                        if (need_mask) {  // query qc + e of the tile sees key key_g + 8 hf
+                            const int query = m0 + qc + e;
+                            p[e] = (query < nq && query >= q_first_vis[hf]) ? p[e] : 0.f;
                         }
                         ds[e] = p[e] * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
                     }
                     p_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(p[0], p[1]);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
                     const int row = 64 * cw + 16 * wq + g + 8 * hf;
-                    *reinterpret_cast<u32 *>(smem + (sds - base) + row * 128 + ((i ^ g) << 4) + 4 * t) =
-                        ds_frag[i >> 1][hf + 2 * (i & 1)];
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sds + row * 128 + ((i ^ g) << 4) + 4 * t),
+                                 "r"(ds_frag[i >> 1][hf + 2 * (i & 1)])
+                                 : "memory");
                 }
             }
 
@@ -328,36 +342,54 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             }
             mbar_arrive(q_empty(s));  // this thread is done with stage s
 
-            // ---- dQ share into the fp32 buffer (rows < nq); in key-tile order when dq_sem is given ----
-            int *sem = ordered ? dq_sem + ((long long)b * heads_q + hq) * n_qt + qt : nullptr;
-            if (ordered) {
-                // this key tile's place in the order of query tile qt's additions
-#if FC_CAUSAL
-                const int place = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) / BN - kt;  // diagonal first
-#else
-                const int place = kt;
-#endif
-                if (ct == 0)
-                    while (ld_acquire_gpu(sem) != place) {
-                    }
-                named_bar_sync(2, NCTHR);
-            }
-            const long long rb = ((long long)b * heads_q + hq) * nq;
+            // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 rows x 128 bytes, the
+            //      128-byte swizzle) and added into the fp32 buffer by the TMA unit (rows past nq are
+            //      skipped by it); in key-tile order when dq_sem is given ----
+            const u32 sdq = base + OFF_DQ + cw * DQ_BYTES;
+            if (lt == 0) tma_wait_read();  // this warpgroup's previous reduction has read the stage
+            named_bar_sync(3 + cw, 128);
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const int row = m0 + 16 * wq + g + 8 * hf;
-                if (row < nq) {
-                    float *dst = dq_accum + (rb + row) * HD + dcol0 + 2 * t;
+                const int r = 16 * wq + g + 8 * hf;  // r % 8 == g
 #pragma unroll
-                    for (int i = 0; i < DQN / 8; ++i)
-                        red_add_f32x2(dst + 8 * i, acc_get(wg_tile(q_acc, i), 2 * hf), acc_get(wg_tile(q_acc, i), 2 * hf + 1));
+                for (int i = 0; i < DQN / 8; ++i) {
+                    const int c = 8 * i + 2 * t;      // column within this warpgroup's DQN
+                    const u32 addr = sdq + (c / 32) * DQ_PANEL + r * 128 + ((((c % 32) / 4) ^ g) << 4) + 4 * (c % 4);
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr),
+                                 "f"(acc_get(wg_tile(q_acc, i), 2 * hf)), "f"(acc_get(wg_tile(q_acc, i), 2 * hf + 1))
+                                 : "memory");
                 }
             }
+            fence_proxy_async();            // the stores before the TMA unit reads them
+            named_bar_sync(3 + cw, 128);
+            int *sem = ordered ? dq_sem + ((long long)b * heads_q + hq) * n_qt + qt : nullptr;
+            if (lt == 0) {
+                if (ordered) {
+                    // this key tile's place in the order of query tile qt's additions
+#if FC_CAUSAL
+                    const int place = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) / BN - kt;  // diagonal first
+#else
+                    const int place = kt;
+#endif
+                    while (ld_acquire_gpu(sem) != place) {
+                    }
+                    fence_proxy_async_global();  // the acquire before this thread's TMA reductions
+                }
+#pragma unroll
+                for (int p = 0; p < DQN / 32; ++p)
+                    tma_reduce_add_4d(&tm_dq, sdq + p * DQ_PANEL, dcol0 + 32 * p, m0, hq, b);
+                tma_commit();
+                if (ordered) tma_wait_all();  // performed, before the release below
+            }
             if (ordered) {
-                named_bar_sync(2, NCTHR);    // every consumer thread's additions before the release
-                if (ct == 0) red_release_gpu_add(sem, 1);
+                named_bar_sync(2, NCTHR);        // every warpgroup's reductions have been performed
+                if (ct == 0) {
+                    fence_proxy_async_global();
+                    red_release_gpu_add(sem, 1);
+                }
             }
         }
+        if (lt == 0) tma_wait_all();  // the last reduction has read the stage and landed
 
         // ---- epilogue: dk = scale * dK, dv = dV (rows < nk), straight from registers ----
         const float scale = scale_log2 * FC_LN2;

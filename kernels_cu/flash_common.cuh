@@ -205,6 +205,15 @@ __device__ __forceinline__ int fc_last_key(int row, int nq, int nk) {
 #endif
 }
 __device__ __forceinline__ bool fc_visible(int row, int key, int nq, int nk) { return key <= fc_last_key(row, nq, nk); }
+// First query row that may see key `key` (0 <= key < nk): a row sees it iff first <= row < nq (the same
+// rule read from the key's side; > nq - 1 when no row sees it).
+__device__ __forceinline__ int fc_first_query(int key, int nq, int nk) {
+#if FC_CAUSAL
+    return max(key - (nk - nq), 0);
+#else
+    return 0;
+#endif
+}
 
 // The query tile run x-th of n (x = blockIdx.x of a grid of n = ceil(nq / BM) tiles, or a persistent
 // CTA's x-th tile of a head). Causal grids run the heaviest tiles (the last query rows, which see the

@@ -115,7 +115,8 @@ constexpr int SMEM_NEEDED = 1024 + OFF_BAR + 8 * N_BARS;
 static_assert(FC_SMEM_FWD == SMEM_NEEDED, "shared memory (Q, K/V stages, mbarriers) differs from FC_SMEM_FWD");
 
 // Registers per thread after setmaxnreg: the producer keeps few, the consumers share the rest of the
-// 64K-register file (128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= 65536, multiples of 8).
+// registers the CTA was launched with (128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= NTHR x 65536 / NTHR
+// rounded down to 8, multiples of 8; bwd_wgmma.cu asserts it).
 constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = NCWG == 3 ? 160 : 240;
 

@@ -1,6 +1,6 @@
 // wgmma_common.cuh: Hopper (sm_90a) building blocks for the wgmma family: warpgroup MMA
 // (wgmma.mma_async) wrappers and their fences, shared-memory matrix descriptors (128-byte
-// swizzle), mbarriers, TMA tensor loads from a CUtensorMap kernel parameter, named barriers,
+// swizzle), mbarriers, TMA tensor loads (and reduce-adds) through a CUtensorMap kernel parameter, named barriers,
 // the async-proxy fence and setmaxnreg. Include after flash_common.cuh (it uses FC_DTYPE).
 // Needs -arch=sm_90a (wgmma and setmaxnreg do not exist on plain sm_90).
 //
@@ -217,6 +217,22 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const FcTensorMap *map, u32
         "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
 }
+// Add the fp32 box at src (shared memory, laid out as the map's box and swizzle) into the tensor at
+// coordinates (c0 .. c3): an element-wise reduction performed by the TMA unit (one request per
+// 128-byte line instead of a reduction per 8 or 16 bytes from the threads). Elements outside the
+// tensor's extents are skipped. Tracked by the issuing thread's bulk groups (tma_commit / tma_wait_*).
+__device__ __forceinline__ void tma_reduce_add_4d(const FcTensorMap *map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+        " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<u64>(map)),
+        "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until the shared memory of every committed group of this thread has been read (it may be reused).
+__device__ __forceinline__ void tma_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Until every committed group of this thread has completed (its writes to global memory performed).
+__device__ __forceinline__ void tma_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 // Bring the tensor map's descriptor into the TMA unit's cache ahead of the first load.
 __device__ __forceinline__ void tma_prefetch_map(const FcTensorMap *map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
@@ -226,6 +242,8 @@ __device__ __forceinline__ void tma_prefetch_map(const FcTensorMap *map) {
 // Order this thread's ordinary (generic-proxy) shared-memory writes before later async-proxy
 // accesses (wgmma operand reads, TMA stores) of the same bytes.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Order this thread's generic-proxy global memory accesses with its later async-proxy (TMA) ones.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 // Named barriers 1..15 (0 is __syncthreads): `threads` (a multiple of 32) take part.
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
