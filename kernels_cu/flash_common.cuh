@@ -185,8 +185,8 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// *addr += (a, b) as one 8-byte reduction in global memory (sm_90; addr 8-byte aligned): the
-// atomic dQ paths of bwd_mma.cu and bwd_wgmma.cu.
+// *addr += (a, b) as one 8-byte reduction in global memory (sm_90; addr 8-byte aligned): the atomic
+// dQ path of bwd_mma.cu (bwd_wgmma.cu lets the TMA unit add whole tiles instead).
 __device__ __forceinline__ void red_add_f32x2(float *addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
