@@ -67,13 +67,19 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m
     dK/dV are accumulated on chip by a key-tile-outer kernel. dQ, a sum over key tiles, is formed one of
     two ways:
 
-    * ``deterministic=False`` (default; kernel 'mma' with fp32 accumulators): the same kernel adds each
-      key tile's share dS K to an fp32 buffer with atomic reductions, as FlashAttention-2 does (5
-      matrix products per tile pair); the order of those additions varies, so dq may differ in its
-      last bits between runs.
-    * ``deterministic=True`` (and always for kernel 'simt' or accum 'fp16'): a second, query-tile-outer
-      kernel recomputes S and dP and accumulates dQ on chip in a fixed order (7 products per tile
-      pair): bitwise reproducible, no atomics anywhere.
+    * ``deterministic=False`` (default; kernels 'wgmma' and 'mma' with fp32 accumulators): the same
+      kernel adds each key tile's share dS K to an fp32 buffer, as FlashAttention-2 and -3 do (5 matrix
+      products per tile pair; mma: the threads' atomic reductions, wgmma: TMA reduce-adds of whole
+      tiles); the order of those additions varies, so dq may differ in its last bits between runs.
+    * ``deterministic=True``: kernel 'wgmma' runs the same kernel with the additions into each query
+      tile ordered by key tile (a counter per query tile, FlashAttention-3's scheme; about 0.8x the
+      default's speed on the H200); kernel 'mma' (and always 'simt' and accum 'fp16') runs a second,
+      query-tile-outer kernel that recomputes S and dP and accumulates dQ on chip in a fixed order (7
+      products per tile pair, no atomics). Either way the result is bitwise reproducible, and dk, dv
+      are the same bits as the default path's.
+
+    kernel='auto' runs 'wgmma' on a Hopper GPU for float16/bfloat16 with D 64 or 128 and fp32
+    accumulators, else 'mma' (16-bit inputs) or 'simt'.
 
     ``dlse``: optional float32 (B, Hq, Nq) gradient of the loss with respect to the LSE that the
     forward returned. Since d lse_i / d S_ij = P_ij, it adds dlse_i * P_ij to dS, which is the same as
