@@ -252,43 +252,42 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             const bool need_mask = (m0 + BM > nq) || (n0 + BN > nk) ||
                                    (FC_CAUSAL && m0 < n0 + BN - 1 - (nk - nq));
             const u32 sq = s_q(s), sdo = s_do(s);
+            const u32 kr = opaque_u32(k_rows), vr = opaque_u32(v_rows), kd = opaque_u32(sK);  // not hoisted
             const u32 sds = base + OFF_DS + (it & 1) * DS_BYTES;
             mbar_wait(q_full(s), (u32)((it / STAGES) & 1));
 
-            // ---- S^T = K_c Q^T and dP^T = V_c dO^T: one wgmma group ----
+            // ---- S^T = K_c Q^T, then dP^T = V_c dO^T: two wgmma groups, so that P^T is formed while
+            //      the tensor cores still compute dP^T ----
             acc_t s_acc[SN], p_acc[SN];
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; ++kk) {
                 const u32 off = (kk / 4) * KV_PANEL + (kk % 4) * 32;
                 const u32 offq = (kk / 4) * Q_PANEL + (kk % 4) * 32;
-                WgMma<BM>::ss(s_acc, wg_desc_sw128(k_rows + off, 16, 1024), wg_desc_sw128(sq + offq, 16, 1024), kk > 0);
+                WgMma<BM>::ss(s_acc, wg_desc_sw128(kr + off, 16, 1024), wg_desc_sw128(sq + offq, 16, 1024), kk > 0);
             }
+            wg_commit();
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; ++kk) {
                 const u32 off = (kk / 4) * KV_PANEL + (kk % 4) * 32;
                 const u32 offq = (kk / 4) * Q_PANEL + (kk % 4) * 32;
-                WgMma<BM>::ss(p_acc, wg_desc_sw128(v_rows + off, 16, 1024), wg_desc_sw128(sdo + offq, 16, 1024), kk > 0);
+                WgMma<BM>::ss(p_acc, wg_desc_sw128(vr + off, 16, 1024), wg_desc_sw128(sdo + offq, 16, 1024), kk > 0);
             }
             wg_commit();
-            wg_wait<0>();
-            reg_fence(s_acc);
-            reg_fence(p_acc);
 
-            // ---- P^T = exp2(S^T c - L_query), dS^T = P^T (dP^T - delta_query) (fp32), rounded into the
-            //      A fragments of dV, dK (k16 step kk: accumulator tiles 2kk, 2kk + 1) and dS^T into
-            //      shared memory (row = key, 16-byte chunk i of queries at chunk i ^ (row % 8) = i ^ g) ----
+            // ---- P^T = exp2(S^T c - L_query) (fp32, in place; masked keys/queries give 0) while the
+            //      tensor cores compute dP^T ----
+            wg_wait<1>();
+            reg_fence(s_acc);
             const float *ld = s_ld(s);
-            u32 p_frag[QSTEPS][4], ds_frag[QSTEPS][4];
 #pragma unroll
             for (int i = 0; i < BM / 8; ++i) {
                 const int qc = 8 * i + 2 * t;  // queries qc, qc + 1 of the tile (columns of S^T)
                 const float2 l2 = *reinterpret_cast<const float2 *>(ld + qc);
-                const float2 d2 = *reinterpret_cast<const float2 *>(ld + BM + qc);
-                const float lq[2] = {l2.x, l2.y}, dl[2] = {d2.x, d2.y};
+                const float lq[2] = {l2.x, l2.y};
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    float p[2], ds[2];
+                    float p[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         p[e] = fc_softmax_p(acc_get(wg_tile(s_acc, i), 2 * hf + e), scale_log2, lq[e]);
@@ -296,9 +295,29 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                             const int query = m0 + qc + e;
                             p[e] = (query < nq && query >= q_first_vis[hf]) ? p[e] : 0.f;
                         }
-                        ds[e] = p[e] * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
                     }
-                    p_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(p[0], p[1]);
+                    acc_set_pair(wg_tile(s_acc, i), hf, p[0], p[1]);
+                }
+            }
+
+            // ---- dS^T = P^T (dP^T - delta_query) (fp32); P^T and dS^T rounded to the element type into
+            //      the A fragments of dV, dK (k16 step kk: accumulator tiles 2kk, 2kk + 1), dS^T also into
+            //      shared memory (row = key, 16-byte chunk i of queries at chunk i ^ (row % 8) = i ^ g) ----
+            wg_wait<0>();
+            reg_fence(p_acc);
+            u32 p_frag[QSTEPS][4], ds_frag[QSTEPS][4];
+#pragma unroll
+            for (int i = 0; i < BM / 8; ++i) {
+                const int qc = 8 * i + 2 * t;
+                const float2 d2 = *reinterpret_cast<const float2 *>(ld + BM + qc);
+                const float dl[2] = {d2.x, d2.y};
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    float ds[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        ds[e] = acc_get(wg_tile(s_acc, i), 2 * hf + e) * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
+                    p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
                     const int row = 64 * cw + 16 * wq + g + 8 * hf;
                     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sds + row * 128 + ((i ^ g) << 4) + 4 * t),
@@ -307,18 +326,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 }
             }
 
-            // ---- dV += P^T dO, dK += dS^T Q (B = dO, Q: rows = queries, MN-major) ----
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < QSTEPS; ++kk)
-                WgMma<HD>::rs_tb(dv_acc, p_frag[kk], wg_desc_sw128(sdo + kk * 16 * 128, Q_PANEL, 1024), 1);
-#pragma unroll
-            for (int kk = 0; kk < QSTEPS; ++kk)
-                WgMma<HD>::rs_tb(dk_acc, ds_frag[kk], wg_desc_sw128(sq + kk * 16 * 128, Q_PANEL, 1024), 1);
-            wg_commit();
-
-            // ---- dQ_c = dS K[:, dcol0 ..]: A = dS^T tile (keys x queries), B = K (keys x d), both
-            //      MN-major; needs every consumer's dS^T ----
+            // ---- dQ_c = dS K[:, dcol0 ..] (A = dS^T tile (keys x queries), B = K (keys x d), both
+            //      MN-major; needs every consumer's dS^T), then dV += P^T dO and dK += dS^T Q (B = dO, Q:
+            //      rows = queries, MN-major) in a second group, which runs under dQ_c's epilogue ----
             fence_proxy_async();          // this thread's dS^T stores before the async proxy reads them
             named_bar_sync(1, NCTHR);
             acc_t q_acc[QN];
@@ -326,21 +336,20 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
             for (int kk = 0; kk < NSTEPS; ++kk) {
                 const u64 da = wg_desc_sw128(sds + kk * 16 * 128, DS_BYTES, 1024);
-                const u64 db = wg_desc_sw128(sK + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
+                const u64 db = wg_desc_sw128(kd + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
                                              KV_PANEL, 1024);
                 WgMma<DQN>::ss_tt(q_acc, da, db, kk > 0);
             }
             wg_commit();
-            wg_wait<0>();
-            reg_fence(dv_acc);
-            reg_fence(dk_acc);
-            reg_fence(q_acc);
 #pragma unroll
-            for (int kk = 0; kk < QSTEPS; ++kk) {
-                reg_fence(p_frag[kk]);
-                reg_fence(ds_frag[kk]);
-            }
-            mbar_arrive(q_empty(s));  // this thread is done with stage s
+            for (int kk = 0; kk < QSTEPS; ++kk)
+                WgMma<HD>::rs_tb(dv_acc, p_frag[kk], wg_desc_sw128(sdo + kk * 16 * 128, Q_PANEL, 1024), 1);
+#pragma unroll
+            for (int kk = 0; kk < QSTEPS; ++kk)
+                WgMma<HD>::rs_tb(dk_acc, ds_frag[kk], wg_desc_sw128(sq + kk * 16 * 128, Q_PANEL, 1024), 1);
+            wg_commit();
+            wg_wait<1>();  // dQ_c (dV, dK may still run)
+            reg_fence(q_acc);
 
             // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 rows x 128 bytes, the
             //      128-byte swizzle) and added into the fp32 buffer by the TMA unit (rows past nq are
@@ -381,6 +390,15 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 tma_commit();
                 if (ordered) tma_wait_all();  // performed, before the release below
             }
+            wg_wait<0>();  // dV, dK: stage s's Q and dO are read
+            reg_fence(dv_acc);
+            reg_fence(dk_acc);
+#pragma unroll
+            for (int kk = 0; kk < QSTEPS; ++kk) {
+                reg_fence(p_frag[kk]);
+                reg_fence(ds_frag[kk]);
+            }
+            mbar_arrive(q_empty(s));  // this thread is done with stage s
             if (ordered) {
                 named_bar_sync(2, NCTHR);        // every warpgroup's reductions have been performed
                 if (ct == 0) {

@@ -59,6 +59,14 @@ __device__ __forceinline__ void reg_fence(u32 (&r)[R]) {
     for (int i = 0; i < R; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
+// x, opaque to the compiler: descriptors built from it inside a loop are rebuilt there (a few integer
+// operations) instead of being hoisted out and held in registers across the loop, which can spill when
+// the consumer's accumulators fill the register file.
+__device__ __forceinline__ u32 opaque_u32(u32 x) {
+    asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+    return x;
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading byte offset (LBO),
 // stride byte offset (SBO), all >> 4, and swizzle mode 1 in bits 62-63 (base offset 0: panels are
 // 1024-byte aligned).
