@@ -19,8 +19,8 @@ import threading
 from typing import Callable
 
 __all__ = [
-    "ATOMIC_DQ_ROLES", "DETERMINISTIC_DQ_ROLES", "DTYPES", "FAMILIES", "Family", "Variant", "compile_report",
-    "covering_variants", "get_kernel", "ptx", "source_text",
+    "ATOMIC_DQ_ROLES", "DETERMINISTIC_DQ_ROLES", "DTYPES", "FAMILIES", "Family", "ORDERED_DQ_ROLES",
+    "Variant", "compile_report", "covering_variants", "get_kernel", "ptx", "source_text",
 ]
 
 # Element types by short name: the name used in variant keys -> (FC_DTYPE code, bytes).
@@ -44,7 +44,8 @@ class Family:
 
     ``kind`` is the ``kernel=`` name of the public API ("mma", "simt", ...) and ``direction`` "fwd" or
     "bwd"; ``roles`` maps each kernel's role to its name in the source: "fwd" for a forward family;
-    "prep", "dkdv", "dq" (and, in bwd_mma, "dkdvdq" and "dq_convert") for a backward one.
+    "prep", "dkdv", "dq" (and, in bwd_mma and bwd_wgmma, "dkdvdq" and "dq_convert"; bwd_wgmma's ordered twin
+    "dkdvdq_ordered") for a backward one.
     ``threads``, ``smem_bytes`` and ``head_dim_pad`` restate the formulas written at the top of the
     source file (``smem_bytes(variant, role)``: a backward source holds several kernels);
     ``no_spill`` says for which variants the compile check treats spills as a failure.
@@ -71,8 +72,8 @@ class Family:
     roles_of: Callable[["Variant"], tuple[str, ...]] | None = None
     # Knobs the family derives from a variant (-D NAME=value), beyond the common ones.
     extra_defines: Callable[["Variant"], dict[str, int]] = lambda v: {}
-    # A backward family whose atomic-dQ kernel also runs deterministically, given a counter per query
-    # tile that orders its dQ additions by key tile (bwd_wgmma): both paths launch ATOMIC_DQ_ROLES.
+    # A backward family whose atomic-dQ kernel has a twin that orders its dQ additions by key tile with
+    # a counter per query tile (bwd_wgmma): deterministic calls launch ORDERED_DQ_ROLES.
     ordered_dq: bool = False
 
     @property
@@ -136,6 +137,7 @@ def _bwd_mma_smem(v: "Variant", role: str) -> int:
 # and zeroing the dQ buffer).
 DETERMINISTIC_DQ_ROLES = ("dkdv", "dq")
 ATOMIC_DQ_ROLES = ("dkdvdq", "dq_convert")
+ORDERED_DQ_ROLES = ("dkdvdq_ordered", "dq_convert")
 
 
 def _bwd_mma_roles(v: "Variant") -> tuple[str, ...]:
@@ -198,7 +200,7 @@ WGMMA_BWD_HEAD_DIMS = (64, 128)
 def _bwd_wgmma_smem(v: "Variant", role: str) -> int:
     # 1024 bytes of alignment slack, K and V, the stages of Q, dO (2-byte elements) and of L, delta
     # (fp32), two dS^T tiles, the fp32 dQ tile and the mbarriers (kv_full; q_full, q_empty per stage)
-    if role != "dkdvdq":
+    if role not in ("dkdvdq", "dkdvdq_ordered"):
         return 0
     bm, bn, d, st = v.block_m, v.block_n, v.head_dim, WGMMA_BWD_STAGES
     return (1024 + 2 * bn * d * 2 + st * (2 * bm * d * 2 + 8 * bm) + 2 * bn * bm * 2 + bm * d * 4
@@ -291,7 +293,7 @@ _FAMILIES = (
     Family(
         kind="wgmma", direction="bwd", source="bwd_wgmma.cu",
         roles={"prep": "flash_bwd_prep", "dkdvdq": "flash_bwd_dkdvdq_wgmma",
-               "dq_convert": "flash_bwd_dq_convert"},
+               "dkdvdq_ordered": "flash_bwd_dkdvdq_ordered_wgmma", "dq_convert": "flash_bwd_dq_convert"},
         # query tiles of 64 rows; one consumer warpgroup per 64 keys of the key tile
         dtypes=("f16", "bf16"), block_m=(64,), block_n=(64, 128),
         # fp32 accumulators only: accum='fp16' runs on the mma family (_checks.py says so)

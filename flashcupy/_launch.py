@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 
-from ._build import ATOMIC_DQ_ROLES, DETERMINISTIC_DQ_ROLES, get_kernel, wgmma_persistent
+from ._build import ATOMIC_DQ_ROLES, DETERMINISTIC_DQ_ROLES, ORDERED_DQ_ROLES, get_kernel, wgmma_persistent
 from ._checks import Problem
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -247,7 +247,7 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
 class _BackwardPlan:
     __slots__ = ("aligned", "prep", "prep_grid", "prep_tail", "k_kv", "k_q", "kv_grid", "q_grid", "args",
                  "atomic", "conv_grid", "conv_tail", "q_shape", "kv_shape", "rows_shape", "maps", "boxes",
-                 "sem_shape")
+                 "sem_shape", "sem_tail")
 
     def __init__(self, p: Problem, deterministic: bool, strides: tuple, itemsize: int):
         var = p.variant
@@ -259,7 +259,7 @@ class _BackwardPlan:
         roles = backward_roles(var, deterministic)
         self.prep = get_kernel(var, "prep")
         self.k_kv, self.k_q = (get_kernel(var, role) for role in roles)
-        self.atomic = roles == ATOMIC_DQ_ROLES
+        self.atomic = roles != DETERMINISTIC_DQ_ROLES  # an fp32 dQ buffer, converted at the end
         self.q_shape, self.kv_shape, self.rows_shape = q_shape, kv_shape, q_shape[:3]
         rows = p.batch * p.heads_q * p.nq
         self.prep_grid = ((8 * rows + var.threads - 1) // var.threads,)
@@ -273,14 +273,22 @@ class _BackwardPlan:
         n4 = rows * p.head_dim // 4
         self.conv_grid = (min((n4 + 255) // 256, 65536),)
         self.conv_tail = (np.int64(n4), scale_log2)
-        self.maps, self.boxes, self.sem_shape = None, None, None
+        self.maps, self.boxes, self.sem_shape, self.sem_tail = None, None, None, ()
         if var.fam.kind == "wgmma":
             # q, k, v, dout loaded and the fp32 dQ buffer reduced into by TMA (maps first, by value; the
-            # buffer's box is 32 fp32 columns, 128 bytes); deterministic: one counter per query tile
+            # buffer's box is 32 fp32 columns, 128 bytes); deterministic: one counter per query tile and
+            # whether the key tiles start rotated (the ordered kernel's last two arguments)
             self.maps = {}
             self.boxes = (var.block_m, var.block_n, var.block_n, var.block_m, (var.block_m, 32))
             if deterministic:
-                self.sem_shape = (p.batch, p.heads_q, (p.nq + var.block_m - 1) // var.block_m)
+                n_qt, n_kt = (p.nq + var.block_m - 1) // var.block_m, self.kv_grid[0]
+                self.sem_shape = (p.batch, p.heads_q, n_qt)
+                # non-causal: rotated starts (no waiting chain across key tiles) where all of a head's
+                # key tiles can be resident at once (one CTA per SM), the kernel's rule against deadlock
+                import cupy
+
+                sms = cupy.cuda.Device(p.device).attributes["MultiProcessorCount"]
+                self.sem_tail = (np.int32(not var.causal and n_qt >= n_kt and n_kt <= sms),)
 
 
 _BACKWARD_PLANS: dict = {}
@@ -333,10 +341,11 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
                  cupy.empty(plan.kv_shape, dtype=q.dtype))
     dq, dk, dv = grads
     args = (q, k, v, do, lse, delta, dq, dk, dv) + plan.args
-    if plan.maps is not None:  # wgmma: the maps, and the counters that order dQ's additions (or null)
+    if plan.maps is not None:  # wgmma: the maps; the ordered twin: the counters, whether rotated
         maps = _tensor_maps(plan.maps, (q, k, v, do, dq_accum), plan.boxes, ("q", "k", "v", "do", "dq_accum"))
-        sem = np.uint64(0) if plan.sem_shape is None else cupy.zeros(plan.sem_shape, dtype=cupy.int32)
-        plan.k_kv(plan.kv_grid, maps + args + (sem,))
+        if plan.sem_shape is not None:
+            args += (cupy.zeros(plan.sem_shape, dtype=cupy.int32),) + plan.sem_tail
+        plan.k_kv(plan.kv_grid, maps + args)
         plan.k_q(plan.conv_grid, (dq_accum, dq) + plan.conv_tail)
     elif plan.atomic:
         plan.k_kv(plan.kv_grid, args + (dq_accum,))
@@ -349,9 +358,11 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
 
 def backward_roles(var, deterministic: bool) -> tuple[str, str]:
     """The roles of the two kernels a backward call of ``var`` launches after "prep", in order: the
-    atomic-dQ pair where the variant has it and determinism is not asked for (or where its kernel can
-    order the additions: ``Family.ordered_dq``), else dK/dV then dQ."""
-    if var.fam.ordered_dq or (not deterministic and set(ATOMIC_DQ_ROLES) <= set(var.roles)):
+    atomic-dQ pair where the variant has it and determinism is not asked for, its ordered twin where
+    determinism is asked for and the family has one (``Family.ordered_dq``), else dK/dV then dQ."""
+    if var.fam.ordered_dq:
+        return ORDERED_DQ_ROLES if deterministic else ATOMIC_DQ_ROLES
+    if not deterministic and set(ATOMIC_DQ_ROLES) <= set(var.roles):
         return ATOMIC_DQ_ROLES
     return DETERMINISTIC_DQ_ROLES
 

@@ -12,9 +12,9 @@
 // hk and loops over the `group` query heads that share it and over their query tiles of BM = 64 rows
 // (causal: from the first tile that sees key n0). Its warpgroups (128 threads each):
 //   warpgroup 0, the producer: gives registers back (setmaxnreg.dec); its warp 0 loads K and V once and,
-//       per query tile, the tile's L and delta into shared memory (plain loads, 2 rows a lane) and Q and
-//       dO by TMA into a ring of FC_BWD_STAGES buffers, each guarded by a "full" mbarrier (an arrival
-//       per producer lane, lane 0's with the TMA transaction bytes) and an "empty" one (an arrival per
+//       per query tile, Q and dO by TMA and the tile's L and delta (plain loads, 2 rows a lane) into a
+//       ring of FC_BWD_STAGES buffers in shared memory, each guarded by a "full" mbarrier (an arrival
+//       per producer lane; lane 0 adds the TMA transaction bytes) and an "empty" one (an arrival per
 //       consumer thread: each one's loads of L and delta are then ordered before the next stores).
 //   warpgroups 1 .. NCWG (NCWG = BN / 64), the consumers: consumer c owns keys n0 + 64c .. n0 + 64c + 63
 //       and keeps their dK and dV in registers (m64nD fp32 accumulators) across all query tiles. Per
@@ -35,18 +35,28 @@
 //   dS^T has two shared-memory buffers (query tile parity): a consumer writes tile i's only after
 //   every consumer passed barrier 1 of tile i - 1, so every dQ product of tile i - 2 has landed.
 //
-// Deterministic dQ (argument dq_sem not null: int32 (B, Hq, ceil(nq / BM)) zeroed): the additions into
-// query tile i's rows happen in a fixed key-tile order. A CTA waits until the tile's counter reads its
-// place in that order, adds, and increments the counter (acquire / release at GPU scope). The order is
-// the one in which the CTAs, all starting together, reach tile i:
-//   non-causal: ascending key tiles (every CTA runs the query tiles from 0; FlashAttention-3's order);
+// Deterministic dQ, flash_bwd_dkdvdq_ordered_wgmma (dq_sem: int32 (B, Hq, ceil(nq / BM)) zeroed): the
+// additions into query tile i's rows happen in a fixed key-tile order. A CTA waits until the tile's
+// counter reads its place in that order, issues its reduce-adds, and increments the counter (acquire /
+// release at GPU scope) once they are performed: at the next tile's barrier 1 (or after the loop), so
+// that waiting for the TMA unit stays off the critical path. The order is the one in which the CTAs,
+// all starting together, reach tile i:
+//   non-causal: ascending key tiles (every CTA runs the query tiles from 0; FlashAttention-3's order),
+//       which makes key tile kt wait about kt reduce latencies before its first addition; with
+//       dq_rotate (set by the host when every key tile of a head can be resident at once and
+//       n_qt >= n_kt) CTA kt starts at query tile floor(kt n_qt / n_kt) and wraps around instead, so
+//       the CTAs of a head reach each tile at different steps and tile i's order is that of the steps
+//       (dK, dV then sum the query tiles in another order than the atomic path's; rotating the atomic
+//       path too cost it 3-6% at D = 128 non-causal, measured, not profiled);
 //   causal: descending from tile i's diagonal key tile kt_top (CTA kt starts at its own diagonal, so
 //       kt + 1 reaches tile i before kt does; the key tiles that see tile i are exactly 0 .. kt_top);
 //       ascending would make every CTA wait for key tile 0 to come down the diagonal (measured: 0.33x
 //       the atomic path's speed at N = 4096, D = 128).
 // Block x runs key tile x, or n_kt - 1 - x on the causal deterministic path, so that a CTA only waits
 // for CTAs of lower block index, which the hardware started before it: no deadlock, whatever the grid.
-//
+// The rotated order waits on CTAs of higher block index too: the CTAs of the lowest unfinished head
+// are all resident once n_kt <= the CTAs resident at a time (one per SM), which is the host's rule.
+
 // Tensor maps (flashcupy/_tma.py): 4-D (D, N, H, B) over the real strides of q, k, v, dout; boxes
 // (64, BM) for q and dout, (64, BN) for k and v; and of the fp32 dQ buffer, box (32, BM); 128-byte
 // swizzle. Rows past N arrive as zeros (loads) or are skipped (reduce-adds).
@@ -55,7 +65,8 @@
 //
 // Kernel parameters: five CUtensorMap (q, k, v, dout, and dq_accum: fp32 (B, Hq, nq, D), zeroed),
 // FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; dq is
-// not touched), dq_sem (or null).
+// not touched); flash_bwd_dkdvdq_ordered_wgmma also dq_sem and dq_rotate (0 or 1; read without a causal
+// mask).
 // Grid: (ceil(nk / BN), Hkv, B). Block: FC_NUM_THREADS = 128 * (1 + BN / 64).
 // Dynamic shared memory (bytes), FC_SMEM_DKDVDQ:
 //     1024 (alignment slack) + 2 BN D 2 (K, V) + STAGES (2 BM D 2 + 8 BM) (Q, dO, L, delta)
@@ -130,10 +141,13 @@ __device__ __forceinline__ void red_release_gpu_add(int *p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(NTHR, 1)
-    flash_bwd_dkdvdq_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
-                           const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
-                           const __grid_constant__ FcTensorMap tm_dq, FC_BWD_PARAMS, int *__restrict__ dq_sem) {
+// The kernels' body; ORDERED: the deterministic path (dq_sem, dq_rotate read), a compile-time switch so
+// that the default path carries none of its bookkeeping (measured: 2-3% of the default path's time when
+// it was a run-time switch). The maps stay references to the kernels' __grid_constant__ parameters.
+template <bool ORDERED>
+__device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTensorMap &tm_k, const FcTensorMap &tm_v,
+                                            const FcTensorMap &tm_do, const FcTensorMap &tm_dq, FC_BWD_PARAMS,
+                                            int *__restrict__ dq_sem, int dq_rotate) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     unsigned char *const smem = smem_raw + (base - (u32)__cvta_generic_to_shared(smem_raw));
@@ -148,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     // The key tile: block x, except on the causal deterministic path, where block x runs key tile
     // n_kt - 1 - x (its CTAs wait only on CTAs of lower block index; see the header).
-    const bool ordered = dq_sem != nullptr;
+    constexpr bool ordered = ORDERED;
     const int kt = (FC_CAUSAL && ordered) ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
     const int n0 = kt * BN, hk = blockIdx.y, b = blockIdx.z;
     const int heads_kv = gridDim.y, heads_q = heads_kv * group;
@@ -165,14 +179,25 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     const int n_it = group * qt_per_head;
     // iteration it: query head hk * group + it / qt_per_head, query tile qt0 + it % qt_per_head
     auto head_of = [&](int it) { return hk * group + it / qt_per_head; };
-    auto tile_of = [&](int it) { return qt0 + it % qt_per_head; };
+#if FC_CAUSAL
+    const int rot = 0;
+#else
+    // dq_rotate (non-causal, deterministic): CTA kt starts at query tile rot = floor(kt n_qt / n_kt) and
+    // wraps around, so that a head's CTAs reach each query tile at different steps (see the header)
+    const int n_kt = gridDim.x;
+    const int rot = (ordered && dq_rotate != 0) ? (int)((long long)kt * n_qt / n_kt) : 0;
+#endif
+    auto tile_of = [&](int it) {
+        const int j = it % qt_per_head + rot;
+        return qt0 + (j >= qt_per_head ? j - qt_per_head : j);
+    };
 
     if (tid == 0) {
         mbar_init(bar_kv, 1);
         for (int s = 0; s < STAGES; ++s) {
             // Every thread that touches a stage's L and delta (plain shared-memory stores and loads)
             // arrives itself, so that each access is ordered by its own release / acquire: the 32
-            // producer lanes (lane 0's arrival carries the TMA bytes) and every consumer thread.
+            // producer lanes (lane 0 also adds the TMA bytes) and every consumer thread.
             mbar_init(q_full(s), 32);
             mbar_init(q_empty(s), NCTHR);
         }
@@ -201,7 +226,17 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 const int hq = head_of(it), m0 = tile_of(it) * BM;
                 // stage s was last used by tile it - STAGES: wait until every consumer warp released it
                 if (it >= STAGES) mbar_wait(q_empty(s), (u32)(((it / STAGES) & 1) ^ 1));
-                // L (log2 units; +inf past nq and for rows that see no key: P = 0) and delta
+                // Q and dO by TMA first (lane 0 adds their bytes to the stage's count without arriving),
+                // then L (log2 units; +inf past nq and for rows that see no key: P = 0) and delta by
+                // plain loads, so that the two latencies overlap
+                if (lane == 0) {
+                    mbar_expect_tx(q_full(s), 2 * Q_BYTES);
+#pragma unroll
+                    for (int p = 0; p < PANELS; ++p) {
+                        tma_load_4d(s_q(s) + p * Q_PANEL, &tm_q, q_full(s), 64 * p, m0, hq, b);
+                        tma_load_4d(s_do(s) + p * Q_PANEL, &tm_do, q_full(s), 64 * p, m0, hq, b);
+                    }
+                }
                 const long long rb = ((long long)b * heads_q + hq) * nq;
                 float *ld = s_ld(s);
                 for (int r = lane; r < BM; r += 32) {
@@ -209,16 +244,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     ld[r] = fc_row_lse_log2(lse + rb, row, nq);
                     ld[BM + r] = row < nq ? delta[rb + row] : 0.f;
                 }
-                if (lane != 0) {
-                    mbar_arrive(q_full(s));  // releases this lane's stores
-                } else {
-                    mbar_arrive_expect_tx(q_full(s), 2 * Q_BYTES);
-#pragma unroll
-                    for (int p = 0; p < PANELS; ++p) {
-                        tma_load_4d(s_q(s) + p * Q_PANEL, &tm_q, q_full(s), 64 * p, m0, hq, b);
-                        tma_load_4d(s_do(s) + p * Q_PANEL, &tm_do, q_full(s), 64 * p, m0, hq, b);
-                    }
-                }
+                mbar_arrive(q_full(s));  // releases this lane's stores
             }
         }
     } else {
@@ -244,6 +270,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         }
         if (n_it > 0) mbar_wait(bar_kv, 0);
 
+        int *prev_sem = nullptr;  // deterministic: the counter of the last tile added, not yet released
 #pragma unroll 1
         for (int it = 0; it < n_it; ++it) {
             const int s = it % STAGES;
@@ -330,7 +357,12 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             //      MN-major; needs every consumer's dS^T), then dV += P^T dO and dK += dS^T Q (B = dO, Q:
             //      rows = queries, MN-major) in a second group, which runs under dQ_c's epilogue ----
             fence_proxy_async();          // this thread's dS^T stores before the async proxy reads them
+            if (ordered && prev_sem != nullptr && lt == 0) tma_wait_all();  // the last tile's reductions done
             named_bar_sync(1, NCTHR);
+            if (ordered && prev_sem != nullptr && ct == 0) {  // ... in every warpgroup: next key tile's turn
+                fence_proxy_async_global();
+                red_release_gpu_add(prev_sem, 1);
+            }
             acc_t q_acc[QN];
             wg_fence();
 #pragma unroll
@@ -353,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 
             // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 rows x 128 bytes, the
             //      128-byte swizzle) and added into the fp32 buffer by the TMA unit (rows past nq are
-            //      skipped by it); in key-tile order when dq_sem is given ----
+            //      skipped by it); in key-tile order when ORDERED ----
             const u32 sdq = base + OFF_DQ + cw * DQ_BYTES;
             if (lt == 0) tma_wait_read();  // this warpgroup's previous reduction has read the stage
             named_bar_sync(3 + cw, 128);
@@ -378,7 +410,10 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #if FC_CAUSAL
                     const int place = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) / BN - kt;  // diagonal first
 #else
-                    const int place = kt;
+                    // ascending key tiles; rotated: ordered by the step at which each CTA reaches tile qt,
+                    // i.e. CTAs whose start lies in (rot, qt] (cyclically) go first; C = #{kt': start <= qt}
+                    const int c_le = (int)(((long long)(qt + 1) * n_kt + n_qt - 1) / n_qt);
+                    const int place = dq_rotate ? c_le - kt - 1 + (rot > qt ? n_kt : 0) : kt;
 #endif
                     while (ld_acquire_gpu(sem) != place) {
                     }
@@ -388,7 +423,6 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 for (int p = 0; p < DQN / 32; ++p)
                     tma_reduce_add_4d(&tm_dq, sdq + p * DQ_PANEL, dcol0 + 32 * p, m0, hq, b);
                 tma_commit();
-                if (ordered) tma_wait_all();  // performed, before the release below
             }
             wg_wait<0>();  // dV, dK: stage s's Q and dO are read
             reg_fence(dv_acc);
@@ -399,15 +433,16 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 reg_fence(ds_frag[kk]);
             }
             mbar_arrive(q_empty(s));  // this thread is done with stage s
-            if (ordered) {
-                named_bar_sync(2, NCTHR);        // every warpgroup's reductions have been performed
-                if (ct == 0) {
-                    fence_proxy_async_global();
-                    red_release_gpu_add(sem, 1);
-                }
-            }
+            prev_sem = sem;            // released at the next tile's barrier 1, once performed
         }
         if (lt == 0) tma_wait_all();  // the last reduction has read the stage and landed
+        if (ordered && prev_sem != nullptr) {
+            named_bar_sync(2, NCTHR);
+            if (ct == 0) {
+                fence_proxy_async_global();
+                red_release_gpu_add(prev_sem, 1);
+            }
+        }
 
         // ---- epilogue: dk = scale * dK, dv = dV (rows < nk), straight from registers ----
         const float scale = scale_log2 * FC_LN2;
@@ -428,4 +463,19 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHR, 1)
+    flash_bwd_dkdvdq_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
+                           const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
+                           const __grid_constant__ FcTensorMap tm_dq, FC_BWD_PARAMS) {
+    dkdvdq_body<false>(tm_q, tm_k, tm_v, tm_do, tm_dq, FC_BWD_ARGS, nullptr, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(NTHR, 1)
+    flash_bwd_dkdvdq_ordered_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
+                                   const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
+                                   const __grid_constant__ FcTensorMap tm_dq, FC_BWD_PARAMS, int *__restrict__ dq_sem,
+                                   int dq_rotate) {
+    dkdvdq_body<true>(tm_q, tm_k, tm_v, tm_do, tm_dq, FC_BWD_ARGS, dq_sem, dq_rotate);
 }

@@ -99,8 +99,8 @@ ATOMIC_CASES = [("mma", d) for d in (64, 128, 256)] + [("wgmma", d) for d in (64
 def test_atomic_dq_path_matches_deterministic_path(rng, monkeypatch, kernel, dname, d):
     """The default (atomic dQ) backward gives dk, dv bit for bit equal to the deterministic path's (same
     on-chip order) and dq equal up to the order of fp32 additions. mma launches its atomic kernels by
-    default and two atomic-free kernels when asked to be deterministic; wgmma launches the same kernel
-    both ways (ordering its dQ additions by key tile when deterministic)."""
+    default and two atomic-free kernels when asked to be deterministic; wgmma launches the same body
+    both ways (its twin, compiled with the ordering on, adds dQ by key tile when deterministic)."""
     import cupy
 
     from flashcupy import _launch
@@ -117,7 +117,8 @@ def test_atomic_dq_path_matches_deterministic_path(rng, monkeypatch, kernel, dna
     assert launched == ["prep", "dkdvdq", "dq_convert"]
     launched.clear()
     det = run_backward_poisoned(do, q, k, v, o, lse, causal=True, kernel=kernel, deterministic=True)
-    assert launched == (["prep", "dkdv", "dq"] if kernel == "mma" else ["prep", "dkdvdq", "dq_convert"])
+    twin = ["prep", "dkdv", "dq"] if kernel == "mma" else ["prep", "dkdvdq_ordered", "dq_convert"]
+    assert launched == twin
     bits = cupy.uint16
     for name, a, b in zip(("dk", "dv"), fast[1:], det[1:]):
         assert bool((a.view(bits) == b.view(bits)).all()), f"{name} differs between the dQ paths"
@@ -152,6 +153,41 @@ def test_backward_bitwise_deterministic(rng, combo):
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert bool((a.view(bits) == b.view(bits)).all())
+
+
+@pytest.mark.parametrize("nq,nk", [(1029, 577), (130, 1029), (17000, 17000)], ids=lambda x: str(x))
+def test_wgmma_noncausal_deterministic_orders(rng, nq, nk):
+    """The non-causal deterministic wgmma backward orders a query tile's dQ additions by the step at which
+    the key tiles reach it when they start rotated (n_qt >= n_kt and a head's key tiles fit on the SMs),
+    by ascending key tile otherwise (the (130, 1029) and, on a GPU of at most 132 SMs, the
+    (17000, 17000) case): both orders are bitwise repeatable and agree with the atomic path (dk, dv bit
+    for bit where the query tiles run in the atomic path's order)."""
+    import cupy
+
+    from flashcupy import _launch
+
+    bh = (1, 1, 1) if nq > 4096 else (2, 4, 2)
+    do, q, k, v = to_device(*do_qkv(rng, (*bh, nq, nk, 64), "f16"))
+    o, lse = _fwd(q, k, v, False, "wgmma", "fp32")
+    _launch._BACKWARD_PLANS.clear()
+    runs = [run_backward_poisoned(do, q, k, v, o, lse, kernel="wgmma", deterministic=True) for _ in range(3)]
+    (plan,) = [p for p in _launch._BACKWARD_PLANS.values() if p.sem_shape is not None]
+    n_qt, n_kt = -(-nq // 64), plan.kv_grid[0]
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    assert int(plan.sem_tail[0]) == int(n_qt >= n_kt and n_kt <= sms)
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0]):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+    # the atomic path runs the query tiles in ascending order: dk, dv are its bits unless rotated
+    fast = run_backward_poisoned(do, q, k, v, o, lse, kernel="wgmma")
+    for name, a, b in zip(("dq", "dk", "dv"), fast, runs[0]):
+        if name != "dq" and not int(plan.sem_tail[0]):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name}: the dQ paths differ"
+        a, b = a.astype(cupy.float32), b.astype(cupy.float32)
+        diff = float(cupy.abs(a - b).max())
+        assert diff <= dq_order_tolerance("f16", float(cupy.abs(b).max())), f"{name}: {diff:.3e} apart"
+    if nq <= 4096:
+        _check(tuple(x.get() for x in (do, q, k, v)), runs[0], "f16", "fp32", False, f"wgmma det {nq}x{nk}")
 
 
 @pytest.mark.parametrize("combo", [("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"),
