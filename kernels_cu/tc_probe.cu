@@ -2,15 +2,18 @@
 // chooses, so that analysis/tensorcore.py can measure how the hardware accumulates (alignment width,
 // rounding of the result) instead of assuming it. Not an attention kernel: a measuring instrument.
 //
-// Case i computes d[i] = sum_{k < 16} a[i][k] b[i][k] + c[i] as element (0, 0) of one instruction,
+// Case i computes d[i] = sum_{k < K} a[i][k] b[i][k] + c[i] as element (0, 0) of one instruction,
 // with every other element of A, B and C zero:
-//   tc_probe_mma:    mma.sync.m16n8k16 (mma_common.cuh's mma_16816), one warp per case;
-//   tc_probe_wgmma:  wgmma.mma_async m64n64k16, A and B from shared memory (the ss form of
-//                    S = Q K^T, wgmma_common.cuh), one warpgroup per case. Needs sm_90a.
-// a, b: raw 16-bit patterns of the element type (FC_DTYPE 1 fp16, 2 bf16); c: float, which the host
-// makes exactly representable in the accumulator type (FC_ACCUM_F16: fp16); d: the result as float.
+//   tc_probe_mma:    mma.sync.m16n8k16 (mma_common.cuh's mma_16816), one warp per case (K = 16);
+//   tc_probe_wgmma:  wgmma.mma_async m64n64k16 (K = 16), or m64n64k32 on e4m3 with FC_FP8 (K = 32),
+//                    A and B from shared memory (the ss form of S = Q K^T, wgmma_common.cuh), one
+//                    warpgroup per case. Needs sm_90a.
+// a, b: the raw bit patterns of row 0 of A and column 0 of B, 32 bytes a case: 16 elements of the
+// 16-bit type (FC_DTYPE 1 fp16, 2 bf16) or, with FC_FP8, 32 e4m3 bytes; c: float, which the host makes
+// exactly representable in the accumulator type (FC_ACCUM_F16: fp16); d: the result as float.
 // Compile with the knobs of a kernel variant (FC_DTYPE, FC_ACCUM_F16, FC_HEAD_DIM=64,
-// FC_HEAD_DIM_PAD=64, FC_NUM_THREADS=128, both FC_ABLATE_* 0) so that the shared headers apply unchanged.
+// FC_HEAD_DIM_PAD=64, FC_NUM_THREADS=128, both FC_ABLATE_* 0; FC_FP8 for e4m3, which builds the wgmma
+// probe only) so that the shared headers apply unchanged.
 
 #include "flash_common.cuh"
 #include "mma_common.cuh"
@@ -18,6 +21,7 @@
 #include "wgmma_common.cuh"
 #endif
 
+#if !FC_FP8
 typedef unsigned short u16;
 
 // Two consecutive 16-bit elements as one fragment register (the lower index in the low half).
@@ -43,13 +47,15 @@ extern "C" __global__ void tc_probe_mma(const u16 *__restrict__ a, const u16 *__
     mma_16816(acc, af, b0, b1);
     if (lane == 0) d[cs] = acc_get(acc, 0);
 }
+#endif
 
 #if !FC_TC_PROBE_NO_WGMMA
 extern "C" __global__ void __launch_bounds__(128, 1)
-    tc_probe_wgmma(const u16 *__restrict__ a, const u16 *__restrict__ b, const float *__restrict__ c,
+    tc_probe_wgmma(const u32 *__restrict__ a, const u32 *__restrict__ b, const float *__restrict__ c,
                    float *__restrict__ d, int n) {
-    // A and B: one 128-byte-swizzled panel of 64 rows each (wgmma_common.cuh's layout); only row 0,
-    // k 0..15 is non-zero, and row 0's chunks are not permuted (chunk c ^ 0).
+    // A and B: one 128-byte-swizzled panel of 64 rows each (wgmma_common.cuh's layout); only the first
+    // 32 bytes of row 0 (k 0..15, or k 0..31 of e4m3) are non-zero, and row 0's chunks are not permuted
+    // (chunk c ^ 0).
     __shared__ __align__(1024) unsigned char smem[2 * 64 * 128 + 1024];
     const u32 base = ((u32)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
     unsigned char *gen = smem + (base - (u32)__cvta_generic_to_shared(smem));
@@ -57,9 +63,9 @@ extern "C" __global__ void __launch_bounds__(128, 1)
     if (cs >= n) return;
     for (int i = tid; i < 2 * 64 * 128 / 4; i += 128) reinterpret_cast<u32 *>(gen)[i] = 0u;
     __syncthreads();
-    if (tid < 8) {  // a row 0, then b row 0, as 8 pairs each
-        reinterpret_cast<u32 *>(gen)[tid] = pair16(a + 16 * cs + 2 * tid);
-        reinterpret_cast<u32 *>(gen + 64 * 128)[tid] = pair16(b + 16 * cs + 2 * tid);
+    if (tid < 8) {  // a row 0, then b row 0, as 8 words each
+        reinterpret_cast<u32 *>(gen)[tid] = a[8 * cs + tid];
+        reinterpret_cast<u32 *>(gen + 64 * 128)[tid] = b[8 * cs + tid];
     }
     fence_proxy_async();  // ordinary stores, read next by wgmma (async proxy)
     __syncthreads();

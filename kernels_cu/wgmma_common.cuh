@@ -20,12 +20,24 @@
 //     the k16 step kk of P V takes accumulator tiles 2kk (a[0], a[1]) and 2kk+1 (a[2], a[3]).
 #pragma once
 
-#if FC_DTYPE == 1
-#define WG_AB "f16"
-#elif FC_DTYPE == 2
-#define WG_AB "bf16"
-#else
+// FC_FP8 = 1: the MMA operands are e4m3 (one byte; k32 a step, so a 128-byte panel row holds 128
+// elements and a k step still spans 32 bytes of it); FC_DTYPE stays the type of the 16-bit tensors
+// around them. Otherwise the operands are FC_DTYPE's (k16 a step).
+#ifndef FC_FP8
+#define FC_FP8 0
+#endif
+#if FC_DTYPE != 1 && FC_DTYPE != 2
 #error "the wgmma family needs FC_DTYPE 1 (float16) or 2 (bfloat16)"
+#endif
+#if FC_FP8
+#define WG_AB "e4m3"
+#define WG_K "k32"
+#elif FC_DTYPE == 1
+#define WG_AB "f16"
+#define WG_K "k16"
+#else
+#define WG_AB "bf16"
+#define WG_K "k16"
 #endif
 
 typedef unsigned long long u64;
@@ -82,9 +94,11 @@ __device__ __forceinline__ u64 wg_desc_sw128(u32 addr, u32 lbo, u32 sbo) {
 }
 
 // Fixed-shape wrappers m64nNk16, A and B of the element type (FC_DTYPE), accumulators of acc_t
-// (flash_common.cuh): fp32 (N / 2 registers a thread) or, with FC_ACCUM_F16 (fp16 inputs only: wgmma
-// has no bf16 form with fp16 accumulators), packed half2 (N / 4 registers). Either way the register
-// array is N / 8 accumulator tiles of ACC_REGS (wg_tile below).
+// (flash_common.cuh): fp32 (N / 2 registers a thread) or, with FC_ACCUM_F16 (fp16 or e4m3 inputs:
+// wgmma has no bf16 form with fp16 accumulators), packed half2 (N / 4 registers). Either way the
+// register array is N / 8 accumulator tiles of ACC_REGS (wg_tile below). With FC_FP8 the shapes are
+// m64nNk32 on e4m3 operands and only ss exists: 8-bit operands must both be K-major (the instruction
+// has no transpose immediates for them; ss_tt and rs_tb would not assemble).
 //   ss(d, da, db, scale_d):    d = A B + (scale_d ? d : 0); A and B from shared memory, both
 //                              K-major (S = Q K^T: A = Q rows, B = K rows).
 //   rs_tb(d, a, db, scale_d):  the same with A from registers and B MN-major (transpose bit): O += P V
@@ -99,14 +113,21 @@ __device__ __forceinline__ u64 wg_desc_sw128(u32 addr, u32 lbo, u32 sbo) {
 // The operands after the accumulators are numbered from R on; the macro takes those numbers as
 // tokens (R, R+1, .. R+5) because an asm string can only name operands by number.
 #if FC_ACCUM_F16
-#if FC_DTYPE != 1
-#error "the wgmma family: FC_ACCUM_F16 requires FC_DTYPE 1 (float16)"
+#if FC_DTYPE != 1 && !FC_FP8
+#error "the wgmma family: FC_ACCUM_F16 requires FC_DTYPE 1 (float16) or e4m3 operands (FC_FP8)"
 #endif
 #define WG_D "f16"
 #define WG_C "+r"
 #else
 #define WG_D "f32"
 #define WG_C "+f"
+#endif
+// the immediates after scale-d in ss: imm-scale-a, imm-scale-b (and imm-trans-a, imm-trans-b = 0 for
+// 16-bit operands; 8-bit operands take none)
+#if FC_FP8
+#define WG_SS_IMM ", p, 1, 1;\n}\n"
+#else
+#define WG_SS_IMM ", p, 1, 1, 0, 0;\n}\n"
 #endif
 
 template <int N>
@@ -130,9 +151,10 @@ struct WgMma;
 #define WG_ACC64(i) WG_ACC32(i), WG_ACC32(i + 32)
 #define WG_ACC128(i) WG_ACC64(i), WG_ACC64(i + 64)
 
-// "{ .reg .pred p; p = (operand I != 0)": the scale-d predicate, then the instruction of shape m64nNk16.
+// "{ .reg .pred p; p = (operand I != 0)": the scale-d predicate, then the instruction of shape m64nNk16
+// (m64nNk32 with e4m3 operands).
 #define WG_MMA_HEAD(N, I) "{\n.reg .pred p;\nsetp.ne.b32 p, %" #I ", 0;\n" \
-    "wgmma.mma_async.sync.aligned.m64n" #N "k16." WG_D "." WG_AB "." WG_AB " "
+    "wgmma.mma_async.sync.aligned.m64n" #N WG_K "." WG_D "." WG_AB "." WG_AB " "
 
 // WgMma<N> with R accumulator registers a thread; R0 .. R5 are the tokens R, R + 1, .. R + 5.
 //   ss:    operands {d}, da = %R0, db = %R1, scale_d = %R2; imm-scale-a/b 1, tnspA 0, tnspB 0
@@ -142,8 +164,7 @@ struct WgMma;
     template <> struct WgMma<N> {                                                                  \
         static constexpr int REGS = R0;                                                            \
         static __device__ __forceinline__ void ss(acc_t (&d)[R0], u64 da, u64 db, int scale_d) {  \
-            asm volatile(WG_MMA_HEAD(N, R2) "{" WG_REGS##R0 "}, %" #R0 ", %" #R1                   \
-                         ", p, 1, 1, 0, 0;\n}\n"                                                   \
+            asm volatile(WG_MMA_HEAD(N, R2) "{" WG_REGS##R0 "}, %" #R0 ", %" #R1 WG_SS_IMM         \
                          : WG_ACC##R0(0)                                                           \
                          : "l"(da), "l"(db), "r"(scale_d));                                        \
         }                                                                                          \
