@@ -275,18 +275,19 @@ def _model_name(ref, w, mode, bits=None, p=None, group=None):
         tail += f", groups of {group}"
     if w is None:
         return f"exact sum, {mode}{tail}"
-    return f"align to the largest {ref}, {w} bits ({bits or p} + {w - (bits or p)}), {mode}{tail}"
+    base = 24 if bits is None or bits == p else bits  # fp32's significand, or the narrower result's
+    return f"align to the largest {ref}, {w} bits ({base} + {w - base}), {mode}{tail}"
 
 
 def _prediction(dname, acc, a, b, c):
     """What stands in for a measurement without a GPU (labelled a prediction): for 16-bit inputs the
-    model measured on the H200 (align to the largest exponent sum, p + 2 bits; rz into fp32, rn into
-    fp16); for e4m3 the published hypothesis for fp32 accumulators (SageAttention2: the sum kept to 13
-    mantissa bits, truncated; alignment as the 16-bit inputs') and the 16-bit inputs' model for fp16."""
-    p = PRECISION[acc]
+    model measured on the H200 (align to the largest exponent sum with 24 + 2 bits, for both
+    accumulators; rz into fp32, rn into fp16); for e4m3 the published hypothesis for fp32 accumulators
+    (SageAttention2: the sum kept to 13 mantissa bits, truncated; 2 guard bits assumed) and the 16-bit
+    inputs' model for fp16."""
     if dname == "e4m3" and acc == "fp32":
         return accumulate(a, b, c, 14 + 2, acc, "rz", out_bits=14)
-    return accumulate(a, b, c, p + 2, acc, "rz" if acc == "fp32" else "rn")
+    return accumulate(a, b, c, 26, acc, "rz" if acc == "fp32" else "rn")
 
 
 def run_tensorcore(ctx: Context) -> Report:
@@ -362,7 +363,7 @@ def run_tensorcore(ctx: Context) -> Report:
                         f" e4m3, {acc} accumulators: not measured (no sm_90a GPU).")
     else:
         finding = ("No CUDA device: no measurement; the table shows predictions only: for 16-bit inputs "
-                   "the models measured on the H200 (align to the largest exponent sum, p + 2 bits; rz into "
+                   "the models measured on the H200 (align to the largest exponent sum, 24 + 2 bits; rz into "
                    "fp32, rn into fp16), for e4m3 with fp32 accumulators the published hypothesis (a 14-bit "
                    "sum, truncated; SageAttention2, DeepSeek-V3).")
     n16 = len(directed_cases("fp32")[0])
