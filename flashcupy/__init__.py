@@ -71,14 +71,15 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m
       kernel adds each key tile's share dS K to an fp32 buffer, as FlashAttention-2 and -3 do (5 matrix
       products per tile pair; mma: the threads' atomic reductions, wgmma: TMA reduce-adds of whole
       tiles); the order of those additions varies, so dq may differ in its last bits between runs.
-    * ``deterministic=True``: kernel 'wgmma' runs the same kernel with the additions into each query
-      tile ordered by key tile (a counter per query tile, FlashAttention-3's scheme; without a causal
-      mask each key tile starts at another query tile, so that they do not queue on the same counter,
-      where a head's key tiles fit on the GPU at once); kernel 'mma' (and always 'simt' and accum
-      'fp16') runs a second, query-tile-outer kernel that recomputes S and dP and accumulates dQ on
-      chip in a fixed order (7 products per tile pair, no atomics). Either way the result is bitwise
-      reproducible, and dk, dv are the same bits as the default path's, except for 'wgmma' without a
-      causal mask where the start is rotated (dk, dv sum the query tiles in another order).
+    * ``deterministic=True``: kernel 'wgmma' runs a twin of the same kernel (one source, a compile-time
+      switch) with the additions into each query tile ordered by key tile (a counter per query tile,
+      FlashAttention-3's scheme; without a causal mask each key tile starts at another query tile, so
+      that they do not queue on the same counter, where a head's key tiles fit on the GPU at once);
+      kernel 'mma' (and always 'simt' and accum 'fp16') runs a second, query-tile-outer kernel that
+      recomputes S and dP and accumulates dQ on chip in a fixed order (7 products per tile pair, no
+      atomics). Either way the result is bitwise reproducible, and dk, dv are the same bits as the
+      default path's, except for 'wgmma' without a causal mask where the start is rotated (dk, dv sum
+      the query tiles in another order).
 
     kernel='auto' runs 'wgmma' on a Hopper GPU for float16/bfloat16 with D 64 or 128 and fp32
     accumulators, else 'mma' (16-bit inputs) or 'simt'.
