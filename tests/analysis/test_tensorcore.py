@@ -123,25 +123,22 @@ def test_probe_compiles_for_every_configuration(dname, acc):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dname,acc", tc.CONFIGS)
+@pytest.mark.parametrize("dname,acc", [cfg for cfg in tc.CONFIGS if cfg[0] != "e4m3"])
 def test_probe_measures_what_the_report_says(rng, dname, acc):
-    """On the GPU: the measured facts. 16-bit inputs: align to the largest exponent sum with 24 + 2 bits
-    (fp16 accumulators too), rz into fp32 and rn into fp16, mma.sync and wgmma bit for bit alike
-    (measured on the H200, reports/tensorcore.json). e4m3 (not yet measured when this test was
-    written): some model of the narrow family explains every case."""
+    """On the GPU: the measured facts of 16-bit inputs (reports/tensorcore.json, H200): align to the
+    largest exponent sum with 24 + 2 bits (fp16 accumulators too), rz into fp32 and rn into fp16,
+    mma.sync and wgmma bit for bit alike. (e4m3 joins once its probe has run on the H200: its facts are
+    not known yet, reports/fp8_plan.md.)"""
     import cupy
 
-    if int(cupy.cuda.Device().compute_capability) != 90 and dname == "e4m3":
-        pytest.skip("the e4m3 probe is wgmma: sm_90a")
     names, da, db, dc = tc.directed_cases(acc, dname)
     ra, rb, rc = tc.random_cases(rng, 1000, dname, acc)
     a, b, c = np.concatenate([da, ra]), np.concatenate([db, rb]), np.concatenate([dc, rc])
     got = tc.measure(dname, acc, a, b, c)
     assert set(got) == set(tc.instructions(dname, int(cupy.cuda.Device().compute_capability) == 90))
+    mode = "rz" if acc == "fp32" else "rn"
     for instr, d in got.items():
-        best = tc.fit(a, b, c, d, acc, narrow=dname == "e4m3")[0]
-        assert best[3] == 1.0, f"{instr} {dname} {acc}: best model {best} misses cases"
-        if dname != "e4m3":
-            assert best[:3] == ("exponent sum", 26, "rz" if acc == "fp32" else "rn")
+        miss = np.flatnonzero(tc.accumulate(a, b, c, 26, acc, mode) != d)
+        assert miss.size == 0, f"{instr} {dname} {acc}: the model misses {miss.size} cases, e.g. {miss[:5]}"
     if "mma" in got and "wgmma" in got:
         assert np.array_equal(got["mma"], got["wgmma"])
