@@ -285,22 +285,20 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 
             // ---- S^T = K_c Q^T, then dP^T = V_c dO^T: two wgmma groups, so that P^T is formed while
             //      the tensor cores still compute dP^T ----
+            // one group: acc = rows (this warpgroup's 64 keys of K or V) times tile^T (Q or dO), over d
+            auto key_product = [&](acc_t (&acc)[SN], u32 rows, u32 tile) {
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS; ++kk) {
+                    const u32 off = (kk / 4) * KV_PANEL + (kk % 4) * 32;
+                    const u32 offq = (kk / 4) * Q_PANEL + (kk % 4) * 32;
+                    WgMma<BM>::ss(acc, wg_desc_sw128(rows + off, 16, 1024), wg_desc_sw128(tile + offq, 16, 1024), kk > 0);
+                }
+                wg_commit();
+            };
             acc_t s_acc[SN], p_acc[SN];
             wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) {
-                const u32 off = (kk / 4) * KV_PANEL + (kk % 4) * 32;
-                const u32 offq = (kk / 4) * Q_PANEL + (kk % 4) * 32;
-                WgMma<BM>::ss(s_acc, wg_desc_sw128(kr + off, 16, 1024), wg_desc_sw128(sq + offq, 16, 1024), kk > 0);
-            }
-            wg_commit();
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) {
-                const u32 off = (kk / 4) * KV_PANEL + (kk % 4) * 32;
-                const u32 offq = (kk / 4) * Q_PANEL + (kk % 4) * 32;
-                WgMma<BM>::ss(p_acc, wg_desc_sw128(vr + off, 16, 1024), wg_desc_sw128(sdo + offq, 16, 1024), kk > 0);
-            }
-            wg_commit();
+            key_product(s_acc, kr, sq);
+            key_product(p_acc, vr, sdo);
 
             // ---- P^T = exp2(S^T c - L_query) (fp32, in place; masked keys/queries give 0) while the
             //      tensor cores compute dP^T ----
