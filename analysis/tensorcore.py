@@ -23,6 +23,12 @@ fraction of an ulp, of both signs) and random cases (products between 2^-20 and 
 c cancelling the products). The report gives, per (instruction, dtype, accumulator), the model that
 explains every case (or the best and how often it misses), the rounding the NumPy twin assumes (exact
 sum, round to nearest) beside it, and whether mma.sync and wgmma give the same bits.
+
+Measured on the H200 (reports/tensorcore.json, 2026-11-23; every case explained): 16-bit inputs align to
+the largest exponent sum with W = 26 (2 guard bits), rz into fp32 and rn into fp16, mma.sync and wgmma
+bit for bit alike; e4m3 on wgmma aligns with W = 14 (no guard bit) and, into fp32, truncates the sum to
+P = 14 significant bits (the "FP22" of SageAttention2: 13 stored mantissa bits), into fp16 rounds to
+nearest, all 32 products of the k step aligned together.
 """
 from __future__ import annotations
 
@@ -276,17 +282,20 @@ def _model_name(ref, w, mode, bits=None, p=None, group=None):
     if w is None:
         return f"exact sum, {mode}{tail}"
     base = 24 if bits is None or bits == p else bits  # fp32's significand, or the narrower result's
-    return f"align to the largest {ref}, {w} bits ({base} + {w - base}), {mode}{tail}"
+    sign = "+" if w >= base else "-"
+    return f"align to the largest {ref}, {w} bits ({base} {sign} {abs(w - base)}), {mode}{tail}"
 
 
 def _prediction(dname, acc, a, b, c):
-    """What stands in for a measurement without a GPU (labelled a prediction): for 16-bit inputs the
-    model measured on the H200 (align to the largest exponent sum with 24 + 2 bits, for both
-    accumulators; rz into fp32, rn into fp16); for e4m3 the published hypothesis for fp32 accumulators
-    (SageAttention2: the sum kept to 13 mantissa bits, truncated; 2 guard bits assumed) and the 16-bit
-    inputs' model for fp16."""
-    if dname == "e4m3" and acc == "fp32":
-        return accumulate(a, b, c, 14 + 2, acc, "rz", out_bits=14)
+    """What stands in for a measurement without a GPU (labelled a prediction): the models measured on
+    the H200 (reports/tensorcore.json, 2026-11-23). 16-bit inputs: align to the largest exponent sum
+    with 24 + 2 bits, for both accumulators; rz into fp32, rn into fp16. e4m3 (wgmma k32): align to the
+    largest exponent sum with 14 bits and no guard bit; into fp32 the sum is truncated to 14 significant
+    bits (SageAttention2's "FP22", DeepSeek-V3's "about 14 bits"), into fp16 rounded to nearest."""
+    if dname == "e4m3":
+        if acc == "fp32":
+            return accumulate(a, b, c, 14, acc, "rz", out_bits=14)
+        return accumulate(a, b, c, 14, acc, "rn")
     return accumulate(a, b, c, 26, acc, "rz" if acc == "fp32" else "rn")
 
 
