@@ -383,20 +383,34 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 
             // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 rows x 128 bytes, the
             //      128-byte swizzle) and added into the fp32 buffer by the TMA unit (rows past nq are
-            //      skipped by it); in key-tile order when ORDERED ----
+            //      skipped by it); in key-tile order when ORDERED. A thread holds columns 8i + 2t, +1 of
+            //      its rows r (r % 8 = g): 32 bytes per row g, one chunk pair p = (i % 4) ^ (g >> 1) of the
+            //      swizzled row. A half-warp's 64-bit stores cover rows g = 0..3 (or 4..7), so in the same
+            //      i rows g and g ^ 1 hit the same banks (2-way conflicts: at D = 128 all of the loop's,
+            //      ncu on the H200). At step j a lane stores block i % 4 = j ^ sel instead, sel = (g ^ (g >>
+            //      1)) & 3, so p = j ^ (g & 3): distinct within each half-warp; the block is chosen by
+            //      selects (registers cannot be indexed at run time) ----
             const u32 sdq = base + OFF_DQ + cw * DQ_BYTES;
             if (lt == 0) tma_wait_read();  // this warpgroup's previous reduction has read the stage
             named_bar_sync(3 + cw, 128);
+            const int sel = (g ^ (g >> 1)) & 3;
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int r = 16 * wq + g + 8 * hf;  // r % 8 == g
 #pragma unroll
-                for (int i = 0; i < DQN / 8; ++i) {
-                    const int c = 8 * i + 2 * t;      // column within this warpgroup's DQN
-                    const u32 addr = sdq + (c / 32) * DQ_PANEL + r * 128 + ((((c % 32) / 4) ^ g) << 4) + 4 * (c % 4);
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr),
-                                 "f"(acc_get(wg_tile(q_acc, i), 2 * hf)), "f"(acc_get(wg_tile(q_acc, i), 2 * hf + 1))
-                                 : "memory");
+                for (int pn = 0; pn < DQN / 32; ++pn) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        float v[2];
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {  // element e of block 4 pn + (j ^ sel)
+                            auto a = [&](int jj) { return acc_get(wg_tile(q_acc, 4 * pn + jj), 2 * hf + e); };
+                            const float lo = (sel & 1) ? a(j ^ 1) : a(j), hi = (sel & 1) ? a(j ^ 3) : a(j ^ 2);
+                            v[e] = (sel & 2) ? hi : lo;
+                        }
+                        const u32 addr = sdq + pn * DQ_PANEL + r * 128 + (((2 * (j ^ sel) + (t >> 1)) ^ g) << 4) + 8 * (t & 1);
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[0]), "f"(v[1]) : "memory");
+                    }
                 }
             }
             fence_proxy_async();            // the stores before the TMA unit reads them
