@@ -35,13 +35,17 @@ from __future__ import annotations
 import numpy as np
 
 from flashcupy._checks import numpy_dtype
+from flashcupy._tensorcore import (  # the model, in one place
+    K_STEP,
+    MEASURED,
+    PRECISION,
+    accumulate,
+)
 
 from .common import Context, Report, Table, log, new_figure
 
 CONFIGS = [("f16", "fp32"), ("bf16", "fp32"), ("f16", "fp16"),  # (inputs, accumulator)
            ("e4m3", "fp32"), ("e4m3", "fp16")]
-PRECISION = {"fp32": 24, "fp16": 11}  # significant bits of the accumulator
-K_STEP = {"f16": 16, "bf16": 16, "e4m3": 32}  # products per instruction
 C_BIG = 2.0 ** 12                      # the large term of the 16-bit inputs' directed alignment cases
 ALIGN_STEPS = 20                       # s = 1 .. ALIGN_STEPS bits below c's ulp (fewer where the inputs
                                        # cannot make products that small)
@@ -72,53 +76,6 @@ def align_setup(dname: str, acc: str) -> tuple[float, int]:
 
 # ---------------------------------------------------------------------------------------------------
 # the model
-
-MIN_ULP = {"fp32": 2.0 ** -149, "fp16": 2.0 ** -24}  # the subnormal spacing of the accumulator
-
-
-def round_to_bits(x: np.ndarray, bits: int, mode: str, min_ulp: float = 0.0) -> np.ndarray:
-    """x rounded to ``bits`` significant bits (and to a multiple of ``min_ulp``: subnormal results),
-    toward zero ("rz") or to nearest even ("rn"); no overflow (the cases stay in range)."""
-    _, e = np.frexp(x)                       # x = m 2^e, 0.5 <= |m| < 1
-    ulp = np.maximum(np.ldexp(1.0, e - bits), min_ulp)
-    q = x / ulp
-    return np.where(x == 0, 0.0, (np.trunc(q) if mode == "rz" else np.rint(q)) * ulp)
-
-
-def _exponent(x: np.ndarray) -> np.ndarray:
-    """floor(log2 |x|) for x != 0 (a very small number for 0, which never leads)."""
-    return np.where(x != 0, np.frexp(x)[1] - 1, -(10 ** 6))
-
-
-def accumulate(a: np.ndarray, b: np.ndarray, c: np.ndarray, align_bits: int | None, acc: str, mode: str,
-               ref: str = "exponent sum", out_bits: int | None = None,
-               group: int | None = None) -> np.ndarray:
-    """The candidate model for d = sum_k a_k b_k + c, ``a``, ``b`` (n, K), ``c`` (n,), all float64.
-
-    Every term is truncated toward zero to a multiple of 2^(E - align_bits + 1), where E is the largest
-    exponent among the terms: with ref="exponent sum" a product's exponent is exp(a) + exp(b) (its
-    significand product is not normalized first), with ref="value" it is the exponent of the product's
-    value; c's is its own. align_bits=None keeps every term exactly. The truncated terms are summed
-    exactly and the sum is rounded with ``mode`` to ``out_bits`` significant bits (default: the
-    accumulator ``acc``'s precision) on ``acc``'s subnormal grid. ``group`` g: the products are taken g
-    at a time, each group aligned and summed with the running partial (c first) and rounded as above
-    before the next. Exact in float64 for the ranges used here."""
-    bits = PRECISION[acc] if out_bits is None else out_bits
-    g = a.shape[1] if group is None else group
-    part = c
-    for k0 in range(0, a.shape[1], g):
-        aa, bb = a[:, k0:k0 + g], b[:, k0:k0 + g]
-        prod = aa * bb
-        terms = np.concatenate([prod, part[:, None]], axis=1)
-        if align_bits is not None:
-            ep = _exponent(aa) + _exponent(bb) if ref == "exponent sum" else _exponent(prod)
-            ep = np.where(prod != 0, ep, -(10 ** 6))
-            e = np.maximum(ep.max(axis=1), _exponent(part))[:, None]
-            grid = np.ldexp(1.0, e - (align_bits - 1))
-            terms = np.trunc(terms / grid) * grid
-        part = round_to_bits(terms.sum(axis=1), bits, mode, MIN_ULP[acc])
-    return part
-
 
 def fit(a, b, c, measured, acc, narrow: bool = False):
     """Agreement of every candidate (reference, W from p to 39 or exact, rz or rn) with the
@@ -292,11 +249,8 @@ def _prediction(dname, acc, a, b, c):
     with 24 + 2 bits, for both accumulators; rz into fp32, rn into fp16. e4m3 (wgmma k32): align to the
     largest exponent sum with 14 bits and no guard bit; into fp32 the sum is truncated to 14 significant
     bits (SageAttention2's "FP22", DeepSeek-V3's "about 14 bits"), into fp16 rounded to nearest."""
-    if dname == "e4m3":
-        if acc == "fp32":
-            return accumulate(a, b, c, 14, acc, "rz", out_bits=14)
-        return accumulate(a, b, c, 14, acc, "rn")
-    return accumulate(a, b, c, 26, acc, "rz" if acc == "fp32" else "rn")
+    w, mode, bits = MEASURED[(dname, acc)]
+    return accumulate(a, b, c, w, acc, mode, out_bits=bits)
 
 
 def run_tensorcore(ctx: Context) -> Report:

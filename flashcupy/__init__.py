@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from . import _launch, _twin, reference
 from ._checks import _check_bool, backward_problem, forward_problem
-from .fp8 import dequantize, quantize
+from .fp8 import attention_fp8, dequantize, quantize
 
-__all__ = ["attention", "attention_backward", "dequantize", "quantize", "reference"]
+__all__ = ["attention", "attention_backward", "attention_fp8", "dequantize", "quantize", "reference"]
 __version__ = "0.1.0"
 
 

@@ -75,6 +75,19 @@ def _check_choice(name, value, allowed):
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
+def check_scale(scale, d: int) -> float:
+    """The score scale as a float: 1/sqrt(d) for None; TypeError unless a real number, ValueError
+    unless finite and > 0."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    return scale
+
+
 def _check_bool(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -128,15 +141,7 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
         raise ValueError(f"batch ({b}) and query heads ({hq}) must each be <= {_GRID_YZ_MAX}")
 
     _check_bool("causal", causal)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        if (isinstance(scale, (bool, np.bool_))
-                or not isinstance(scale, (int, float, np.floating, np.integer))):
-            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        scale = float(scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be finite and > 0, got {scale}")
+    scale = check_scale(scale, d)
     _check_choice("accum", accum, ACCUMS)
     _check_choice("kernel", kernel, KERNELS)
     _check_choice("ablate", ablate, ABLATIONS)

@@ -36,6 +36,11 @@ tolerance, not bitwise (on the probe's random cases the twin's model gives the s
 time with fp32 accumulators, 98 % with fp16 ones). The simt family sums its fp32 partials in ordinary
 fp32 FMAs and rounds fp16 accumulators to nearest, as the twin does.
 
+fp8 (e4m3) inputs: ``forward_fp8`` runs the fp8 forward of ``flashcupy.attention_fp8`` with the e4m3
+wgmma accumulation that the probe measured (k32 steps, terms aligned to 14 bits, the sum truncated to 14
+bits) through ``flashcupy._tensorcore.matmul``: there the twin follows the hardware's model step by step
+instead of summing in float32, since the fp8 accumulator's loss is the effect being studied.
+
 Numerics do not depend on ``block_m`` (query rows are independent); ``block_n`` sets the tiles the
 running statistics are updated over, which is what the "rescaling" break exposes.
 """
@@ -195,3 +200,65 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None):
                 dq = dq + np.matmul(dse, kj)
     scale = np.float32(p.scale)
     return ((dq * scale).reshape(b, hq, nq, d).astype(elem), (dk * scale).astype(elem), dv.astype(elem))
+
+
+def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: int, p_scale: float,
+                accumulation: str, model=None):
+    """The twin of the fp8 (e4m3) forward: q8, k8, v8 float64 arrays of e4m3 values (B, H, N, D), sq, sk
+    their float32 scales broadcastable to (B, H, N, 1), sv (B, Hkv, 1, 1) or (1, 1, 1, 1) (constant over
+    keys). Returns (o float32, lse float32). Per tile of ``block_n`` keys, with c = scale * log2(e):
+
+        S     = mm(Q8, K8^T) * (sq sk)             (the raw e4m3 product, descaled per row and column)
+        m'    = max(m, rowmax S),  alpha = 2^(c (m - m')),  P = 2^(c (S - m'))      (fp32)
+        l     = alpha l + rowsum(P)                (fp32, from P before its rounding)
+        P8    = e4m3(P * p_scale)                  (round to nearest even; P * p_scale <= p_scale <= 448)
+        O     = mm(P8, V8, alpha O)                (accumulation "single": the tensor core's accumulator
+                                                   carries O across tiles, rescaled in place)
+              = alpha O + mm(P8, V8, 0)            ("tile": each tile's product in a fresh accumulator,
+                                                   added to O by an fp32 add: two-level accumulation)
+
+    and o = O * (sv / (p_scale l)), lse = m scale + ln(l). mm is ``_tensorcore.matmul`` with the
+    accumulation measured for e4m3 wgmma (k32 steps, W = 14, the partial truncated to 14 bits), or
+    ``model`` (W, rounding, P) instead; (None, "rn", None) sums exactly and rounds to fp32 per step."""
+    import ml_dtypes
+
+    from ._tensorcore import matmul
+
+    b, hq, nq, d = q8.shape
+    hkv, nk = k8.shape[1], k8.shape[2]
+    g = hq // hkv
+    f32 = np.float32
+    qf = q8.reshape(b, hkv, g, nq, d)
+    sqf = np.broadcast_to(sq, (b, hq, nq, 1)).astype(f32).reshape(b, hkv, g, nq, 1)
+    kf, vf = k8[:, :, None], v8[:, :, None]
+    skf = np.broadcast_to(sk, (b, hkv, nk, 1)).astype(f32)[:, :, None]
+    c = f32(scale * _LOG2E)
+    m = np.full((b, hkv, g, nq, 1), -np.inf, dtype=f32)
+    l = np.zeros((b, hkv, g, nq, 1), dtype=f32)
+    acc = np.zeros((b, hkv, g, nq, d), dtype=f32)
+    rows = np.arange(nq)[:, None]
+    e4m3 = np.dtype(ml_dtypes.float8_e4m3fn)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for j0 in range(0, nk, block_n):
+            j1 = min(nk, j0 + block_n)
+            kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
+            s_raw = matmul(qf, kt, None, "e4m3", "fp32", model).astype(f32)
+            s = s_raw * (sqf * np.swapaxes(skf[..., j0:j1, :], -1, -2))
+            if causal:
+                s = np.where(np.arange(j0, j1)[None, :] <= rows + (nk - nq), s, f32(-np.inf))
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            shift = np.where(m_new == -np.inf, f32(0), m_new)
+            alpha = np.exp2(m * c - shift * c)
+            pr = np.exp2(s * c - shift * c).astype(f32)
+            l = alpha * l + pr.sum(axis=-1, keepdims=True, dtype=f32)
+            p8 = (pr * f32(p_scale)).astype(e4m3).astype(np.float64)
+            if accumulation == "single":
+                acc = matmul(p8, vf[..., j0:j1, :], alpha * acc, "e4m3", "fp32", model).astype(f32)
+            else:
+                acc = alpha * acc + matmul(p8, vf[..., j0:j1, :], None, "e4m3", "fp32", model).astype(f32)
+            m = m_new
+        empty = l == 0
+        svf = np.broadcast_to(sv, (b, hkv, 1, 1)).astype(f32)[:, :, None]
+        o = np.where(empty, f32(0), acc * (svf / (f32(p_scale) * np.where(empty, f32(1), l))))
+        lse = np.where(empty, -np.inf, m.astype(np.float64) * scale + np.log(l.astype(np.float64)))
+    return o.reshape(b, hq, nq, d).astype(f32), lse.reshape(b, hq, nq).astype(f32)

@@ -26,10 +26,15 @@ import numpy as np
 
 from .transforms import _xp
 
-__all__ = ["FORMATS", "GRANULARITIES", "Quantized", "dequantize", "expand_scale", "quantize"]
+__all__ = ["ACCUMULATIONS", "FORMATS", "GRANULARITIES", "Quantized", "attention_fp8", "dequantize",
+           "expand_scale", "quantize"]
 
 FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}
 GRANULARITIES = ("tensor", "head", "block", "token")
+ACCUMULATIONS = ("single", "tile")
+FP8_HEAD_DIMS = (64, 128, 256)
+FP8_BLOCK_N = (64, 128)
+OUT_DTYPES = ("float16", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +129,76 @@ def dequantize(q: Quantized):
         values = xp.asarray(xp.asnumpy(q.data).view(_fp8_dtype(q.fmt)).astype(np.float32))
     return values * expand_scale(q)
 
+
+
+def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, scale=None, block_n=128,
+                  p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False):
+    """Attention on e4m3 inputs, FlashAttention-3's fp8 forward: ``o = softmax(scale * q k^T) v`` with
+    q = q.data * q.scale and so on (the outputs of ``quantize``), o in ``out_dtype``.
+
+    The products Q K^T and P V run on e4m3 values; the scales are folded in: S = (Q8 K8^T) * (sq sk) per
+    row and column, P (in [0, 1] after the running max is subtracted) is multiplied by the static
+    ``p_scale`` and rounded to e4m3 before P V (FlashAttention-3 keeps P in [0, 256]), and the output is
+    O * sv / (p_scale l). The tensor core's fp8 accumulator keeps 14 significant bits, truncated
+    (measured on the H200: reports/tensorcore.md), so how O is accumulated matters:
+
+    * ``accumulation="single"``: the tensor core's accumulator carries O across all key tiles (rescaled
+      in place by the online softmax), every k32 step truncating the running sum to 14 bits;
+    * ``accumulation="tile"``: two-level: each tile of ``block_n`` keys (64 or 128) is accumulated in a
+      fresh accumulator and added to an fp32 O by an ordinary fp32 add (DeepSeek-V3's promotion every
+      128 elements; SageAttention2's every 64 keys).
+
+    The full algorithm and rounding model: ``flashcupy._twin.forward_fp8``.
+
+    Parameters: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) ``Quantized`` e4m3 (Hq % Hkv == 0; D 64, 128 or
+    256); q and k at any granularity, v at "tensor" or "head" (its scale must be constant over keys, the
+    reduction axis of P V); ``causal`` bottom-right aligned as in ``flashcupy.attention``; ``scale``
+    default 1/sqrt(D); ``p_scale`` in (0, 448]; ``out_dtype`` "float16" or "bfloat16". Returns o (and
+    lse, float32 (B, Hq, Nq), with ``return_lse``).
+
+    Runs the NumPy twin on NumPy inputs. The fp8 wgmma kernel (CuPy inputs) is not built yet (issue 13,
+    reports/fp8_plan.md): CuPy inputs raise NotImplementedError.
+    """
+    from ._checks import _check_bool, check_scale
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Quantized):
+            raise TypeError(f"{name} must be a flashcupy.fp8.Quantized (from quantize()), "
+                            f"got {type(x).__name__}")
+        if x.fmt != "e4m3":
+            raise ValueError(f"{name} must be e4m3 (the format of the fp8 wgmma kernels), got {x.fmt!r}")
+    if v.granularity not in ("tensor", "head"):
+        raise ValueError(f"v's granularity must be 'tensor' or 'head' (its scale is factored out of P V, a "
+                         f"sum over keys), got {v.granularity!r}")
+    (b, hq, _, d), (bk, hkv, _, dk) = q.shape, k.shape
+    if k.shape != v.shape or bk != b or dk != d:
+        raise ValueError(f"k and v must be (B, Hkv, Nk, D) with q's B and D; got q {q.shape}, k {k.shape}, "
+                         f"v {v.shape}")
+    if hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k's ({hkv})")
+    if d not in FP8_HEAD_DIMS:
+        raise ValueError(f"fp8 attention runs head dims {FP8_HEAD_DIMS}, not {d}")
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    scale = check_scale(scale, d)
+    if block_n not in FP8_BLOCK_N or isinstance(block_n, (bool, np.bool_)):
+        raise ValueError(f"block_n must be one of {FP8_BLOCK_N}, got {block_n!r}")
+    if isinstance(p_scale, (bool, np.bool_)) or not isinstance(p_scale, (int, float, np.number)):
+        raise TypeError(f"p_scale must be a float, got {type(p_scale).__name__}")
+    if not 0 < float(p_scale) <= FORMATS["e4m3"][1]:
+        raise ValueError(f"p_scale must be in (0, 448] (P * p_scale must fit e4m3), got {p_scale}")
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(f"accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
+    if _xp(q.data) is not np or _xp(k.data) is not np or _xp(v.data) is not np:
+        raise NotImplementedError("attention_fp8 runs the NumPy twin only: the fp8 wgmma kernel for CuPy "
+                                  "inputs is not built yet (issue 13, reports/fp8_plan.md step 3)")
+    from . import _twin
+    from ._checks import numpy_dtype
+
+    o, lse = _twin.forward_fp8(*(x.data.astype(np.float64) for x in (q, k, v)), expand_scale(q),
+                               expand_scale(k), v.scale, causal=causal, scale=scale, block_n=block_n,
+                               p_scale=float(p_scale), accumulation=accumulation)
+    o = o.astype(numpy_dtype({"float16": "f16", "bfloat16": "bf16"}[out_dtype]))
+    return (o, lse) if return_lse else o
