@@ -22,6 +22,7 @@ EXPERIMENTS = {
     "memory": ("memory", "run_memory", "peak memory of naive attention and flashcupy over N"),
     "drift": ("accuracy", "run_drift", "Wasserstein distance of the output distributions"),
     "tensorcore": ("tensorcore", "run_tensorcore", "how mma.sync and wgmma accumulate, measured"),
+    "fp8": ("fp8", "run_fp8", "e4m3 attention: scales, outlier treatments, one- and two-level sums"),
     "bench": ("bench", "run_bench", "speed against naive CuPy and torch SDPA, same run"),
 }
 # Reports that other commands write into a report folder, listed in its index.md when they are there:

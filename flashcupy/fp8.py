@@ -31,7 +31,7 @@ __all__ = ["ACCUMULATIONS", "FORMATS", "GRANULARITIES", "Quantized", "attention_
 
 FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}
 GRANULARITIES = ("tensor", "head", "block", "token")
-ACCUMULATIONS = ("single", "tile")
+ACCUMULATIONS = ("single", "tile", "exact")
 FP8_HEAD_DIMS = (64, 128, 256)
 FP8_BLOCK_N = (64, 128)
 OUT_DTYPES = ("float16", "bfloat16")
@@ -146,7 +146,10 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
       in place by the online softmax), every k32 step truncating the running sum to 14 bits;
     * ``accumulation="tile"``: two-level: each tile of ``block_n`` keys (64 or 128) is accumulated in a
       fresh accumulator and added to an fp32 O by an ordinary fp32 add (DeepSeek-V3's promotion every
-      128 elements; SageAttention2's every 64 keys).
+      128 elements; SageAttention2's every 64 keys);
+    * ``accumulation="exact"`` (the twin only, no kernel does it): every k32 step summed exactly and
+      rounded to fp32, what an fp32 accumulator would give; the difference to it isolates the
+      accumulation's error from the quantization's.
 
     The full algorithm and rounding model: ``flashcupy._twin.forward_fp8``.
 
@@ -197,8 +200,10 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     from . import _twin
     from ._checks import numpy_dtype
 
+    exact = accumulation == "exact"
     o, lse = _twin.forward_fp8(*(x.data.astype(np.float64) for x in (q, k, v)), expand_scale(q),
                                expand_scale(k), v.scale, causal=causal, scale=scale, block_n=block_n,
-                               p_scale=float(p_scale), accumulation=accumulation)
+                               p_scale=float(p_scale), accumulation="tile" if exact else accumulation,
+                               model=(None, "rn", None) if exact else None)
     o = o.astype(numpy_dtype({"float16": "f16", "bfloat16": "bf16"}[out_dtype]))
     return (o, lse) if return_lse else o

@@ -207,3 +207,15 @@ def test_default_output_folders(tmp_path, monkeypatch):
     assert Context.make("numpy", True).out == os.path.join("reports", "quick")
     ctx = Context.make("numpy", False)   # the NumPy backend forces the quick sizes (and says so)
     assert ctx.quick and ctx.forced_quick and ctx.out == os.path.join("reports", "quick")
+
+
+def test_fp8_arms_lose_to_fp16_and_single_level_accumulation_grows_with_n(reports):
+    doc = reports[1]["fp8"]
+    arms = table(doc, "Arms against float64")
+    for dist in {r["inputs"] for r in arms}:
+        ref = max(r["RMSE"] for r in arms if r["inputs"] == dist and r["method"].startswith("f16"))
+        fp8_rows = [r for r in arms if r["inputs"] == dist and r["method"].startswith("e4m3")]
+        assert len(fp8_rows) == 24 and all(r["RMSE"] > ref for r in fp8_rows)
+    sweep = [r for r in table(doc, "Error against N") if r["v mean"] == 1.0]
+    assert sweep[-1]["single-level accumulation"] > 3 * sweep[-1]["two-level accumulation"]
+    assert sweep[-1]["single-level accumulation"] > sweep[0]["single-level accumulation"]
