@@ -468,23 +468,37 @@ def _figure_ms(ctx: Context, raw, names):
 # small calls: host overhead per call (wall time), flashcupy against torch SDPA
 
 SMALL_SHAPES = [(1, 1, 128, 64), (1, 8, 256, 64), (2, 8, 512, 128), (8, 16, 512, 128)]  # (B, H, N, D)
-SMALL_ROUNDS, SMALL_CALLS = 5, 400
+SMALL_ROUNDS, SMALL_CALLS = 7, 400
 
 
-def _wall_us(ctx: Context, fn, calls: int = SMALL_CALLS, rounds: int = SMALL_ROUNDS) -> float:
-    """Wall time per call over ``calls`` back-to-back calls, synchronized before and after each round
-    (what a loop of small calls costs, host and device together): the median of ``rounds`` rounds."""
-    for _ in range(20):
-        fn()
-    out = []
-    for _ in range(rounds):
-        ctx.sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def _wall_us(ctx: Context, fns, calls: int = SMALL_CALLS, rounds: int = SMALL_ROUNDS) -> list:
+    """Wall time per call of each of ``fns`` over ``calls`` back-to-back calls, synchronized before and
+    after each round (what a loop of small calls costs, host and device together). The rounds of the
+    functions alternate (a drift of the machine's speed hits every function alike) and Python's garbage
+    collector is paused during them (a collection inside one round would be charged to whichever function
+    it interrupts). Returns one (median, min) pair of us per call for each function."""
+    import gc
+
+    for fn in fns:
+        for _ in range(20):
             fn()
-        ctx.sync()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return float(np.median(out))
+    out = [[] for _ in fns]
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for fn, times in zip(fns, out):
+                ctx.sync()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                ctx.sync()
+                times.append((time.perf_counter() - t0) / calls * 1e6)
+    finally:
+        if enabled:
+            gc.enable()
+    return [(float(np.median(t)), float(np.min(t))) for t in out]
 
 
 def _device_us(fn, calls: int = 50) -> float:
@@ -504,10 +518,11 @@ def _device_us(fn, calls: int = 50) -> float:
 
 
 def _small_calls(ctx: Context, torch) -> list:
-    """Rows (B, H, N, D, direction, flashcupy us, SDPA us, ratio, flashcupy device us, SDPA device us,
-    flashcupy.torch us) on fp16 inputs, non-causal, default knobs (what a user's loop runs): SDPA picks its
-    own backend; a backward is ``torch.autograd.grad`` of one retained graph (SDPA's and the torch
-    bridge's custom operator's)."""
+    """Rows (B, H, N, D, direction, flashcupy us, SDPA us, ratio, flashcupy min us, SDPA min us, ratio of the
+    minima, flashcupy device us, SDPA device us, flashcupy.torch us) on fp16 inputs, non-causal, default
+    knobs (what a user's loop runs): wall times are the median (and the fastest) of the rounds of
+    ``_wall_us``; SDPA picks its own backend; a backward is ``torch.autograd.grad`` of one retained graph
+    (SDPA's and the torch bridge's custom operator's)."""
     import cupy
 
     rows = []
@@ -531,11 +546,12 @@ def _small_calls(ctx: Context, torch) -> list:
             bridge = {"fwd": lambda: fct.attention(tq, tk, tv),
                       "bwd": lambda: torch.autograd.grad(bout, (bq, bk, bv), tdo, retain_graph=True)}
         for direction in ("fwd", "bwd"):
-            ours = _wall_us(ctx, mine[direction])
-            theirs = _wall_us(ctx, peer[direction]) if peer else None
+            fns = [mine[direction]] + ([peer[direction], bridge[direction]] if peer else [])
+            walls = _wall_us(ctx, fns)
+            (ours, ours_min), (theirs, theirs_min), (bridged, _) = walls + [(None, None)] * (3 - len(walls))
             rows.append([b, h, n, d, direction, ours, theirs, ours / theirs if theirs else None,
-                         _device_us(mine[direction]), _device_us(peer[direction]) if peer else None,
-                         _wall_us(ctx, bridge[direction]) if peer else None])
+                         ours_min, theirs_min, ours_min / theirs_min if theirs_min else None,
+                         _device_us(mine[direction]), _device_us(peer[direction]) if peer else None, bridged])
             log(f"small call {(b, h, n, d)} {direction}: flashcupy {ours:.1f} us, SDPA "
                 f"{'-' if theirs is None else f'{theirs:.1f}'} us")
     return rows
@@ -583,11 +599,13 @@ def run_bench(ctx: Context, cells=None) -> Report:
               Table("First call (compile or cache + load + run), largest over cells",
                     ["provider", "direction", "seconds"], first_rows)]
     if small:
-        tables.append(Table("Small calls: wall time per call (us; host and device, median of "
-                            f"{SMALL_ROUNDS} rounds of {SMALL_CALLS} synchronized calls), fp16, non-causal, "
-                            "default knobs; device us: the GPU's own time per call",
+        tables.append(Table("Small calls: wall time per call (us; host and device, median and fastest of "
+                            f"{SMALL_ROUNDS} rounds of {SMALL_CALLS} synchronized calls, the providers' rounds "
+                            "alternating, garbage collection paused), fp16, non-causal, default knobs; "
+                            "device us: the GPU's own time per call",
                             ["B", "H", "N", "D", "direction", "flashcupy us", "SDPA us", "flashcupy / SDPA",
-                             "flashcupy device us", "SDPA device us", "flashcupy.torch us"], small))
+                             "flashcupy min us", "SDPA min us", "min / min", "flashcupy device us",
+                             "SDPA device us", "flashcupy.torch us"], small))
     return Report("bench", "Speed: flashcupy against naive attention and torch SDPA, same run", finding,
                   setup, tables, data={"cells": raw, "batch": b, "heads": h, "small_calls": small},
                   figure=fig,

@@ -173,13 +173,38 @@ WGMMA_HEAD_DIMS = (64, 128, 256)
 
 
 def _wgmma_smem(v: "Variant", role: str) -> int:
-    # 1024 bytes of alignment slack, the Q tile and WGMMA_KV_STAGES K and V tiles (2-byte elements),
-    # and the mbarriers (q_full, q_empty; k_full, k_empty, v_full, v_empty per stage)
-    return (1024 + (v.block_m + 2 * WGMMA_KV_STAGES * v.block_n) * v.head_dim * 2
+    # 1024 bytes of alignment slack, the Q tile and WGMMA_KV_STAGES K and V tiles (2-byte elements, 1 byte
+    # with fp8), and the mbarriers (q_full, q_empty; k_full, k_empty, v_full, v_empty per stage); the fp8
+    # V transposition uses static shared memory only
+    if role != "fwd":
+        return 0
+    return (1024 + (v.block_m + 2 * WGMMA_KV_STAGES * v.block_n) * v.head_dim * (1 if v.fp8 else 2)
             + 8 * (2 + 4 * WGMMA_KV_STAGES))
 
 
+# fp8 (e4m3) variants of fwd_wgmma: the accumulation of O (FC_FP8_TWO_LEVEL) and whether k's descale
+# varies within a key tile (FC_FP8_KSCALE_KEY); flashcupy.fp8.attention_fp8 picks them.
+FP8_ACCUMULATIONS = ("single", "tile")
+FP8_KSCALES = ("tile", "key")
+
+
+def _wgmma_fp8_limits(v: "Variant") -> str | None:
+    if v.fp8 not in FP8_ACCUMULATIONS:
+        return f"fp8 accumulation must be one of {FP8_ACCUMULATIONS}, got {v.fp8!r}"
+    if v.fp8_kscale not in FP8_KSCALES:
+        return f"fp8_kscale must be one of {FP8_KSCALES}, got {v.fp8_kscale!r}"
+    if v.head_dim != 128 or v.block_n != 128 or v.block_m not in (64, 128):
+        return ("the fp8 wgmma forward runs D=128 with block_n 128 and block_m 64 or 128; got "
+                f"D={v.head_dim}, "
+                f"block_m={v.block_m}, block_n={v.block_n} (other head dims: the NumPy twin)")
+    if v.accum != "fp32" or v.ablate is not None:
+        return "the fp8 wgmma forward runs fp32 accumulators and no break"
+    return None
+
+
 def _wgmma_limits(v: "Variant") -> str | None:
+    if v.fp8 is not None:
+        return _wgmma_fp8_limits(v)
     if v.head_dim not in WGMMA_HEAD_DIMS:
         return f"fwd_wgmma runs head dims {WGMMA_HEAD_DIMS}, not {v.head_dim}"
     if v.head_dim == 256 and (v.block_m > 128 or v.block_n != 64):
@@ -218,6 +243,13 @@ def _bwd_wgmma_limits(v: "Variant") -> str | None:
     return None
 
 
+def _fp8_defines(v: "Variant") -> dict[str, int]:
+    if not v.fp8:
+        return {}
+    return {"FC_FP8": 1, "FC_FP8_TWO_LEVEL": int(v.fp8 == "tile"),
+            "FC_FP8_KSCALE_KEY": int(v.fp8_kscale == "key")}
+
+
 def wgmma_persistent(v: "Variant") -> bool:
     """Whether a fwd_wgmma variant loops over tiles on one CTA per SM (FC_WG_PERSISTENT=1: the next
     tile's Q, K and V load while this tile's epilogue runs) or runs one tile per CTA. Persistent at D=64
@@ -252,7 +284,8 @@ _FAMILIES = (
         no_spill=lambda v: v.block_m == 128 and v.block_n == 64,
     ),
     Family(
-        kind="wgmma", direction="fwd", source="fwd_wgmma.cu", roles={"fwd": "flash_fwd_wgmma"},
+        kind="wgmma", direction="fwd", source="fwd_wgmma.cu",
+        roles={"fwd": "flash_fwd_wgmma", "v_transpose": "flash_fwd_fp8_v_transpose"},
         dtypes=("f16", "bf16"), block_m=(64, 128, 192), block_n=(64, 128),
         # wgmma has fp16 accumulators for fp16 inputs only, as mma.sync
         accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
@@ -264,7 +297,8 @@ _FAMILIES = (
         # rescaling break and a causal mask ptxas spills 8 bytes. Reported, allowed; the others must not.
         no_spill=lambda v: not (v.block_m == 192 and v.head_dim == 128),
         limits=_wgmma_limits, arch="sm_90a",
-        extra_defines=lambda v: {"FC_WG_PERSISTENT": int(wgmma_persistent(v))},
+        extra_defines=lambda v: {"FC_WG_PERSISTENT": int(wgmma_persistent(v)), **_fp8_defines(v)},
+        roles_of=lambda v: ("fwd", "v_transpose") if v.fp8 else ("fwd",),
     ),
     Family(
         kind="simt", direction="fwd", source="fwd_simt.cu", roles={"fwd": "flash_fwd_simt"},
@@ -335,11 +369,17 @@ class Variant:
     head_dim: int
     causal: bool = False
     ablate: str | None = None
+    # fwd_wgmma only: e4m3 operands with this accumulation of O ("single" / "tile", FP8_ACCUMULATIONS), and
+    # k's descale per key tile or per key (FP8_KSCALES); the dtype is then the output's
+    fp8: str | None = None
+    fp8_kscale: str = "tile"
 
     def __post_init__(self):
         fam = FAMILIES.get(self.family)
         if fam is None:
             raise ValueError(f"unknown kernel family {self.family!r}; known: {sorted(FAMILIES)}")
+        if self.fp8 is not None and self.family != "fwd_wgmma":
+            raise ValueError(f"fp8 variants exist in fwd_wgmma only, not {self.family}")
         if self.dtype not in fam.dtypes:
             raise ValueError(f"{self.family} supports dtypes {fam.dtypes}, not {self.dtype!r}")
         if self.accum not in fam.accums(self.dtype):
@@ -399,6 +439,8 @@ class Variant:
             parts.append("causal")
         if self.ablate:
             parts.append("ablate_" + self.ablate)
+        if self.fp8:
+            parts.append(f"e4m3_{self.fp8}" + ("_kkey" if self.fp8_kscale == "key" else ""))
         return ".".join(parts)
 
     def __str__(self) -> str:
@@ -749,4 +791,11 @@ def covering_variants(family: str) -> list[Variant]:
             for bn in fam.block_n:
                 for ab in ABLATIONS:
                     add(block_m=bm, block_n=bn, head_dim=128, causal=True, ablate=ab)
+    # fp8 (fwd_wgmma): every accumulation x k-descale x causal on the default tile, and the 64-row tile
+    if family == "fwd_wgmma":
+        for acc in FP8_ACCUMULATIONS:
+            for ks in FP8_KSCALES:
+                for causal in (False, True):
+                    add(head_dim=128, block_m=128, block_n=128, causal=causal, fp8=acc, fp8_kscale=ks)
+            add(head_dim=128, block_m=64, block_n=128, fp8=acc)
     return list(out.values())

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 
 from ._build import ATOMIC_DQ_ROLES, DETERMINISTIC_DQ_ROLES, ORDERED_DQ_ROLES, get_kernel, wgmma_persistent
-from ._checks import Problem
+from ._checks import Problem, numpy_dtype
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -372,3 +372,47 @@ def launch_roles(var, deterministic: bool = False) -> tuple[str, ...]:
     if var.fam.direction == "fwd":
         return ("fwd",)
     return ("prep", *backward_roles(var, deterministic))
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8 (e4m3) forward: fwd_wgmma built with FC_FP8 (flashcupy.fp8.attention_fp8 checks the arguments)
+
+FP8_VT_KEYS = 64  # fwd_wgmma.cu's V transposition: keys per CTA (V^T's key axis is padded to it)
+
+
+def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: float, o=None, lse=None):
+    """The fp8 forward of ``var`` (an fp8 fwd_wgmma variant) on uint8 e4m3 bit patterns q8 (B, Hq, Nq, D),
+    k8, v8 (B, Hkv, Nk, D) with float32 descales q_ds (B, Hq, Nq), k_ds (B, Hkv, Nk), v_ds (B, Hkv), all on
+    the current device. Two launches on the current stream: V^T (keys permuted in groups of 16, zero
+    padding to a multiple of FP8_VT_KEYS keys), then the attention. Returns (o, lse); ``o`` and ``lse`` may
+    be given (C-contiguous, the right shapes and dtypes: the tests pass NaN-poisoned ones)."""
+    import cupy
+
+    from ._tma import tensor_map
+
+    b, hq, nq, d = (int(x) for x in q8.shape)
+    hkv, nk = int(k8.shape[1]), int(k8.shape[2])
+    q8, k8, v8 = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (q8, k8, v8))
+    nk_pad = -(-nk // FP8_VT_KEYS) * FP8_VT_KEYS
+    vt = cupy.empty((b, hkv, d, nk_pad), dtype=cupy.uint8)
+    get_kernel(var, "v_transpose")((nk_pad // FP8_VT_KEYS, hkv, b),
+                                   (v8, vt, np.int32(nk), np.int32(nk_pad), *element_strides(v8)))
+    kern = get_kernel(var, "fwd")
+    for name, x, shape, dt in (("o", o, (b, hq, nq, d), numpy_dtype(var.dtype)),
+                               ("lse", lse, (b, hq, nq), np.dtype(np.float32))):
+        if x is not None and not (x.flags.c_contiguous and x.shape == shape and x.dtype == dt):
+            raise ValueError(f"{name} must be C-contiguous {shape} {dt}; got {x.shape} {x.dtype}")
+    o = cupy.empty((b, hq, nq, d), dtype=numpy_dtype(var.dtype)) if o is None else o
+    lse = cupy.empty((b, hq, nq), dtype=cupy.float32) if lse is None else lse
+    maps = (tensor_map(q8, var.block_m, box_cols=128, name="q"),
+            tensor_map(k8, var.block_n, box_cols=128, name="k"),
+            tensor_map(vt, d, box_cols=var.block_n, name="v"))
+    grid = ((nq + var.block_m - 1) // var.block_m, hq, b)
+    if wgmma_persistent(var):
+        grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
+    args = maps + (q8, k8, vt, o, lse, np.int32(nq), np.int32(nk), np.int32(hq // hkv),
+                   *element_strides(q8), *element_strides(k8), *element_strides(v8),
+                   np.float32(scale * _LOG2E), np.int32(hq), np.int32(b),
+                   q_ds, k_ds, v_ds, np.float32(p_scale))
+    kern(grid, args)
+    return o, lse

@@ -132,7 +132,7 @@ def dequantize(q: Quantized):
 
 
 def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, scale=None, block_n=128,
-                  p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False):
+                  p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False, block_m=128):
     """Attention on e4m3 inputs, FlashAttention-3's fp8 forward: ``o = softmax(scale * q k^T) v`` with
     q = q.data * q.scale and so on (the outputs of ``quantize``), o in ``out_dtype``.
 
@@ -159,8 +159,11 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     default 1/sqrt(D); ``p_scale`` in (0, 448]; ``out_dtype`` "float16" or "bfloat16". Returns o (and
     lse, float32 (B, Hq, Nq), with ``return_lse``).
 
-    Runs the NumPy twin on NumPy inputs. The fp8 wgmma kernel (CuPy inputs) is not built yet (issue 13,
-    reports/fp8_plan.md): CuPy inputs raise NotImplementedError.
+    Runs the NumPy twin on NumPy inputs and the fp8 wgmma kernel (``kernels_cu/fwd_wgmma.cu`` built with
+    FC_FP8, Hopper only) on CuPy inputs (uint8 bit patterns). The kernel runs D=128, ``block_n`` 128 and
+    ``block_m`` 64 or 128 (rows per CTA: no effect on the result), accumulation "single" or "tile"; it
+    reads V transposed (a second, small kernel writes V^T first: e4m3 wgmma takes K-major operands only).
+    On the twin ``block_m`` is ignored.
     """
     from ._checks import _check_bool, check_scale
 
@@ -194,9 +197,16 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
         raise ValueError(f"accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
-    if _xp(q.data) is not np or _xp(k.data) is not np or _xp(v.data) is not np:
-        raise NotImplementedError("attention_fp8 runs the NumPy twin only: the fp8 wgmma kernel for CuPy "
-                                  "inputs is not built yet (issue 13, reports/fp8_plan.md step 3)")
+    if block_m not in (64, 128) or isinstance(block_m, (bool, np.bool_)):
+        raise ValueError(f"block_m must be 64 or 128, got {block_m!r}")
+    sides = {_xp(x.data) is np for x in (q, k, v)} | {_xp(x.scale) is np for x in (q, k, v)}
+    if len(sides) > 1:
+        raise TypeError("q, k and v (data and scales) must all be NumPy arrays (the twin) or all CuPy "
+                        "arrays (the kernel)")
+    if _xp(q.data) is not np:
+        return _attention_fp8_kernel(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                                     p_scale=float(p_scale), accumulation=accumulation, out_dtype=out_dtype,
+                                     return_lse=return_lse)
     from . import _twin
     from ._checks import numpy_dtype
 
@@ -206,4 +216,45 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
                                p_scale=float(p_scale), accumulation="tile" if exact else accumulation,
                                model=(None, "rn", None) if exact else None)
     o = o.astype(numpy_dtype({"float16": "f16", "bfloat16": "bf16"}[out_dtype]))
+    return (o, lse) if return_lse else o
+
+
+def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, accumulation, out_dtype,
+                          return_lse):
+    """attention_fp8 on CuPy inputs (arguments checked): the fp8 fwd_wgmma variant of this call."""
+    import cupy
+
+    from ._build import Variant
+    from ._checks import _common_device, _device_capability
+    from ._launch import forward_fp8
+
+    if accumulation not in ("single", "tile"):
+        raise ValueError(f"accumulation={accumulation!r} runs on the NumPy twin only; the fp8 kernel runs "
+                         "'single' and 'tile'")
+    d = q.shape[3]
+    if d != 128 or block_n != 128:
+        raise ValueError(f"the fp8 wgmma kernel runs D=128 with block_n=128; got D={d}, block_n={block_n} "
+                         "(NumPy inputs run the twin at D 64, 128, 256 and block_n 64, 128)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.data.dtype != cupy.uint8:
+            raise TypeError(f"{name}.data must hold e4m3 bit patterns as uint8 on the GPU, "
+                            f"got {x.data.dtype}")
+    device = _common_device({"q": q.data, "k": k.data, "v": v.data, "q.scale": q.scale, "k.scale": k.scale,
+                           "v.scale": v.scale})
+    if _device_capability(device) != 90:
+        raise ValueError("the fp8 wgmma kernel needs a Hopper GPU (compute capability 9.0, sm_90a); "
+                         "NumPy inputs run the twin anywhere")
+    # k's descale is constant over each key tile unless it varies by token or by blocks that split a tile
+    per_tile = k.granularity in ("tensor", "head") or (k.granularity == "block" and k.block % block_n == 0)
+    var = Variant("fwd_wgmma", {"float16": "f16", "bfloat16": "bf16"}[out_dtype], "fp32", block_m, block_n, d,
+                  causal, fp8=accumulation, fp8_kscale="tile" if per_tile else "key")
+    (b, hq, nq, _), (_, hkv, nk, _) = q.shape, k.shape
+    with cupy.cuda.Device(device):
+        def flat(scale, shape):  # the descales broadcast to shape, float32, contiguous
+            full = cupy.broadcast_to(scale, shape + (1,) * (4 - len(shape)))
+            return cupy.ascontiguousarray(full, cupy.float32).reshape(shape)
+
+        q_ds, k_ds, v_ds = flat(expand_scale(q), (b, hq, nq)), flat(expand_scale(k), (b, hkv, nk)), \
+            flat(v.scale, (b, hkv))
+        o, lse = forward_fp8(q.data, k.data, v.data, q_ds, k_ds, v_ds, var, scale=scale, p_scale=p_scale)
     return (o, lse) if return_lse else o

@@ -90,9 +90,11 @@ constexpr int HD = FC_HEAD_DIM;
 constexpr int STAGES = FC_KV_STAGES;
 constexpr int NCWG = BM / 64;              // consumer warpgroups, 64 query rows each
 constexpr int NTHR = 128 * (1 + NCWG);
-constexpr int PANELS = HD / 64;            // 128-byte column panels per tile row
-constexpr int KSTEPS = HD / 16;            // k16 steps of S = Q K^T
-constexpr int PSTEPS = BN / 16;            // k16 steps of O += P V
+constexpr int EB = FC_FP8 ? 1 : 2;         // bytes of an MMA operand element
+constexpr int PANEL_ELEMS = 128 / EB;      // elements of a 128-byte panel row
+constexpr int PANELS = HD / PANEL_ELEMS;   // 128-byte column panels per Q / K tile row
+constexpr int KSTEPS = HD * EB / 32;       // k steps (32 bytes each: k16, or k32 on e4m3) of S = Q K^T
+constexpr int PSTEPS = BN * EB / 32;       // k steps of O += P V
 constexpr int SN = WgMma<BN>::REGS;        // S accumulator registers per thread (BN / 8 tiles)
 constexpr int ON = WgMma<HD>::REGS;        // O accumulator registers per thread (HD / 8 tiles)
 
@@ -103,10 +105,26 @@ static_assert(BN == 64 || BN == 128, "fwd_wgmma: FC_BLOCK_N must be 64 or 128");
 static_assert(HD < 256 || (BM <= 128 && BN == 64), "fwd_wgmma: D=256 runs FC_BLOCK_M 64 or 128, FC_BLOCK_N 64");
 static_assert(STAGES >= 2, "fwd_wgmma: FC_KV_STAGES must be at least 2");
 static_assert(FC_NUM_THREADS == NTHR, "fwd_wgmma: FC_NUM_THREADS must be 128 * (1 + FC_BLOCK_M / 64)");
+#if FC_FP8
+static_assert(HD == 128 && BN == 128 && BM <= 128 && !FC_ACCUM_F16,
+              "fwd_wgmma fp8: D=128, FC_BLOCK_N 128, FC_BLOCK_M 64 or 128, fp32 accumulators");
+static_assert(!FC_ABLATE_MAX_SUBTRACTION && !FC_ABLATE_RESCALING, "fwd_wgmma fp8: no breaks (yet)");
+#endif
+// fp8 knobs (FC_FP8 = 1, e4m3 q, k, v; see "fp8" at the top):
+//   FC_FP8_TWO_LEVEL  1: each key tile's P V in a fresh accumulator, added to an fp32 O by fp32 adds;
+//                     0: the tensor core's accumulator carries O across the key tiles.
+//   FC_FP8_KSCALE_KEY 1: k's descale varies within a key tile (one per key); 0: constant over each
+//                     key tile (per tensor, head, or blocks of a multiple of FC_BLOCK_N keys).
+#ifndef FC_FP8_TWO_LEVEL
+#define FC_FP8_TWO_LEVEL 0
+#endif
+#ifndef FC_FP8_KSCALE_KEY
+#define FC_FP8_KSCALE_KEY 0
+#endif
 
 // Shared-memory layout (offsets from a 1024-byte aligned base).
 constexpr int Q_PANEL = BM * 128, KV_PANEL = BN * 128;   // bytes of one panel
-constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
+constexpr int Q_BYTES = BM * HD * EB, KV_BYTES = BN * HD * EB;
 constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
@@ -121,10 +139,19 @@ constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = NCWG == 3 ? 160 : 240;
 
 
+#if FC_FP8
+// fp8: the descales (float32): q_ds (B, Hq, nq) per query row, k_ds (B, Hkv, nk) per key, v_ds (B, Hkv)
+// per head, and P's static scale.
+#define FC_FP8_PARAMS , const float *__restrict__ q_ds, const float *__restrict__ k_ds, \
+    const float *__restrict__ v_ds, const float p_scale
+#else
+#define FC_FP8_PARAMS
+#endif
+
 extern "C" __global__ void __launch_bounds__(NTHR, 1)
     flash_fwd_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
                     const __grid_constant__ FcTensorMap tm_v, FC_FWD_PARAMS, const int heads_q,
-                    const int batch) {
+                    const int batch FC_FP8_PARAMS) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     const u32 sQ = base, sK = base + OFF_K, sV = base + OFF_V;
@@ -194,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     mbar_arrive_expect_tx(bar_q, Q_BYTES);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
-                        tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, 64 * p, tl.m0, tl.h, tl.b);
+                        tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, PANEL_ELEMS * p, tl.m0, tl.h, tl.b);
                     ++tq;
                     for (int j = 0; j < tl.n; ++j, ++it) {
                         const int s = stage(it);
@@ -205,14 +232,19 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                         mbar_arrive_expect_tx(k_full(s), KV_BYTES);
 #pragma unroll
                         for (int p = 0; p < PANELS; ++p)
-                            tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), 64 * p, j * BN, hk,
-                                        tl.b);
+                            tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), PANEL_ELEMS * p,
+                                        j * BN, hk, tl.b);
                         if (it >= STAGES) mbar_wait(v_empty(s), ph ^ 1u);
                         mbar_arrive_expect_tx(v_full(s), KV_BYTES);
+#if FC_FP8
+                        // V^T (d x keys, one 128-byte panel of HD rows: the keys j BN .. j BN + 127)
+                        tma_load_4d(sV + s * KV_BYTES, &tm_v, v_full(s), j * BN, 0, hk, tl.b);
+#else
 #pragma unroll
                         for (int p = 0; p < PANELS; ++p)
                             tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p, j * BN, hk,
                                         tl.b);
+#endif
                     }
                 }
             }
@@ -232,6 +264,19 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             acc_t o_acc[ON];
 #pragma unroll
             for (int i = 0; i < HD / 8; ++i) acc_zero(wg_tile(o_acc, i));
+#if FC_FP8
+            const int hk = tl.h / group;
+            const float *k_scales = k_ds + ((long long)tl.b * (heads_q / group) + hk) * nk;
+            float q_scale[2];  // the descales of rows row_g and row_g + 8
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = row_g + 8 * hf;
+                q_scale[hf] = row < nq ? q_ds[((long long)tl.b * heads_q + tl.h) * nq + row] : 1.f;
+            }
+#if FC_FP8_TWO_LEVEL
+            acc_t pv_acc[ON];  // one key tile's P V, added to o_acc in fp32 once it has landed
+#endif
+#endif
             // l: this lane's partial sums with fp32 accumulators, the full row sum with fp16 ones
             float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
@@ -254,10 +299,31 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 wg_fence();
 #pragma unroll
                 for (int kk = 0; kk < PSTEPS; ++kk) {
+#if FC_FP8
+                    // V^T: HD rows of BN key bytes (K-major), the k32 step kk 32 bytes further
+                    const u64 db = wg_desc_sw128(sV + s * KV_BYTES + kk * 32, 16, 1024);
+#if FC_FP8_TWO_LEVEL
+                    WgMma<HD>::rs(pv_acc, p[kk], db, kk > 0);
+#else
+                    WgMma<HD>::rs(o_acc, p[kk], db, 1);
+#endif
+#else
                     const u64 db = wg_desc_sw128(sV + s * KV_BYTES + kk * 16 * 128, KV_PANEL, 1024);
                     WgMma<HD>::rs_tb(o_acc, p[kk], db, 1);
+#endif
                 }
                 wg_commit();
+            };
+            // After the wait for a P V group: pin the registers it wrote (two-level fp8: add the tile's
+            // product into O by fp32 adds, O = (alpha O) + P V as the twin rounds it).
+            auto land_pv = [&]() {
+#if FC_FP8 && FC_FP8_TWO_LEVEL
+                reg_fence(pv_acc);
+#pragma unroll
+                for (int i = 0; i < ON; ++i) o_acc[i] = __fadd_rn(o_acc[i], pv_acc[i]);
+#else
+                reg_fence(o_acc);
+#endif
             };
             // After the wait for a group: pin its registers, then release its buffer (one arrival per warp).
             auto release = [&](u32 bar) {
@@ -268,6 +334,32 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             // per row (fc_softmax_step): sacc becomes P in place (fp32, or rounded to fp16 with fp16
             // accumulators, which is P's rounding to the element type); l takes the fp32 row sums.
             auto softmax = [&](acc_t(&sacc)[SN], int j, float(&alpha)[2]) {
+#if FC_FP8
+                // S = (Q8 K8^T) * (q descale * k descale): the product of the descales first, as the twin
+#if FC_FP8_KSCALE_KEY
+#pragma unroll
+                for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float ks = k_scales[min(j * BN + 8 * i + 2 * t + e, nk - 1)];
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf)
+                            wg_tile(sacc, i)[2 * hf + e] =
+                                __fmul_rn(wg_tile(sacc, i)[2 * hf + e], __fmul_rn(q_scale[hf], ks));
+                    }
+#else
+                const float ks = k_scales[j * BN];  // constant over the key tile
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const float f = __fmul_rn(q_scale[hf], ks);
+#pragma unroll
+                    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            wg_tile(sacc, i)[2 * hf + e] = __fmul_rn(wg_tile(sacc, i)[2 * hf + e], f);
+                }
+#endif
+#endif
                 if (j >= mask_from) {
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
@@ -305,6 +397,22 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             // only while no wgmma is in flight (registers an in-flight wgmma group may read are never
             // written: ptxas would serialize, C7513).
             auto pack_p = [&](acc_t(&sacc)[SN], u32(&p)[PSTEPS][4]) {
+#if FC_FP8
+                // P * p_scale rounded to e4m3; the k32 step kk takes accumulator tiles 4kk .. 4kk + 3 in
+                // the column order of wgmma_common.cuh's 8-bit A fragment
+#pragma unroll
+                for (int kk = 0; kk < PSTEPS; ++kk)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            const acc_t(&a)[ACC_REGS] = wg_tile(sacc, 4 * kk + 2 * half);
+                            const acc_t(&b)[ACC_REGS] = wg_tile(sacc, 4 * kk + 2 * half + 1);
+                            p[kk][hf + 2 * half] = pack_e4m3x4(
+                                __fmul_rn(a[2 * hf], p_scale), __fmul_rn(a[2 * hf + 1], p_scale),
+                                __fmul_rn(b[2 * hf], p_scale), __fmul_rn(b[2 * hf + 1], p_scale));
+                        }
+#else
 #pragma unroll
                 for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
@@ -316,6 +424,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
                     for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p[kk]);
                 }
+#endif
             };
             // O *= alpha (skipped, warp-uniformly, when every alpha is exactly 1; compiled out by both
             // breaks)
@@ -377,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     release_q(j);
                     softmax(s_acc, j, alpha);
                     wg_wait<0>();           // P_{j-1} V_{j-1} has landed
-                    reg_fence(o_acc);
+                    land_pv();
 #pragma unroll
                     for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
                     release(v_empty(sp));
@@ -391,7 +500,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 issue_pv(p_frag, sl);
                 turn_pass(true);
                 wg_wait<0>();
-                reg_fence(o_acc);
+                land_pv();
 #pragma unroll
                 for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
                 release(v_empty(sl));
@@ -419,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 issue_pv(p_frag, s);
                 turn_pass(j == n_tiles - 1);
                 wg_wait<0>();
-                reg_fence(o_acc);
+                land_pv();
 #pragma unroll
                 for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
                 release(v_empty(s));  // this warp is done reading V_j
@@ -433,8 +542,15 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 const float l = FC_ACCUM_F16 ? l_run[hf] : quad_sum(l_run[hf]);
                 // o = (O * pre) * (1 / (l * pre)): one reciprocal per row, kept normal under -ftz by a
                 // 2^-64 prescale when l > 2^126 (reachable by the max-subtraction break)
+#if FC_FP8
+                // o = O * (v descale / (p_scale l)), rounded as the twin (no break: l stays far below 2^126)
+                const float pre = 1.f;
+                const float inv = (l == 0.f) ? 0.f : __fdiv_rn(v_ds[(long long)tl.b * (heads_q / group) + hk],
+                                                               __fmul_rn(p_scale, l));
+#else
                 const float pre = (l > 0x1p126f) ? 0x1p-64f : 1.f;
                 const float inv = (l == 0.f) ? 0.f : __frcp_rn(l * pre);
+#endif
                 const int row = row_g + 8 * hf;
                 if (row < nq) {
                     if (t == 0) lse[row_base + row] = fc_softmax_lse(m_run[hf], l, scale_log2);
@@ -451,3 +567,44 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         }  // tiles
     }
 }
+
+#if FC_FP8
+// ------------------------------------------------------------------ fp8: V transposed -----------
+// e4m3 wgmma reads both operands K-major, so P V needs V^T (d x keys, keys contiguous). Its keys are
+// stored in the column order of the fp8 P fragment (wgmma_common.cuh): position p = 4 u + e of each
+// group of 16 keys holds key 2 u + (e & 1) + 8 (e >> 1). P V sums over keys, so permuting the keys of
+// P and of V alike leaves the sum unchanged, and P's accumulator registers become A fragments without
+// a shuffle.
+__device__ __forceinline__ int fc_fp8_key_of(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }
+
+// vt[b, hk, d, n] = v[b, hk, 16 (n / 16) + fc_fp8_key_of(n % 16), d] for keys below nk, 0 up to nk_pad.
+// v: bytes (B, Hkv, nk, FC_HEAD_DIM), element strides v_sb, v_sh, v_sn, rows 16-byte aligned; vt: bytes
+// (B, Hkv, FC_HEAD_DIM, nk_pad) contiguous, nk_pad a multiple of FP8_VT_KEYS. Grid (nk_pad / FP8_VT_KEYS,
+// Hkv, B), block FC_NUM_THREADS (the forward's, so that one launch geometry serves the module).
+constexpr int FP8_VT_KEYS = 64, FP8_VT_THREADS = NTHR;
+extern "C" __global__ void __launch_bounds__(FP8_VT_THREADS)
+    flash_fwd_fp8_v_transpose(const unsigned char *__restrict__ v, unsigned char *__restrict__ vt, const int nk,
+                              const int nk_pad, const long long v_sb, const long long v_sh, const long long v_sn) {
+    __shared__ __align__(16) unsigned char tile[FP8_VT_KEYS][HD + 16];
+    const int n0 = blockIdx.x * FP8_VT_KEYS, hk = blockIdx.y, b = blockIdx.z;
+    const unsigned char *src = v + b * v_sb + hk * v_sh;
+    for (int idx = threadIdx.x; idx < FP8_VT_KEYS * HD / 16; idx += FP8_VT_THREADS) {
+        const int r = idx / (HD / 16), c = idx % (HD / 16);
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (n0 + r < nk) x = *reinterpret_cast<const uint4 *>(src + (n0 + r) * v_sn + 16 * c);
+        *reinterpret_cast<uint4 *>(&tile[r][16 * c]) = x;
+    }
+    __syncthreads();
+    unsigned char *dst = vt + ((long long)b * gridDim.y + hk) * HD * nk_pad + n0;
+    for (int idx = threadIdx.x; idx < HD * FP8_VT_KEYS / 4; idx += FP8_VT_THREADS) {
+        const int d = idx / (FP8_VT_KEYS / 4), w = idx % (FP8_VT_KEYS / 4);
+        u32 word = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int p = 4 * w + e;
+            word |= (u32)tile[16 * (p >> 4) + fc_fp8_key_of(p & 15)][d] << (8 * e);
+        }
+        *reinterpret_cast<u32 *>(dst + (long long)d * nk_pad + 4 * w) = word;
+    }
+}
+#endif

@@ -18,6 +18,12 @@
 //   * A fragment from registers (m64k16, 16-bit elements), per warp: a[0] = (row g, k 2t, 2t+1),
 //     a[1] = (row g+8, k 2t, 2t+1), a[2] = (row g, k 2t+8, 2t+9), a[3] = (row g+8, k 2t+8, 2t+9):
 //     the k16 step kk of P V takes accumulator tiles 2kk (a[0], a[1]) and 2kk+1 (a[2], a[3]).
+//     8-bit elements (m64k32, four bytes a register, byte e of a word at k + e): a[0] = (row g, k 4t ..
+//     4t+3), a[1] = (row g+8, k 4t .. 4t+3), a[2] = (row g, k 16+4t .. 16+4t+3), a[3] = (row g+8, the
+//     same). A thread's accumulator columns of a 32-column block are 2t, 2t+1, 8+2t, 9+2t (and the same
+//     +16): the fp8 forward packs them in that order into a[0] (a[2]), so the fragment's k position
+//     4t+e holds column 2t + (e & 1) + 8 (e >> 1), and V's rows are stored in the same order
+//     (fwd_wgmma.cu, fc_fp8_key_of).
 #pragma once
 
 // FC_FP8 = 1: the MMA operands are e4m3 (one byte; k32 a step, so a 128-byte panel row holds 128
@@ -97,12 +103,14 @@ __device__ __forceinline__ u64 wg_desc_sw128(u32 addr, u32 lbo, u32 sbo) {
 // (flash_common.cuh): fp32 (N / 2 registers a thread) or, with FC_ACCUM_F16 (fp16 or e4m3 inputs:
 // wgmma has no bf16 form with fp16 accumulators), packed half2 (N / 4 registers). Either way the
 // register array is N / 8 accumulator tiles of ACC_REGS (wg_tile below). With FC_FP8 the shapes are
-// m64nNk32 on e4m3 operands and only ss exists: 8-bit operands must both be K-major (the instruction
-// has no transpose immediates for them; ss_tt and rs_tb would not assemble).
+// m64nNk32 on e4m3 operands and only ss and rs exist: 8-bit operands must both be K-major (the
+// instruction has no transpose immediates for them; ss_tt and rs_tb would not assemble).
 //   ss(d, da, db, scale_d):    d = A B + (scale_d ? d : 0); A and B from shared memory, both
 //                              K-major (S = Q K^T: A = Q rows, B = K rows).
-//   rs_tb(d, a, db, scale_d):  the same with A from registers and B MN-major (transpose bit): O += P V
-//                              with V stored keys x d, d contiguous.
+//   rs(d, a, db, scale_d):     A from registers, B from shared memory K-major: the fp8 forward's
+//                              O += P V with V stored transposed (d x keys, keys contiguous).
+//   rs_tb(d, a, db, scale_d):  A from registers and B MN-major (transpose bit): O += P V
+//                              with V stored keys x d, d contiguous (16-bit operands only).
 //   ss_tt(d, da, db, scale_d): A and B from shared memory, both MN-major (both transpose bits): the
 //                              backward's dQ = dS K with dS stored as dS^T (keys x queries, queries
 //                              contiguous) and K stored keys x d.
@@ -126,8 +134,10 @@ __device__ __forceinline__ u64 wg_desc_sw128(u32 addr, u32 lbo, u32 sbo) {
 // 16-bit operands; 8-bit operands take none)
 #if FC_FP8
 #define WG_SS_IMM ", p, 1, 1;\n}\n"
+#define WG_RS_IMM ", p, 1, 1;\n}\n"
 #else
 #define WG_SS_IMM ", p, 1, 1, 0, 0;\n}\n"
+#define WG_RS_IMM ", p, 1, 1, 0;\n}\n"
 #endif
 
 template <int N>
@@ -158,6 +168,7 @@ struct WgMma;
 
 // WgMma<N> with R accumulator registers a thread; R0 .. R5 are the tokens R, R + 1, .. R + 5.
 //   ss:    operands {d}, da = %R0, db = %R1, scale_d = %R2; imm-scale-a/b 1, tnspA 0, tnspB 0
+//   rs:    operands {d}, {a} = %R0 .. %R3, db = %R4, scale_d = %R5; imm-scale-a/b 1, tnspB 0
 //   rs_tb: operands {d}, {a} = %R0 .. %R3, db = %R4, scale_d = %R5; imm-scale-a/b 1, tnspB 1
 //   ss_tt: as ss with tnspA 1, tnspB 1
 #define WG_MMA_SHAPE(N, R0, R1, R2, R3, R4, R5)                                                    \
@@ -173,6 +184,13 @@ struct WgMma;
                          ", p, 1, 1, 1, 1;\n}\n"                                                   \
                          : WG_ACC##R0(0)                                                           \
                          : "l"(da), "l"(db), "r"(scale_d));                                        \
+        }                                                                                          \
+        static __device__ __forceinline__ void rs(acc_t (&d)[R0], const u32 (&a)[4], u64 db,      \
+                                                  int scale_d) {                                   \
+            asm volatile(WG_MMA_HEAD(N, R5) "{" WG_REGS##R0 "}, {%" #R0 ", %" #R1 ", %" #R2        \
+                         ", %" #R3 "}, %" #R4 WG_RS_IMM                                            \
+                         : WG_ACC##R0(0)                                                           \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));    \
         }                                                                                          \
         static __device__ __forceinline__ void rs_tb(acc_t (&d)[R0], const u32 (&a)[4], u64 db,   \
                                                      int scale_d) {                                \
@@ -192,6 +210,15 @@ WG_MMA_SHAPE(64, 32, 33, 34, 35, 36, 37)
 WG_MMA_SHAPE(128, 64, 65, 66, 67, 68, 69)
 WG_MMA_SHAPE(256, 128, 129, 130, 131, 132, 133)
 #endif
+
+// Four floats rounded to e4m3 (to nearest even, saturating at +-448) and packed into one register, x0
+// in the lowest byte: one 32-bit word of an 8-bit A fragment (cvt's first source goes to the upper byte).
+__device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;\n" : "=h"(lo) : "f"(x0), "f"(x1));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;\n" : "=h"(hi) : "f"(x2), "f"(x3));
+    return (u32)lo | ((u32)hi << 16);
+}
 
 // Accumulator tile i (8 columns) of a wgmma register array, for the acc_* helpers of flash_common.cuh.
 template <int R>

@@ -1,0 +1,173 @@
+"""The fp8 (e4m3) wgmma forward on the GPU against its NumPy twin and against float64 (issue 13).
+
+The twin (``flashcupy._twin.forward_fp8``) applies the measured e4m3 tensor-core accumulation to the same
+quantized inputs, so the kernel and the twin share every rounding but three: ``ex2.approx`` against exact
+exp2, the fused ``S c - m c`` and the order of l's sum. Those move P by about 1e-6 of itself, which moves
+P * p_scale across an e4m3 rounding boundary (one step is 2^-4 of it) for roughly one element in 10^5, and
+each output's fp16 rounding by an ulp now and then. So the kernel must agree with the twin far more
+closely than either agrees with float64 (the quantization's error), and almost everywhere to the ulp.
+Every run writes into NaN-poisoned outputs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcupy
+from flashcupy import _launch, fp8, reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _pair(rng, shape, granularity, block=None, shift=0.0):
+    """The same tensor quantized on the host (the twin's inputs) and on the GPU (the kernel's): the same
+    bits, from the same function."""
+    import cupy
+
+    x = (rng.standard_normal(shape) + shift).astype(np.float32)
+    host = fp8.quantize(x, "e4m3", granularity, block)
+    dev = fp8.quantize(cupy.asarray(x), "e4m3", granularity, block)
+    np.testing.assert_array_equal(cupy.asnumpy(dev.data), host.data.view(np.uint8))
+    return host, dev
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """attention_fp8's kernel path writing into NaN-filled o and lse; checks afterwards that every element
+    was written."""
+    import cupy
+
+    real = _launch.forward_fp8
+    seen = []
+
+    def run(q8, k8, v8, *args, **kw):
+        b, hq, nq, d = q8.shape
+        dt = cupy.float16 if args[3].dtype == "f16" else flashcupy._checks.numpy_dtype("bf16")
+        o = cupy.full((b, hq, nq, d), cupy.nan, dtype=cupy.float32).astype(dt)
+        lse = cupy.full((b, hq, nq), cupy.nan, dtype=cupy.float32)
+        out = real(q8, k8, v8, *args, o=o, lse=lse, **kw)
+        cupy.cuda.get_current_stream().synchronize()
+        assert not bool(cupy.isnan(o.astype(cupy.float32)).any()), "o has unwritten (NaN) elements"
+        assert not bool(cupy.isnan(lse).any()), "lse has unwritten (NaN) elements"
+        seen.append(args[3].key)
+        return out
+
+    monkeypatch.setattr(_launch, "forward_fp8", run)
+    return seen
+
+
+# (B, Hq, Hkv, Nq, Nk, q granularity, k granularity, block_m, out_dtype): ragged lengths, GQA, Nq > Nk
+# (causal rows that see no key), k's descale constant over a key tile (tensor, head, blocks of 128) or
+# not (token, blocks of 64), both tiles. Sizes kept small for the twin (NumPy, about 8 us per query-key
+# pair at D=128).
+CASES = [
+    (1, 2, 1, 1, 1, ("tensor",), ("tensor",), 128, "float16"),
+    (1, 2, 2, 113, 203, ("token",), ("block", 128), 128, "float16"),
+    (2, 4, 2, 203, 113, ("head",), ("token",), 128, "bfloat16"),
+    (1, 2, 1, 257, 2049, ("block", 64), ("block", 64), 128, "float16"),
+    (1, 2, 2, 300, 1024, ("tensor",), ("head",), 64, "float16"),
+]
+
+
+def _case_id(c):
+    qg, kg = "".join(map(str, c[5])), "".join(map(str, c[6]))
+    return f"b{c[0]}h{c[1]}k{c[2]}_{c[3]}x{c[4]}_q{qg}_k{kg}_bm{c[7]}_{c[8]}"
+
+
+@pytest.mark.parametrize("accumulation", ["single", "tile"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_fp8_kernel_agrees_with_twin_and_float64(rng, poisoned, case, causal, accumulation):
+    import cupy
+
+    b, hq, hkv, nq, nk, qg, kg, bm, out_dtype = case
+    qh, qd = _pair(rng, (b, hq, nq, 128), *qg)
+    kh, kd = _pair(rng, (b, hkv, nk, 128), *kg)
+    vh, vd = _pair(rng, (b, hkv, nk, 128), "head", shift=0.5)
+    kw = dict(causal=causal, accumulation=accumulation, out_dtype=out_dtype, return_lse=True)
+    o, lse = flashcupy.attention_fp8(qd, kd, vd, block_m=bm, **kw)
+    assert len(poisoned) == 1 and poisoned[0].endswith(
+        f"e4m3_{accumulation}" + ("" if kg[0] in ("tensor", "head") or kg[-1] == 128 else "_kkey"))
+    o, lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse)
+    ot, lt = flashcupy.attention_fp8(qh, kh, vh, **kw)
+    ot = ot.astype(np.float64)
+    ro, rl = reference.attention(*(fp8.dequantize(x).astype(np.float64) for x in (qh, kh, vh)), causal=causal,
+                                 return_lse=True)
+    seen = np.isfinite(lt)
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+    assert np.all(o[~seen] == 0)
+
+    # against the twin: almost every element to 2 ulps of the output type, and the disagreement an order
+    # of magnitude below the quantization error the twin predicts
+    if out_dtype == "float16":
+        ulp = np.spacing(np.abs(ot).astype(np.float16)).astype(np.float64)
+    else:  # bfloat16: 8 significant bits
+        ulp = np.abs(ot) * 2.0 ** -7 + 2.0 ** -133
+    off = np.abs(o - ot) > 2 * ulp
+    err_twin = np.sqrt(np.mean((ot - ro)[seen] ** 2))
+    err_kern = np.sqrt(np.mean((o - ro)[seen] ** 2))
+    gap = np.sqrt(np.mean((o - ot)[seen] ** 2))
+    msg = f"off {off.mean():.2e}, gap {gap:.3e}, err kernel {err_kern:.3e} twin {err_twin:.3e}"
+    assert off.mean() <= 1e-3, msg
+    assert gap <= 0.1 * err_twin, msg
+    assert err_kern <= 1.05 * err_twin, msg
+    assert err_kern <= 0.05 * np.sqrt(np.mean(ro[seen] ** 2)), msg  # the e4m3 bound of the twin's CPU test
+    np.testing.assert_allclose(lse[seen], lt[seen], rtol=0, atol=1e-4)
+
+
+def test_single_level_accumulation_truncates_on_the_gpu(rng, poisoned):
+    """The twin's prediction, measured on the hardware: over 2048 keys with a positive-mean v, carrying O
+    in the tensor core's 14-bit truncating accumulator biases the output toward zero by about 2%, and the
+    two-level accumulation removes the bias (same inputs, both against float64)."""
+    import cupy
+
+    qh, qd = _pair(rng, (1, 2, 64, 128), "tensor")
+    kh, kd = _pair(rng, (1, 2, 2048, 128), "tensor")
+    vh, vd = _pair(rng, (1, 2, 2048, 128), "tensor", shift=1.0)
+    ro = reference.attention(*(fp8.dequantize(x).astype(np.float64) for x in (qh, kh, vh)), scale=0.02)
+    rel = {}
+    for a in ("single", "tile"):
+        o = cupy.asnumpy(flashcupy.attention_fp8(qd, kd, vd, scale=0.02, accumulation=a)).astype(np.float64)
+        rel[a] = (o - ro) / np.abs(ro).max()
+    assert rel["single"].mean() < -5e-3, rel["single"].mean()
+    assert abs(rel["tile"].mean()) < 1e-3, rel["tile"].mean()
+    assert np.sqrt(np.mean(rel["single"] ** 2)) > 5 * np.sqrt(np.mean(rel["tile"] ** 2))
+
+
+def test_v_transpose_permutes_keys_in_groups_of_16(rng):
+    """The V^T pre-pass: vt[b, h, d, 16 G + 4 u + e] = v[b, h, 16 G + 2 u + (e & 1) + 8 (e >> 1), d], zeros
+    past Nk, from a strided (B, N, H, D) view."""
+    import cupy
+
+    from flashcupy._build import Variant, get_kernel
+
+    nk, d = 203, 128
+    host = rng.integers(0, 256, size=(2, nk, 3, d), dtype=np.uint8)
+    v = cupy.asarray(host).transpose(0, 2, 1, 3)  # (B, H, N, D) view of a (B, N, H, D) array
+    var = Variant("fwd_wgmma", "f16", "fp32", 128, 128, d, fp8="single")
+    pad = -(-nk // _launch.FP8_VT_KEYS) * _launch.FP8_VT_KEYS
+    vt = cupy.full((2, 3, d, pad), 7, dtype=cupy.uint8)
+    get_kernel(var, "v_transpose")((pad // _launch.FP8_VT_KEYS, 3, 2),
+                                   (v, vt, np.int32(nk), np.int32(pad), *_launch.element_strides(v)))
+    p = np.arange(pad)
+    u, e = (p % 16) // 4, p % 4
+    key = 16 * (p // 16) + 2 * u + (e & 1) + 8 * (e >> 1)
+    want = np.zeros((2, 3, d, pad), dtype=np.uint8)
+    ok = key < nk
+    want[..., ok] = np.swapaxes(host.transpose(0, 2, 1, 3)[:, :, key[ok], :], -1, -2)
+    np.testing.assert_array_equal(cupy.asnumpy(vt), want)
+
+
+def test_kernel_path_refuses_what_it_does_not_run(rng):
+    import cupy
+
+    q = fp8.quantize(cupy.asarray(rng.standard_normal((1, 1, 8, 64)).astype(np.float32)))
+    with pytest.raises(ValueError, match="D=128"):
+        flashcupy.attention_fp8(q, q, q)
+    q = fp8.quantize(cupy.asarray(rng.standard_normal((1, 1, 8, 128)).astype(np.float32)))
+    with pytest.raises(ValueError, match="twin only"):
+        flashcupy.attention_fp8(q, q, q, accumulation="exact")
+    with pytest.raises(ValueError, match="block_n=128"):
+        flashcupy.attention_fp8(q, q, q, block_n=64)
+    qh = fp8.quantize(rng.standard_normal((1, 1, 8, 128)).astype(np.float32))
+    with pytest.raises(TypeError, match="all be NumPy arrays"):
+        flashcupy.attention_fp8(q, qh, q)
