@@ -413,6 +413,6 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
     args = maps + (q8, k8, vt, o, lse, np.int32(nq), np.int32(nk), np.int32(hq // hkv),
                    *element_strides(q8), *element_strides(k8), *element_strides(v8),
                    np.float32(scale * _LOG2E), np.int32(hq), np.int32(b),
-                   q_ds, k_ds, v_ds, np.float32(p_scale))
+                   q_ds, k_ds, v_ds, np.float32(p_scale), np.float32(math.log2(p_scale)))
     kern(grid, args)
     return o, lse

@@ -141,9 +141,9 @@ constexpr int CONSUMER_REGS = NCWG == 3 ? 160 : 240;
 
 #if FC_FP8
 // fp8: the descales (float32): q_ds (B, Hq, nq) per query row, k_ds (B, Hkv, nk) per key, v_ds (B, Hkv)
-// per head, and P's static scale.
+// per head, and P's static scale with its log2.
 #define FC_FP8_PARAMS , const float *__restrict__ q_ds, const float *__restrict__ k_ds, \
-    const float *__restrict__ v_ds, const float p_scale
+    const float *__restrict__ v_ds, const float p_scale, const float p_scale_log2
 #else
 #define FC_FP8_PARAMS
 #endif
@@ -334,8 +334,21 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             // per row (fc_softmax_step): sacc becomes P in place (fp32, or rounded to fp16 with fp16
             // accumulators, which is P's rounding to the element type); l takes the fp32 row sums.
             auto softmax = [&](acc_t(&sacc)[SN], int j, float(&alpha)[2]) {
+                // Per row: P = exp2(S_raw c_p - (sub - p_shift)) and rowmax(S) = rowmax(S_raw) mx_f. 16-bit
+                // inputs: S_raw = S, c_p = scale_log2, mx_f = 1, p_shift = 0. fp8: S = S_raw f with f the
+                // product of the q and k descales. With k's descale constant over the tile, f is folded
+                // into the exponent (c_p = f scale_log2, mx_f = f; scales are positive, so the max
+                // commutes with f); per key, S_raw is descaled element by element (c_p = scale_log2).
+                // p_shift = log2(p_scale): P comes out multiplied by p_scale, ready for its e4m3 rounding,
+                // and l sums the multiplied P (the epilogue divides it out).
+                float c_p[2] = {scale_log2, scale_log2}, mx_f[2] = {1.f, 1.f};
+                constexpr bool FOLD_F = FC_FP8 && !FC_FP8_KSCALE_KEY;
 #if FC_FP8
-                // S = (Q8 K8^T) * (q descale * k descale): the product of the descales first, as the twin
+                const float p_shift = p_scale_log2;
+#else
+                constexpr float p_shift = 0.f;
+#endif
+#if FC_FP8
 #if FC_FP8_KSCALE_KEY
 #pragma unroll
                 for (int i = 0; i < BN / 8; ++i)
@@ -351,12 +364,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 const float ks = k_scales[j * BN];  // constant over the key tile
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    const float f = __fmul_rn(q_scale[hf], ks);
-#pragma unroll
-                    for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            wg_tile(sacc, i)[2 * hf + e] = __fmul_rn(wg_tile(sacc, i)[2 * hf + e], f);
+                    mx_f[hf] = __fmul_rn(q_scale[hf], ks);
+                    c_p[hf] = __fmul_rn(mx_f[hf], scale_log2);
                 }
 #endif
 #endif
@@ -378,13 +387,14 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
                         for (int i = 0; i < BN / 8; ++i)
                             mx = fmaxf(mx, fmaxf(acc_get(wg_tile(sacc, i), 2 * hf), acc_get(wg_tile(sacc, i), 2 * hf + 1)));
-                        return quad_max(mx);
+                        return FOLD_F ? __fmul_rn(quad_max(mx), mx_f[hf]) : quad_max(mx);
                     });
+                    const float sub_p = sub - p_shift;
                     float rs = 0.f;
 #pragma unroll
                     for (int i = 0; i < BN / 8; ++i) {
-                        const float p0 = fc_softmax_p(acc_get(wg_tile(sacc, i), 2 * hf), scale_log2, sub);
-                        const float p1 = fc_softmax_p(acc_get(wg_tile(sacc, i), 2 * hf + 1), scale_log2, sub);
+                        const float p0 = fc_softmax_p(acc_get(wg_tile(sacc, i), 2 * hf), c_p[hf], sub_p);
+                        const float p1 = fc_softmax_p(acc_get(wg_tile(sacc, i), 2 * hf + 1), c_p[hf], sub_p);
                         rs += p0;
                         rs += p1;
                         acc_set_pair(wg_tile(sacc, i), hf, p0, p1);
@@ -398,8 +408,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             // written: ptxas would serialize, C7513).
             auto pack_p = [&](acc_t(&sacc)[SN], u32(&p)[PSTEPS][4]) {
 #if FC_FP8
-                // P * p_scale rounded to e4m3; the k32 step kk takes accumulator tiles 4kk .. 4kk + 3 in
-                // the column order of wgmma_common.cuh's 8-bit A fragment
+                // P (already multiplied by p_scale) rounded to e4m3; the k32 step kk takes accumulator tiles
+                // 4kk .. 4kk + 3 in the column order of wgmma_common.cuh's 8-bit A fragment
 #pragma unroll
                 for (int kk = 0; kk < PSTEPS; ++kk)
 #pragma unroll
@@ -408,9 +418,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                         for (int half = 0; half < 2; ++half) {
                             const acc_t(&a)[ACC_REGS] = wg_tile(sacc, 4 * kk + 2 * half);
                             const acc_t(&b)[ACC_REGS] = wg_tile(sacc, 4 * kk + 2 * half + 1);
-                            p[kk][hf + 2 * half] = pack_e4m3x4(
-                                __fmul_rn(a[2 * hf], p_scale), __fmul_rn(a[2 * hf + 1], p_scale),
-                                __fmul_rn(b[2 * hf], p_scale), __fmul_rn(b[2 * hf + 1], p_scale));
+                            p[kk][hf + 2 * half] = pack_e4m3x4(a[2 * hf], a[2 * hf + 1], b[2 * hf], b[2 * hf + 1]);
                         }
 #else
 #pragma unroll
@@ -543,17 +551,20 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 // o = (O * pre) * (1 / (l * pre)): one reciprocal per row, kept normal under -ftz by a
                 // 2^-64 prescale when l > 2^126 (reachable by the max-subtraction break)
 #if FC_FP8
-                // o = O * (v descale / (p_scale l)), rounded as the twin (no break: l stays far below 2^126)
+                // l sums P p_scale: o = O * (v descale / l) (no break: l stays far below 2^126)
                 const float pre = 1.f;
-                const float inv = (l == 0.f) ? 0.f : __fdiv_rn(v_ds[(long long)tl.b * (heads_q / group) + hk],
-                                                               __fmul_rn(p_scale, l));
+                const float inv = (l == 0.f) ? 0.f : __fdiv_rn(v_ds[(long long)tl.b * (heads_q / group) + hk], l);
 #else
                 const float pre = (l > 0x1p126f) ? 0x1p-64f : 1.f;
                 const float inv = (l == 0.f) ? 0.f : __frcp_rn(l * pre);
 #endif
                 const int row = row_g + 8 * hf;
                 if (row < nq) {
+#if FC_FP8
+                    if (t == 0) lse[row_base + row] = fc_softmax_lse(m_run[hf], l / p_scale, scale_log2);
+#else
                     if (t == 0) lse[row_base + row] = fc_softmax_lse(m_run[hf], l, scale_log2);
+#endif
                     elem_t *orow = o + (row_base + row) * HD + 2 * t;
 #pragma unroll
                     for (int i = 0; i < HD / 8; ++i)
