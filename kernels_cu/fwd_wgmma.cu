@@ -51,6 +51,20 @@
 // Supported: FC_DTYPE 1 or 2; FC_ACCUM_F16 only with FC_DTYPE 1; FC_HEAD_DIM in {64, 128, 256};
 // FC_BLOCK_M in {64, 128, 192}, FC_BLOCK_N in {64, 128} (D=256: FC_BLOCK_M 64 or 128, FC_BLOCK_N 64,
 // so that the O accumulator and the K/V stages fit); FC_KV_STAGES >= 2 (default 2).
+//
+// fp8 (FC_FP8 = 1; FlashAttention-3's fp8 forward, issue 13): q, k, v are e4m3 bytes, FC_DTYPE the
+// output's type; D = 128, FC_BLOCK_N = 128, fp32 accumulators, no break. Differences from the 16-bit path:
+//   * wgmma m64nNk32 on e4m3 (k32 steps of 32 bytes: a 128-element row is one 128-byte panel);
+//   * V is read transposed: e4m3 wgmma takes K-major operands only, so flash_fwd_fp8_v_transpose (end of
+//     this file) first writes V^T (d x keys) with the keys of each group of 16 in the column order of P's
+//     register fragment, and P V is an rs wgmma with B = V^T K-major (the producer loads V^T tiles);
+//   * S = (Q8 K8^T) * (q descale per row) * (k descale per key or per key tile), folded into the
+//     exponent where the k descale is constant over the tile; P comes out multiplied by the static
+//     p_scale (log2 p_scale added to the exponent) and is rounded to e4m3 (cvt.rn.satfinite) into the A
+//     fragments; l sums that P, and o = O * (v descale per head) / l, lse = m scale + ln(l / p_scale);
+//   * FC_FP8_TWO_LEVEL: each tile's P V in a fresh accumulator, added to O by fp32 adds (two-level
+//     accumulation), instead of the tensor core's 14-bit truncating accumulator carrying O across tiles.
+// Rounding model: flashcupy._twin.forward_fp8 (tests/flashcupy/test_fp8_gpu.py checks the agreement).
 
 #include "flash_common.cuh"
 #include "wgmma_common.cuh"
@@ -106,8 +120,8 @@ static_assert(HD < 256 || (BM <= 128 && BN == 64), "fwd_wgmma: D=256 runs FC_BLO
 static_assert(STAGES >= 2, "fwd_wgmma: FC_KV_STAGES must be at least 2");
 static_assert(FC_NUM_THREADS == NTHR, "fwd_wgmma: FC_NUM_THREADS must be 128 * (1 + FC_BLOCK_M / 64)");
 #if FC_FP8
-static_assert(HD == 128 && BN == 128 && BM <= 128 && !FC_ACCUM_F16,
-              "fwd_wgmma fp8: D=128, FC_BLOCK_N 128, FC_BLOCK_M 64 or 128, fp32 accumulators");
+static_assert(HD == 128 && BN == 128 && !FC_ACCUM_F16,
+              "fwd_wgmma fp8: D=128, FC_BLOCK_N 128, fp32 accumulators");
 static_assert(!FC_ABLATE_MAX_SUBTRACTION && !FC_ABLATE_RESCALING, "fwd_wgmma fp8: no breaks (yet)");
 #endif
 // fp8 knobs (FC_FP8 = 1, e4m3 q, k, v; see "fp8" at the top):

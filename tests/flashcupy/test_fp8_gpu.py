@@ -60,9 +60,10 @@ def poisoned(monkeypatch):
 # not (token, blocks of 64), both tiles. Sizes kept small for the twin (NumPy, about 8 us per query-key
 # pair at D=128).
 CASES = [
-    (1, 2, 1, 1, 1, ("tensor",), ("tensor",), 128, "float16"),
-    (1, 2, 2, 113, 203, ("token",), ("block", 128), 128, "float16"),
+    (1, 2, 1, 1, 1, ("tensor",), ("tensor",), 192, "float16"),
+    (1, 2, 2, 113, 203, ("token",), ("block", 128), 192, "float16"),
     (2, 4, 2, 203, 113, ("head",), ("token",), 128, "bfloat16"),
+    (1, 1, 1, 400, 700, ("token",), ("token",), 192, "bfloat16"),
     (1, 2, 1, 257, 2049, ("block", 64), ("block", 64), 128, "float16"),
     (1, 2, 2, 300, 1024, ("tensor",), ("head",), 64, "float16"),
 ]

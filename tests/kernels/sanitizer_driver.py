@@ -40,6 +40,19 @@ def main() -> None:
                 for det in (False, True):
                     flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel,
                                                  accum=accum, deterministic=det, **bwd_tile)
+    # fp8 (e4m3) forward: both accumulations, k descales per tile and per key, every tile, GQA, ragged
+    from flashcupy import fp8
+
+    def e4m3(shape, *granularity):
+        return fp8.quantize(cupy.asarray(rng.standard_normal(shape).astype(np.float32)), "e4m3", *granularity)
+
+    fp8_cases = (("single", ("tensor",), 192), ("tile", ("token",), 128), ("single", ("block", 64), 64))
+    for acc, kg, bm in fp8_cases:
+        for causal in (False, True):
+            for nq, nk in ((77, 203), (203, 77)):
+                q, k = e4m3((1, 4, nq, 128), "token"), e4m3((1, 2, nk, 128), *kg)
+                v = e4m3((1, 2, nk, 128), "head")
+                flashcupy.attention_fp8(q, k, v, causal=causal, accumulation=acc, block_m=bm)
     cupy.cuda.Device().synchronize()
     print("sanitizer driver: all launches done")
 
