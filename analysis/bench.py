@@ -192,6 +192,8 @@ def _measure_flashcupy(c: _Cell, compile_rows: dict) -> None:
         prov = f"flashcupy {kernel}"
         c.measure(prov, "fwd", lambda s, kernel=kernel: flashcupy.attention(s[0], s[1], s[2], causal=causal,
                                                                              kernel=kernel))
+        if fam.kind == "wgmma" and c.d in FP8_HEAD_DIMS:
+            _measure_fp8(c)
         compile_rows[(prov, "fwd", c.dname, c.d, causal)] = (
             _variant_report(fam_name, c.dname, "fp32", c.d, causal), False)
         if f"bwd_{kernel}" not in FAMILIES:
@@ -210,6 +212,23 @@ def _measure_flashcupy(c: _Cell, compile_rows: dict) -> None:
             compile_rows[(name, "bwd", c.dname, c.d, causal)] = (
                 _variant_report(f"bwd_{kernel}", c.dname, "fp32", c.d, causal), det)
         del outs, bsets
+
+
+FP8_HEAD_DIMS = (128,)   # the fp8 wgmma forward's head dims
+FP8_PROVIDERS = {"flashcupy wgmma fp8": "single", "flashcupy wgmma fp8 2lvl": "tile"}
+
+
+def _measure_fp8(c: _Cell) -> None:
+    """The fp8 (e4m3) wgmma forward on the cell's inputs quantized per tensor (outside the timing), output
+    in the cell's dtype: single-level accumulation (the default) and two-level ("2lvl")."""
+    from flashcupy import fp8
+
+    out = {"f16": "float16", "bf16": "bfloat16"}[c.dname]
+    qsets = [tuple(fp8.quantize(x, "e4m3", "tensor") for x in s[:3]) for s in c.sets]
+    for prov, acc in FP8_PROVIDERS.items():
+        c.measure(prov, "fwd", lambda s, acc=acc: fp8.attention_fp8(*s, causal=c.causal, accumulation=acc,
+                                                                    out_dtype=out), qsets)
+    del qsets
 
 
 def _wgmma_runs(c: _Cell) -> bool:
@@ -321,7 +340,8 @@ def _summarize_report(v, rep, deterministic):
 # ---------------------------------------------------------------------------------------------------
 # tables, finding, figure
 
-MINE = ["flashcupy wgmma", "flashcupy wgmma det", "flashcupy mma", "flashcupy mma det", "flashcupy simt"]
+MINE = ["flashcupy wgmma", "flashcupy wgmma det", "flashcupy mma", "flashcupy mma det", "flashcupy simt",
+        *FP8_PROVIDERS]
 OURS = "flashcupy mma"
 HOPPER = "flashcupy wgmma"
 HOPPER_PEERS = ["torch flash", "torch cudnn"]  # the wgmma family against FlashAttention-2 and cuDNN
@@ -392,7 +412,29 @@ def _finding(ctx: Context, raw, columns, table_rows, b: int, h: int, with_torch:
         if det:
             finding += (f" Its deterministic backward runs at {min(det):.2f}x to {max(det):.2f}x the "
                         "atomic-dQ path's speed.")
+    fp8 = _fp8_rows(raw)
+    if fp8:
+        ratios = [r[6] for r in fp8 if r[6]]
+        top = max(fp8, key=lambda r: (r[1], not r[2]))
+        finding += (f" fp8 (e4m3) forward at D=128: {min(ratios):.2f}x to {max(ratios):.2f}x the 16-bit "
+                    f"wgmma forward ({top[3]:.0f} TFLOP/s at N={top[1]}{' causal' if top[2] else ''}, "
+                    f"{top[6]:.2f}x).")
     return finding
+
+
+def _fp8_rows(raw) -> list:
+    """The fp8 table: (dtype, N, causal, fp8 TFLOP/s, fp8 two-level TFLOP/s, 16-bit wgmma TFLOP/s, fp8 /
+    wgmma, two-level / wgmma, cuDNN TFLOP/s, fp8 / cuDNN) per forward cell where the fp8 kernel ran."""
+    rows = []
+    for r in raw:
+        tf = {p: (r.get(p) or {}).get("tflops") for p in [HOPPER, *FP8_PROVIDERS, "torch cudnn"]}
+        one, two = (tf[p] for p in FP8_PROVIDERS)
+        if r["direction"] != "fwd" or not one:
+            continue
+        w, cu = tf[HOPPER], tf["torch cudnn"]
+        rows.append([r["dtype"], r["N"], r["causal"], one, two, w, w and one / w, w and two and two / w, cu,
+                     cu and one / cu])
+    return rows
 
 
 def _cell_label(dname, n, d, causal) -> str:
@@ -579,7 +621,8 @@ def run_bench(ctx: Context, cells=None) -> Report:
     finding = _finding(ctx, raw, columns, table_rows, b, h, torch is not None)
     fig = _figure(ctx, columns, table_rows, raw, MINE + peers)
     setup = {"grid": f"B={b}, H={h}, cells (dtype, N, D, causal) = {cells}",
-             "providers": "flashcupy wgmma (forward; Hopper GPUs, D 64, 128 and 256), mma and simt "
+             "providers": "flashcupy wgmma (forward; Hopper GPUs, D 64, 128 and 256; its fp8 forward at "
+                          "D=128, single- and two-level accumulation), mma and simt "
                           f"(simt only for N <= {SIMT_MAX_N} to fit the time budget), "
                           "naive attention (flashcupy.naive) where 4 (fwd) / 6 (bwd) fp32 N x N matrices "
                           "fit, torch SDPA flash / cuDNN / mem-efficient when torch is importable "
@@ -598,11 +641,19 @@ def run_bench(ctx: Context, cells=None) -> Report:
                      "registers per thread", "shared memory bytes", "spill bytes", "NVRTC compile s"], comp),
               Table("First call (compile or cache + load + run), largest over cells",
                     ["provider", "direction", "seconds"], first_rows)]
+    fp8 = _fp8_rows(raw)
+    if fp8:
+        tables.append(Table("fp8 (e4m3) forward, D=128: inputs quantized per tensor (outside the timing), "
+                            "output in the cell's dtype; single-level accumulation (the tensor core's) and "
+                            "two-level (fp32 every 128 keys)",
+                            ["dtype", "N", "causal", "fp8 TFLOP/s", "fp8 two-level TFLOP/s",
+                             "16-bit wgmma TFLOP/s", "fp8 / wgmma", "two-level / wgmma",
+                             "cuDNN (16-bit) TFLOP/s", "fp8 / cuDNN"], fp8))
     if small:
         tables.append(Table("Small calls: wall time per call (us; host and device, median and fastest of "
-                            f"{SMALL_ROUNDS} rounds of {SMALL_CALLS} synchronized calls, the providers' rounds "
-                            "alternating, garbage collection paused), fp16, non-causal, default knobs; "
-                            "device us: the GPU's own time per call",
+                            f"{SMALL_ROUNDS} rounds of {SMALL_CALLS} synchronized calls, the providers' "
+                            "rounds alternating, garbage collection paused), fp16, non-causal, default "
+                            "knobs; device us: the GPU's own time per call",
                             ["B", "H", "N", "D", "direction", "flashcupy us", "SDPA us", "flashcupy / SDPA",
                              "flashcupy min us", "SDPA min us", "min / min", "flashcupy device us",
                              "SDPA device us", "flashcupy.torch us"], small))

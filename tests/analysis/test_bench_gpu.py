@@ -50,3 +50,22 @@ def test_bench_small_call_table(tmp_path):
         if theirs is not None:
             assert ratio == pytest.approx(ours / theirs)
             assert theirs >= theirs_min > 0 and ratio_min == pytest.approx(ours_min / theirs_min)
+
+
+def test_bench_fp8_table(tmp_path):
+    """A D=128 cell on a Hopper GPU: the fp8 forward's table, its ratios from the same run."""
+    from analysis import bench
+    from analysis.common import Context
+
+    ctx = Context.make("cuda", True, 0, str(tmp_path))
+    import cupy
+
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("the fp8 wgmma kernel needs a Hopper GPU")
+    rep = bench.run_bench(ctx, cells=[("f16", 1024, 128, True)])
+    t = next(t for t in rep.tables if t.title.startswith("fp8"))
+    (row,) = t.rows
+    dtype, n, causal, one, two, w, r1, r2, cu, rc = row
+    assert (dtype, n, causal) == ("f16", 1024, True) and one > 0 and two > 0 and w > 0
+    assert r1 == pytest.approx(one / w) and r2 == pytest.approx(two / w)
+    assert "fp8 (e4m3) forward" in rep.finding
