@@ -203,7 +203,7 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None):
 
 
 def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: int, p_scale: float,
-                accumulation: str, model=None):
+                accumulation: str, model=None, ablate=None):
     """The twin of the fp8 (e4m3) forward: q8, k8, v8 float64 arrays of e4m3 values (B, H, N, D), sq, sk
     their float32 scales broadcastable to (B, H, N, 1), sv (B, Hkv, 1, 1) or (1, 1, 1, 1) (constant over
     keys). Returns (o float32, lse float32). Per tile of ``block_n`` keys, with c = scale * log2(e):
@@ -211,13 +211,17 @@ def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: 
         S     = mm(Q8, K8^T) * (sq sk)             (the raw e4m3 product, descaled per row and column)
         m'    = max(m, rowmax S),  alpha = 2^(c (m - m')),  P = 2^(c (S - m'))      (fp32)
         l     = alpha l + rowsum(P)                (fp32, from P before its rounding)
-        P8    = e4m3(P * p_scale)                  (round to nearest even; P * p_scale <= p_scale <= 448)
+        P8    = e4m3(P * p_scale)                  (round to nearest even; P * p_scale <= p_scale <= 448;
+                                                   with a break P may exceed 1: saturated at 448, as the
+                                                   kernel's cvt.rn.satfinite does)
         O     = mm(P8, V8, alpha O)                (accumulation "single": the tensor core's accumulator
                                                    carries O across tiles, rescaled in place)
               = alpha O + mm(P8, V8, 0)            ("tile": each tile's product in a fresh accumulator,
                                                    added to O by an fp32 add: two-level accumulation)
 
-    and o = O * (sv / (p_scale l)), lse = m scale + ln(l). mm is ``_tensorcore.matmul`` with the
+    and o = O * (sv / (p_scale l)), lse = m scale + ln(l). The breaks (``ablate``) act as in ``forward``:
+    "max_subtraction" exponentiates the raw scores (m' = 0, alpha = 1, lse = ln l), "rescaling" subtracts
+    each tile's own max and never rescales (alpha = 1). mm is ``_tensorcore.matmul`` with the
     accumulation measured for e4m3 wgmma (k32 steps, W = 14, the partial truncated to 14 bits), or
     ``model`` (W, rounding, P) instead; (None, "rn", None) sums exactly and rounds to fp32 per step."""
     import ml_dtypes
@@ -246,12 +250,18 @@ def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: 
             s = s_raw * (sqf * np.swapaxes(skf[..., j0:j1, :], -1, -2))
             if causal:
                 s = np.where(np.arange(j0, j1)[None, :] <= rows + (nk - nq), s, f32(-np.inf))
-            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
-            shift = np.where(m_new == -np.inf, f32(0), m_new)
-            alpha = np.exp2(m * c - shift * c)
+            m_tile = s.max(axis=-1, keepdims=True)
+            m_new = np.maximum(m, m_tile)
+            if ablate == "max_subtraction":
+                shift, alpha = f32(0), f32(1)
+            elif ablate == "rescaling":
+                shift, alpha = np.where(m_tile == -np.inf, f32(0), m_tile), f32(1)
+            else:
+                shift = np.where(m_new == -np.inf, f32(0), m_new)
+                alpha = np.exp2(m * c - shift * c)
             pr = np.exp2(s * c - shift * c).astype(f32)
             l = alpha * l + pr.sum(axis=-1, keepdims=True, dtype=f32)
-            p8 = (pr * f32(p_scale)).astype(e4m3).astype(np.float64)
+            p8 = np.clip(pr * f32(p_scale), -448, 448).astype(e4m3).astype(np.float64)
             if accumulation == "single":
                 acc = matmul(p8, vf[..., j0:j1, :], alpha * acc, "e4m3", "fp32", model).astype(f32)
             else:
@@ -260,5 +270,8 @@ def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: 
         empty = l == 0
         svf = np.broadcast_to(sv, (b, hkv, 1, 1)).astype(f32)[:, :, None]
         o = np.where(empty, f32(0), acc * (svf / (f32(p_scale) * np.where(empty, f32(1), l))))
-        lse = np.where(empty, -np.inf, m.astype(np.float64) * scale + np.log(l.astype(np.float64)))
+        lse = np.log(l.astype(np.float64))
+        if ablate != "max_subtraction":
+            lse = m.astype(np.float64) * scale + lse
+        lse = np.where(empty, -np.inf, lse)
     return o.reshape(b, hq, nq, d).astype(f32), lse.reshape(b, hq, nq).astype(f32)

@@ -132,7 +132,8 @@ def dequantize(q: Quantized):
 
 
 def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, scale=None, block_n=128,
-                  p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False, block_m=None):
+                  p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False, block_m=None,
+                  ablate=None):
     """Attention on e4m3 inputs, FlashAttention-3's fp8 forward: ``o = softmax(scale * q k^T) v`` with
     q = q.data * q.scale and so on (the outputs of ``quantize``), o in ``out_dtype``.
 
@@ -152,6 +153,9 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
       accumulation's error from the quantization's.
 
     The full algorithm and rounding model: ``flashcupy._twin.forward_fp8``.
+
+    ``ablate`` breaks the algorithm as in ``flashcupy.attention``: "max_subtraction" or "rescaling" (P may
+    then exceed 1: P * p_scale saturates at e4m3's 448).
 
     Parameters: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) ``Quantized`` e4m3 (Hq % Hkv == 0; D 64, 128 or
     256); q and k at any granularity, v at "tensor" or "head" (its scale must be constant over keys, the
@@ -196,6 +200,10 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
         raise ValueError(f"p_scale must be in (0, 448] (P * p_scale must fit e4m3), got {p_scale}")
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
+    from ._build import ABLATIONS
+
+    if ablate not in ABLATIONS:
+        raise ValueError(f"ablate must be one of {ABLATIONS}, got {ablate!r}")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
     if block_m is None:
@@ -211,7 +219,7 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     if _xp(q.data) is not np:
         return _attention_fp8_kernel(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                                      p_scale=float(p_scale), accumulation=accumulation, out_dtype=out_dtype,
-                                     return_lse=return_lse)
+                                     return_lse=return_lse, ablate=ablate)
     from . import _twin
     from ._checks import numpy_dtype
 
@@ -219,13 +227,13 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     o, lse = _twin.forward_fp8(*(x.data.astype(np.float64) for x in (q, k, v)), expand_scale(q),
                                expand_scale(k), v.scale, causal=causal, scale=scale, block_n=block_n,
                                p_scale=float(p_scale), accumulation="tile" if exact else accumulation,
-                               model=(None, "rn", None) if exact else None)
+                               model=(None, "rn", None) if exact else None, ablate=ablate)
     o = o.astype(numpy_dtype({"float16": "f16", "bfloat16": "bf16"}[out_dtype]))
     return (o, lse) if return_lse else o
 
 
 def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, accumulation, out_dtype,
-                          return_lse):
+                          return_lse, ablate):
     """attention_fp8 on CuPy inputs (arguments checked): the fp8 fwd_wgmma variant of this call."""
     import cupy
 
@@ -252,7 +260,7 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
     # k's descale is constant over each key tile unless it varies by token or by blocks that split a tile
     per_tile = k.granularity in ("tensor", "head") or (k.granularity == "block" and k.block % block_n == 0)
     var = Variant("fwd_wgmma", {"float16": "f16", "bfloat16": "bf16"}[out_dtype], "fp32", block_m, block_n, d,
-                  causal, fp8=accumulation, fp8_kscale="tile" if per_tile else "key")
+                  causal, ablate, fp8=accumulation, fp8_kscale="tile" if per_tile else "key")
     (b, hq, nq, _), (_, hkv, nk, _) = q.shape, k.shape
     with cupy.cuda.Device(device):
         def flat(scale, shape):  # the descales broadcast to shape, float32, contiguous

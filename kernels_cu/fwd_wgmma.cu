@@ -53,7 +53,7 @@
 // so that the O accumulator and the K/V stages fit); FC_KV_STAGES >= 2 (default 2).
 //
 // fp8 (FC_FP8 = 1; FlashAttention-3's fp8 forward, issue 13): q, k, v are e4m3 bytes, FC_DTYPE the
-// output's type; D = 128, FC_BLOCK_N = 128, fp32 accumulators, no break. Differences from the 16-bit path:
+// output's type; D = 128, FC_BLOCK_N = 128, fp32 accumulators. Differences from the 16-bit path:
 //   * wgmma m64nNk32 on e4m3 (k32 steps of 32 bytes: a 128-element row is one 128-byte panel);
 //   * V is read transposed: e4m3 wgmma takes K-major operands only, so flash_fwd_fp8_v_transpose (end of
 //     this file) first writes V^T (d x keys) with the keys of each group of 16 in the column order of P's
@@ -122,7 +122,6 @@ static_assert(FC_NUM_THREADS == NTHR, "fwd_wgmma: FC_NUM_THREADS must be 128 * (
 #if FC_FP8
 static_assert(HD == 128 && BN == 128 && !FC_ACCUM_F16,
               "fwd_wgmma fp8: D=128, FC_BLOCK_N 128, fp32 accumulators");
-static_assert(!FC_ABLATE_MAX_SUBTRACTION && !FC_ABLATE_RESCALING, "fwd_wgmma fp8: no breaks (yet)");
 #endif
 // fp8 knobs (FC_FP8 = 1, e4m3 q, k, v; see "fp8" at the top):
 //   FC_FP8_TWO_LEVEL  1: each key tile's P V in a fresh accumulator, added to an fp32 O by fp32 adds;
@@ -565,7 +564,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 // o = (O * pre) * (1 / (l * pre)): one reciprocal per row, kept normal under -ftz by a
                 // 2^-64 prescale when l > 2^126 (reachable by the max-subtraction break)
 #if FC_FP8
-                // l sums P p_scale: o = O * (v descale / l) (no break: l stays far below 2^126)
+                // l sums P p_scale: o = O * (v descale / l) (the max-subtraction break can take l to inf
+                // or past 2^126, where the quotient flushes to 0: so does the twin's o once rounded)
                 const float pre = 1.f;
                 const float inv = (l == 0.f) ? 0.f : __fdiv_rn(v_ds[(long long)tl.b * (heads_q / group) + hk], l);
 #else

@@ -135,3 +135,27 @@ def test_bad_inputs_are_refused(rng):
         flashcupy.attention_fp8(_quantized(rng, (1, 3, 8, 64)), kv, kv)
     with pytest.raises(ValueError, match="k and v"):
         flashcupy.attention_fp8(q, k, _quantized(rng, (1, 1, 9, 64)))
+
+
+@pytest.mark.parametrize("ablate", ["max_subtraction", "rescaling"])
+def test_breaks_in_the_fp8_twin(rng, ablate):
+    """The breaks as written out in float64 over two key tiles: no max subtraction exponentiates the raw
+    scores (P * p_scale then saturates at 448, as cvt.rn.satfinite does; lse = ln l); no rescaling sums
+    each tile on its own max."""
+    q, k, v = (_quantized(rng, (1, 1, n, 64)) for n in (16, 200, 200))
+    q8, k8, v8 = (x.data.astype(np.float64) for x in (q, k, v))
+    o, lse = _twin.forward_fp8(q8, k8, v8, q.scale, k.scale, v.scale, causal=False, scale=0.3, block_n=128,
+                               p_scale=256.0, accumulation="single", model=EXACT, ablate=ablate)
+    s = (q8 @ np.swapaxes(k8, -1, -2)) * q.scale * k.scale
+    c = 0.3 / np.log(2)
+    tiles = [slice(0, 128), slice(128, 200)]
+    sub = [s[..., t].max(-1, keepdims=True) * (ablate != "max_subtraction") for t in tiles]
+    p = [np.exp2((s[..., t] - m) * c) for t, m in zip(tiles, sub)]
+    p8 = [np.clip(x * 256, 0, 448).astype(np.float32).astype(E4M3).astype(np.float64) for x in p]
+    if ablate == "max_subtraction":
+        assert max(x.max() for x in p) * 256 > 448  # the saturation is exercised
+    denom = sum(x.sum(-1, keepdims=True) for x in p)
+    want = sum(a @ v8[..., t, :] for a, t in zip(p8, tiles)) * v.scale / (256 * denom)
+    assert np.max(np.abs(o - want)) <= 2.0 ** -4 * np.max(np.abs(want)) / 4
+    want_lse = np.log(denom) + np.maximum(*sub) * 0.3  # (0 without the max subtraction)
+    np.testing.assert_allclose(lse, want_lse[..., 0], rtol=1e-5, atol=1e-4)

@@ -172,3 +172,31 @@ def test_kernel_path_refuses_what_it_does_not_run(rng):
     qh = fp8.quantize(rng.standard_normal((1, 1, 8, 128)).astype(np.float32))
     with pytest.raises(TypeError, match="all be NumPy arrays"):
         flashcupy.attention_fp8(q, qh, q)
+
+
+@pytest.mark.parametrize("ablate", ["max_subtraction", "rescaling"])
+@pytest.mark.parametrize("accumulation", ["single", "tile"])
+def test_fp8_breaks_agree_with_twin(rng, poisoned, ablate, accumulation):
+    """Both breaks on the kernel as on the twin: q and k of spread 4 (scores in the hundreds: without the
+    max subtraction P reaches 2^70 and saturates e4m3 at 448, without the rescaling the tiles are summed on
+    their own maxima), far from float64 either way; k's descale per key tile (folded into the exponent)
+    with single-level accumulation, per key with two-level."""
+    import cupy
+
+    qh, qd = _pair(rng, (1, 2, 150, 128), "tensor")
+    kh, kd = _pair(rng, (1, 1, 300, 128), *(("block", 128) if accumulation == "single" else ("token",)))
+    vh, vd = _pair(rng, (1, 1, 300, 128), "head")
+    qh, qd, kh, kd = (fp8.Quantized(x.data, x.scale * 4, x.fmt, x.granularity, x.block)
+                      for x in (qh, qd, kh, kd))
+    kw = dict(accumulation=accumulation, ablate=ablate, return_lse=True)
+    o, lse = (cupy.asnumpy(x) for x in flashcupy.attention_fp8(qd, kd, vd, **kw))
+    ot, lt = flashcupy.attention_fp8(qh, kh, vh, **kw)
+    o, ot = o.astype(np.float64), ot.astype(np.float64)
+    ro = reference.attention(*(fp8.dequantize(x).astype(np.float64) for x in (qh, kh, vh)))
+    err_twin = np.sqrt(np.mean((ot - ro) ** 2))
+    assert err_twin > 0.05 * np.sqrt(np.mean(ro ** 2))  # the break breaks
+    ulp = np.spacing(np.abs(ot).astype(np.float16)).astype(np.float64)
+    off = np.abs(o - ot) > 2 * ulp
+    gap = np.sqrt(np.mean((o - ot) ** 2))
+    assert off.mean() <= 1e-3 and gap <= 0.1 * err_twin, (off.mean(), gap, err_twin)
+    np.testing.assert_allclose(lse, lt, rtol=1e-5, atol=1e-4)
