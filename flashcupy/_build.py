@@ -185,10 +185,11 @@ def _wgmma_smem(v: "Variant", role: str) -> int:
 # fp8 (e4m3) variants of fwd_wgmma: the accumulation of O (FC_FP8_TWO_LEVEL) and whether k's descale
 # varies within a key tile (FC_FP8_KSCALE_KEY); flashcupy.fp8.attention_fp8 picks them.
 FP8_ACCUMULATIONS = ("single", "tile")
-# The default fp8 tile: three consumer warpgroups (192 query rows), each with its own softmax and no
-# pingpong: measured on the H200 (fp8 single, D=128) 833 / 926 / 896 TFLOP/s at N = 4096 / 16384 /
-# 16384 causal against 730 / 827 / 821 with two (128 rows, pingpong, overlap) and 582 / 653 / 602 with one.
-FP8_BLOCK_M = 192
+# The default fp8 tiles: single-level accumulation three consumer warpgroups (192 query rows), each with
+# its own softmax and no pingpong: measured on the H200 (D=128) 833 / 926 / 896 TFLOP/s at N = 4096 /
+# 16384 / 16384 causal against 730 / 827 / 821 with two (128 rows, pingpong, overlap) and 582 / 653 / 602
+# with one. Two-level accumulation: two (its second O accumulator does not fit three).
+FP8_BLOCK_M = {"single": 192, "tile": 128}
 FP8_KSCALES = ("tile", "key")
 
 
@@ -203,6 +204,11 @@ def _wgmma_fp8_limits(v: "Variant") -> str | None:
                 f"block_m={v.block_m}, block_n={v.block_n} (other head dims: the NumPy twin)")
     if v.accum != "fp32":
         return "the fp8 wgmma forward runs fp32 accumulators"
+    if v.fp8 == "tile" and v.block_m > 128:
+        # a second O accumulator (the tile's P V) does not fit three consumer warpgroups' 160 registers a
+        # thread: ptxas spills 16 to 24 bytes (measured locally)
+        return (f"the fp8 wgmma forward with two-level accumulation runs block_m 64 or 128, not {v.block_m} "
+                "(its second O accumulator needs the registers of two consumer warpgroups)")
     return None
 
 
@@ -795,15 +801,16 @@ def covering_variants(family: str) -> list[Variant]:
             for bn in fam.block_n:
                 for ab in ABLATIONS:
                     add(block_m=bm, block_n=bn, head_dim=128, causal=True, ablate=ab)
-    # fp8 (fwd_wgmma): every accumulation x k-descale x causal on the default tile (192 rows), and the
-    # 64- and 128-row tiles
+    # fp8 (fwd_wgmma): every accumulation x k-descale x causal on its default tile, the 64- and 128-row
+    # tiles, and the breaks
     if family == "fwd_wgmma":
         for acc in FP8_ACCUMULATIONS:
             for ks in FP8_KSCALES:
                 for causal in (False, True):
-                    add(head_dim=128, block_m=FP8_BLOCK_M, block_n=128, causal=causal, fp8=acc, fp8_kscale=ks)
+                    add(head_dim=128, block_m=FP8_BLOCK_M[acc], block_n=128, causal=causal, fp8=acc,
+                        fp8_kscale=ks)
             for bm in (64, 128):
                 add(head_dim=128, block_m=bm, block_n=128, causal=True, fp8=acc)
             for ab in ABLATIONS[1:]:
-                add(head_dim=128, block_m=FP8_BLOCK_M, block_n=128, causal=True, fp8=acc, ablate=ab)
+                add(head_dim=128, block_m=FP8_BLOCK_M[acc], block_n=128, causal=True, fp8=acc, ablate=ab)
     return list(out.values())

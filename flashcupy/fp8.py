@@ -166,7 +166,8 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     Runs the NumPy twin on NumPy inputs and the fp8 wgmma kernel (``kernels_cu/fwd_wgmma.cu`` built with
     FC_FP8, Hopper only) on CuPy inputs (uint8 bit patterns). The kernel runs D=128, ``block_n`` 128 and
     ``block_m`` 64, 128 or 192 (query rows per CTA, one consumer warpgroup per 64: no effect on the
-    result; default 192, the fastest measured on the H200), accumulation "single" or "tile"; it
+    result; default 192, the fastest measured on the H200, and 128 for two-level accumulation, which
+    does not run 192), accumulation "single" or "tile"; it
     reads V transposed (a second, small kernel writes V^T first: e4m3 wgmma takes K-major operands only).
     On the twin ``block_m`` is ignored.
     """
@@ -209,7 +210,7 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     if block_m is None:
         from ._build import FP8_BLOCK_M
 
-        block_m = FP8_BLOCK_M
+        block_m = FP8_BLOCK_M.get(accumulation, 128)
     if block_m not in (64, 128, 192) or isinstance(block_m, (bool, np.bool_)):
         raise ValueError(f"block_m must be 64, 128 or 192, got {block_m!r}")
     sides = {_xp(x.data) is np for x in (q, k, v)} | {_xp(x.scale) is np for x in (q, k, v)}
