@@ -18,6 +18,8 @@ Metrics (SageAttention's): RMSE, cosine similarity and relative L1 (sum |o - ref
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 import flashcupy
@@ -48,10 +50,9 @@ def metrics(o, ref) -> dict:
             "rel_l1": float(np.abs(d).sum() / np.abs(ref).sum())}
 
 
-def fp8_arm(q, k, v, granularity, incoherent, smooth, accumulation, seed=0, kernel=False):
-    """o of one arm (float64 inputs (B, H, N, D); transforms applied in float64 before quantizing), as a
-    float64 NumPy array: the fp8 wgmma kernel with ``kernel`` (the quantized data moved to the GPU), else
-    the twin."""
+def quantize_arm(q, k, v, granularity, incoherent, smooth, seed=0):
+    """The quantized (q, k, v) of one arm (float64 inputs (B, H, N, D); transforms applied in float64
+    before quantizing), on the host."""
     if incoherent:
         q, k = transforms.incoherent(q, k, seed)
     if smooth:
@@ -59,6 +60,13 @@ def fp8_arm(q, k, v, granularity, incoherent, smooth, accumulation, seed=0, kern
     block = BLOCK if granularity == "block" else None
     qq, kq = (fp8.quantize(x.astype(np.float32), "e4m3", granularity, block) for x in (q, k))
     vq = fp8.quantize(v.astype(np.float32), "e4m3", "tensor" if granularity == "tensor" else "head")
+    return qq, kq, vq
+
+
+def fp8_arm(q, k, v, granularity, incoherent, smooth, accumulation, seed=0, kernel=False, quantized=None):
+    """o of one arm as a float64 NumPy array: the fp8 wgmma kernel with ``kernel`` (the quantized data moved
+    to the GPU), else the twin; ``quantized`` (from quantize_arm) instead of quantizing q, k, v here."""
+    qq, kq, vq = quantized or quantize_arm(q, k, v, granularity, incoherent, smooth, seed)
     if kernel:
         import cupy
 
@@ -129,13 +137,17 @@ def run_fp8(ctx: Context) -> Report:
             q, k = rng.standard_normal((1, 1, rq, dq)), rng.standard_normal((1, 1, n, dq))
             v = rng.standard_normal((1, 1, n, dq)) + v_mean
             ref = reference.attention(q, k, v)
+            qkv = quantize_arm(q, k, v, "tensor", False, False)
             rows_x = slice(0, EXACT_ROWS) if kernel else slice(None)
-            exact = (fp8_arm(q[:, :, rows_x], k, v, "tensor", False, False, "exact")
+            # the exact sums of the same quantized inputs (q's first rows: the same data and scale)
+            first = (dataclasses.replace(qkv[0], data=qkv[0].data[:, :, rows_x]), *qkv[1:])
+            exact = (fp8_arm(None, None, None, "tensor", False, False, "exact", quantized=first)
                      if not kernel or n <= EXACT_MAX_N else None)
             scale = np.sqrt(np.mean(ref * ref))
             point, outs = {"v mean": v_mean, "N": n}, {}
             for acc in ("single", "tile"):
-                o = outs[acc] = fp8_arm(q, k, v, "tensor", False, False, acc, kernel=kernel)
+                o = outs[acc] = fp8_arm(None, None, None, "tensor", False, False, acc, kernel=kernel,
+                                        quantized=qkv)
                 point[acc] = metrics(o, ref)["rmse"] / scale
                 point[f"{acc} accumulation"] = (None if exact is None else
                                                 metrics(o[:, :, rows_x], exact)["rmse"] / scale)
