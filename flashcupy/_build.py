@@ -185,11 +185,17 @@ def _wgmma_smem(v: "Variant", role: str) -> int:
 # fp8 (e4m3) variants of fwd_wgmma: the accumulation of O (FC_FP8_TWO_LEVEL) and whether k's descale
 # varies within a key tile (FC_FP8_KSCALE_KEY); flashcupy.fp8.attention_fp8 picks them.
 FP8_ACCUMULATIONS = ("single", "tile")
-# The default fp8 tiles: single-level accumulation three consumer warpgroups (192 query rows), each with
-# its own softmax and no pingpong: measured on the H200 (D=128) 833 / 926 / 896 TFLOP/s at N = 4096 /
-# 16384 / 16384 causal against 730 / 827 / 821 with two (128 rows, pingpong, overlap) and 582 / 653 / 602
-# with one. Two-level accumulation: two (its second O accumulator does not fit three).
-FP8_BLOCK_M = {"single": 192, "tile": 128}
+# The default fp8 tiles (fp8_block_m): single-level accumulation at D=128 three consumer warpgroups (192
+# query rows), each with its own softmax and no pingpong: measured on the H200 833 / 926 / 896 TFLOP/s at
+# N = 4096 / 16384 / 16384 causal against 730 / 827 / 821 with two (128 rows, pingpong, overlap) and
+# 582 / 653 / 602 with one. Two-level accumulation and D=256: two (a second O accumulator, or D=256's
+# O, does not fit three).
+FP8_HEAD_DIMS = (128, 256)
+
+
+def fp8_block_m(accumulation: str, head_dim: int) -> int:
+    """The default fp8 tile (query rows per CTA): 192 for single-level accumulation at D=128, else 128."""
+    return 192 if accumulation == "single" and head_dim == 128 else 128
 FP8_KSCALES = ("tile", "key")
 
 
@@ -198,12 +204,17 @@ def _wgmma_fp8_limits(v: "Variant") -> str | None:
         return f"fp8 accumulation must be one of {FP8_ACCUMULATIONS}, got {v.fp8!r}"
     if v.fp8_kscale not in FP8_KSCALES:
         return f"fp8_kscale must be one of {FP8_KSCALES}, got {v.fp8_kscale!r}"
-    if v.head_dim != 128 or v.block_n != 128 or v.block_m not in (64, 128, 192):
-        return ("the fp8 wgmma forward runs D=128 with block_n 128 and block_m 64 or 128; got "
+    if v.head_dim not in FP8_HEAD_DIMS or v.block_n != 128 or v.block_m not in (64, 128, 192):
+        return ("the fp8 wgmma forward runs D 128 and 256 with block_n 128 and block_m 64, 128 or 192; got "
                 f"D={v.head_dim}, "
                 f"block_m={v.block_m}, block_n={v.block_n} (other head dims: the NumPy twin)")
     if v.accum != "fp32":
         return "the fp8 wgmma forward runs fp32 accumulators"
+    if v.head_dim == 256 and (v.fp8 != "single" or v.block_m != 128):
+        # O alone takes 128 registers a thread: a second accumulator (two-level) spills 0.7 to 2 KB, and
+        # one consumer warpgroup spills 16 bytes (measured locally)
+        return (f"the fp8 wgmma forward at D=256 runs single-level accumulation with block_m 128; got "
+                f"accumulation={v.fp8!r}, block_m={v.block_m}")
     if v.fp8 == "tile" and v.block_m > 128:
         # a second O accumulator (the tile's P V) does not fit three consumer warpgroups' 160 registers a
         # thread: ptxas spills 16 to 24 bytes (measured locally)
@@ -807,10 +818,13 @@ def covering_variants(family: str) -> list[Variant]:
         for acc in FP8_ACCUMULATIONS:
             for ks in FP8_KSCALES:
                 for causal in (False, True):
-                    add(head_dim=128, block_m=FP8_BLOCK_M[acc], block_n=128, causal=causal, fp8=acc,
+                    add(head_dim=128, block_m=fp8_block_m(acc, 128), block_n=128, causal=causal, fp8=acc,
                         fp8_kscale=ks)
             for bm in (64, 128):
                 add(head_dim=128, block_m=bm, block_n=128, causal=True, fp8=acc)
             for ab in ABLATIONS[1:]:
-                add(head_dim=128, block_m=FP8_BLOCK_M[acc], block_n=128, causal=True, fp8=acc, ablate=ab)
+                add(head_dim=128, block_m=fp8_block_m(acc, 128), block_n=128, causal=True, fp8=acc, ablate=ab)
+        for causal in (False, True):
+            for ks in FP8_KSCALES:
+                add(head_dim=256, block_m=128, block_n=128, causal=causal, fp8="single", fp8_kscale=ks)
     return list(out.values())

@@ -164,10 +164,11 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     lse, float32 (B, Hq, Nq), with ``return_lse``).
 
     Runs the NumPy twin on NumPy inputs and the fp8 wgmma kernel (``kernels_cu/fwd_wgmma.cu`` built with
-    FC_FP8, Hopper only) on CuPy inputs (uint8 bit patterns). The kernel runs D=128, ``block_n`` 128 and
-    ``block_m`` 64, 128 or 192 (query rows per CTA, one consumer warpgroup per 64: no effect on the
-    result; default 192, the fastest measured on the H200, and 128 for two-level accumulation, which
-    does not run 192), accumulation "single" or "tile"; it
+    FC_FP8, Hopper only) on CuPy inputs (uint8 bit patterns). The kernel runs D 128 and 256, ``block_n``
+    128 and ``block_m`` 64, 128 or 192 (query rows per CTA, one consumer warpgroup per 64: no effect on
+    the result; default 192 at D=128, the fastest measured on the H200, and 128 for two-level
+    accumulation, which does not run 192), accumulation "single" or "tile" (D=256: single-level with
+    block_m 128 only); it
     reads V transposed (a second, small kernel writes V^T first: e4m3 wgmma takes K-major operands only).
     On the twin ``block_m`` is ignored.
     """
@@ -208,9 +209,9 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
     if block_m is None:
-        from ._build import FP8_BLOCK_M
+        from ._build import fp8_block_m
 
-        block_m = FP8_BLOCK_M.get(accumulation, 128)
+        block_m = fp8_block_m(accumulation, q.shape[3])
     if block_m not in (64, 128, 192) or isinstance(block_m, (bool, np.bool_)):
         raise ValueError(f"block_m must be 64, 128 or 192, got {block_m!r}")
     sides = {_xp(x.data) is np for x in (q, k, v)} | {_xp(x.scale) is np for x in (q, k, v)}
@@ -245,10 +246,13 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
     if accumulation not in ("single", "tile"):
         raise ValueError(f"accumulation={accumulation!r} runs on the NumPy twin only; the fp8 kernel runs "
                          "'single' and 'tile'")
+    from ._build import FP8_HEAD_DIMS as KERNEL_HEAD_DIMS
+
     d = q.shape[3]
-    if d != 128 or block_n != 128:
-        raise ValueError(f"the fp8 wgmma kernel runs D=128 with block_n=128; got D={d}, block_n={block_n} "
-                         "(NumPy inputs run the twin at D 64, 128, 256 and block_n 64, 128)")
+    if d not in KERNEL_HEAD_DIMS or block_n != 128:
+        raise ValueError(f"the fp8 wgmma kernel runs D {KERNEL_HEAD_DIMS} with block_n=128; got D={d}, "
+                         f"block_n={block_n} (NumPy inputs run the twin at D 64, 128, 256 and block_n 64, "
+                         "128)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.data.dtype != cupy.uint8:
             raise TypeError(f"{name}.data must hold e4m3 bit patterns as uint8 on the GPU, "

@@ -53,8 +53,10 @@
 // so that the O accumulator and the K/V stages fit); FC_KV_STAGES >= 2 (default 2).
 //
 // fp8 (FC_FP8 = 1; FlashAttention-3's fp8 forward, issue 13): q, k, v are e4m3 bytes, FC_DTYPE the
-// output's type; D = 128, FC_BLOCK_N = 128, fp32 accumulators. Differences from the 16-bit path:
-//   * wgmma m64nNk32 on e4m3 (k32 steps of 32 bytes: a 128-element row is one 128-byte panel);
+// output's type; D = 128 or 256, FC_BLOCK_N = 128, fp32 accumulators (flashcupy/_build.py keeps D=256 to
+// single-level accumulation on 128 rows: its O takes 128 registers a thread). Differences from the
+// 16-bit path:
+//   * wgmma m64nNk32 on e4m3 (k32 steps of 32 bytes: 128 elements of a row are one 128-byte panel);
 //   * V is read transposed: e4m3 wgmma takes K-major operands only, so flash_fwd_fp8_v_transpose (end of
 //     this file) first writes V^T (d x keys) with the keys of each group of 16 in the column order of P's
 //     register fragment, and P V is an rs wgmma with B = V^T K-major (the producer loads V^T tiles);
@@ -116,12 +118,13 @@ static_assert(HD == 64 || HD == 128 || HD == 256, "fwd_wgmma: FC_HEAD_DIM must b
 static_assert(FC_HEAD_DIM_PAD >= HD, "FC_HEAD_DIM_PAD must cover FC_HEAD_DIM");
 static_assert(BM == 64 || BM == 128 || BM == 192, "fwd_wgmma: FC_BLOCK_M must be 64, 128 or 192");
 static_assert(BN == 64 || BN == 128, "fwd_wgmma: FC_BLOCK_N must be 64 or 128");
-static_assert(HD < 256 || (BM <= 128 && BN == 64), "fwd_wgmma: D=256 runs FC_BLOCK_M 64 or 128, FC_BLOCK_N 64");
+static_assert(HD < 256 || (BM <= 128 && (BN == 64 || FC_FP8)),
+              "fwd_wgmma: D=256 runs FC_BLOCK_M 64 or 128, FC_BLOCK_N 64 (128 with e4m3 operands)");
 static_assert(STAGES >= 2, "fwd_wgmma: FC_KV_STAGES must be at least 2");
 static_assert(FC_NUM_THREADS == NTHR, "fwd_wgmma: FC_NUM_THREADS must be 128 * (1 + FC_BLOCK_M / 64)");
 #if FC_FP8
-static_assert(HD == 128 && BN == 128 && !FC_ACCUM_F16,
-              "fwd_wgmma fp8: D=128, FC_BLOCK_N 128, fp32 accumulators");
+static_assert((HD == 128 || HD == 256) && BN == 128 && !FC_ACCUM_F16,
+              "fwd_wgmma fp8: D 128 or 256, FC_BLOCK_N 128, fp32 accumulators");
 #endif
 // fp8 knobs (FC_FP8 = 1, e4m3 q, k, v; see "fp8" at the top):
 //   FC_FP8_TWO_LEVEL  1: each key tile's P V in a fresh accumulator, added to an fp32 O by fp32 adds;

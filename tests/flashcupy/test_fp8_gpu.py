@@ -116,6 +116,34 @@ def test_fp8_kernel_agrees_with_twin_and_float64(rng, poisoned, case, causal, ac
     np.testing.assert_allclose(lse[seen], lt[seen], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", [(1, 2, 1, 113, 300, ("token",), ("tensor",)),
+                                  (1, 2, 2, 200, 129, ("block", 64), ("token",))], ids=["kt", "kk"])
+def test_fp8_kernel_at_d256(rng, poisoned, case, causal):
+    """D=256 (single-level accumulation, 128-row tiles): the same agreement with the twin and float64 as
+    at D=128; k's descale per key tile and per key."""
+    import cupy
+
+    b, hq, hkv, nq, nk, qg, kg = case
+    qh, qd = _pair(rng, (b, hq, nq, 256), *qg)
+    kh, kd = _pair(rng, (b, hkv, nk, 256), *kg)
+    vh, vd = _pair(rng, (b, hkv, nk, 256), "head", shift=0.5)
+    o, lse = (cupy.asnumpy(x) for x in flashcupy.attention_fp8(qd, kd, vd, causal=causal, return_lse=True))
+    assert poisoned[0].split(".")[3:6] == ["bm128", "bn128", "d256"]
+    ot, lt = flashcupy.attention_fp8(qh, kh, vh, causal=causal, return_lse=True)
+    o, ot = o.astype(np.float64), ot.astype(np.float64)
+    ro = reference.attention(*(fp8.dequantize(x).astype(np.float64) for x in (qh, kh, vh)), causal=causal)
+    seen = np.isfinite(lt)
+    ulp = np.spacing(np.abs(ot).astype(np.float16)).astype(np.float64)
+    off = np.abs(o - ot) > 2 * ulp
+    err_twin = np.sqrt(np.mean((ot - ro)[seen] ** 2))
+    gap = np.sqrt(np.mean((o - ot)[seen] ** 2))
+    assert off.mean() <= 1e-3 and gap <= 0.1 * err_twin, (off.mean(), gap, err_twin)
+    assert np.sqrt(np.mean((o - ro)[seen] ** 2)) <= 0.05 * np.sqrt(np.mean(ro[seen] ** 2))
+    np.testing.assert_allclose(lse[seen], lt[seen], rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+
+
 def test_single_level_accumulation_truncates_on_the_gpu(rng, poisoned):
     """The twin's prediction, measured on the hardware: over 2048 keys with a positive-mean v, carrying O
     in the tensor core's 14-bit truncating accumulator biases the output toward zero by about 2%, and the
@@ -163,7 +191,7 @@ def test_kernel_path_refuses_what_it_does_not_run(rng):
     import cupy
 
     q = fp8.quantize(cupy.asarray(rng.standard_normal((1, 1, 8, 64)).astype(np.float32)))
-    with pytest.raises(ValueError, match="D=128"):
+    with pytest.raises(ValueError, match=r"D \(128, 256\)"):
         flashcupy.attention_fp8(q, q, q)
     q = fp8.quantize(cupy.asarray(rng.standard_normal((1, 1, 8, 128)).astype(np.float32)))
     with pytest.raises(ValueError, match="twin only"):

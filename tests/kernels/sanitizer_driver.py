@@ -53,6 +53,9 @@ def main() -> None:
                 q, k = e4m3((1, 4, nq, 128), "token"), e4m3((1, 2, nk, 128), *kg)
                 v = e4m3((1, 2, nk, 128), "head")
                 flashcupy.attention_fp8(q, k, v, causal=causal, accumulation=acc, block_m=bm)
+        q, k = e4m3((1, 2, 77, 256), "tensor"), e4m3((1, 1, 203, 256), "token")
+        v = e4m3((1, 1, 203, 256), "head")
+        flashcupy.attention_fp8(q, k, v, causal=causal)  # D=256
     cupy.cuda.Device().synchronize()
     print("sanitizer driver: all launches done")
 
