@@ -2,10 +2,11 @@
 
 The twin (``flashcupy._twin.forward_fp8``) applies the measured e4m3 tensor-core accumulation to the same
 quantized inputs, so the kernel and the twin share every rounding but three: ``ex2.approx`` against exact
-exp2, the fused ``S c - m c`` and the order of l's sum. Those move P by about 1e-6 of itself, which moves
-P * p_scale across an e4m3 rounding boundary (one step is 2^-4 of it) for roughly one element in 10^5, and
-each output's fp16 rounding by an ulp now and then. So the kernel must agree with the twin far more
-closely than either agrees with float64 (the quantization's error), and almost everywhere to the ulp.
+exp2, the fused ``S c - m c`` and the order of l's sum. Those move P by about 1e-6 of itself, which now
+and then moves P * p_scale across an e4m3 rounding boundary (one step is 2^-4 of it): that changes the
+whole row of o (every column), by a visible amount where the key weighs in the row. And they move
+each output's rounding by an ulp now and then. So the kernel must agree with the twin far more closely
+than either agrees with float64 (the quantization's error: ``_agree``), and in almost every row to 2 ulps.
 Every run writes into NaN-poisoned outputs."""
 from __future__ import annotations
 
@@ -28,6 +29,26 @@ def _pair(rng, shape, granularity, block=None, shift=0.0):
     dev = fp8.quantize(cupy.asarray(x), "e4m3", granularity, block)
     np.testing.assert_array_equal(cupy.asnumpy(dev.data), host.data.view(np.uint8))
     return host, dev
+
+
+def _agree(o, ot, ro, seen, out_dtype="float16"):
+    """Kernel o against the twin's ot (float64 copies) on the rows that see a key: at most 2% of the rows
+    hold an element more than 2 ulps of the output type from the twin's (a flipped e4m3 rounding of P moves
+    a whole row), and the RMS of the difference is at most a tenth of the twin's own error against
+    float64 (ro). Returns (kernel's, twin's) RMS error against float64."""
+    if out_dtype == "float16":
+        ulp = np.spacing(np.abs(ot).astype(np.float16)).astype(np.float64)
+    else:  # bfloat16: 8 significant bits
+        ulp = np.abs(ot) * 2.0 ** -7 + 2.0 ** -133
+    rows_off = (np.abs(o - ot) > 2 * ulp)[seen].any(axis=-1).mean()
+    err_twin = np.sqrt(np.mean((ot - ro)[seen] ** 2))
+    err_kern = np.sqrt(np.mean((o - ro)[seen] ** 2))
+    gap = np.sqrt(np.mean((o - ot)[seen] ** 2))
+    msg = f"rows off {rows_off:.2e}, gap {gap:.3e}, err kernel {err_kern:.3e} twin {err_twin:.3e}"
+    print(msg)
+    assert rows_off <= 0.02, msg
+    assert gap <= 0.1 * err_twin, msg
+    return err_kern, err_twin
 
 
 @pytest.fixture
@@ -98,21 +119,9 @@ def test_fp8_kernel_agrees_with_twin_and_float64(rng, poisoned, case, causal, ac
     np.testing.assert_array_equal(np.isfinite(lse), seen)
     assert np.all(o[~seen] == 0)
 
-    # against the twin: almost every element to 2 ulps of the output type, and the disagreement an order
-    # of magnitude below the quantization error the twin predicts
-    if out_dtype == "float16":
-        ulp = np.spacing(np.abs(ot).astype(np.float16)).astype(np.float64)
-    else:  # bfloat16: 8 significant bits
-        ulp = np.abs(ot) * 2.0 ** -7 + 2.0 ** -133
-    off = np.abs(o - ot) > 2 * ulp
-    err_twin = np.sqrt(np.mean((ot - ro)[seen] ** 2))
-    err_kern = np.sqrt(np.mean((o - ro)[seen] ** 2))
-    gap = np.sqrt(np.mean((o - ot)[seen] ** 2))
-    msg = f"off {off.mean():.2e}, gap {gap:.3e}, err kernel {err_kern:.3e} twin {err_twin:.3e}"
-    assert off.mean() <= 1e-3, msg
-    assert gap <= 0.1 * err_twin, msg
-    assert err_kern <= 1.05 * err_twin, msg
-    assert err_kern <= 0.05 * np.sqrt(np.mean(ro[seen] ** 2)), msg  # the e4m3 bound of the twin's CPU test
+    err_kern, err_twin = _agree(o, ot, ro, seen, out_dtype)
+    assert err_kern <= 1.05 * err_twin
+    assert err_kern <= 0.05 * np.sqrt(np.mean(ro[seen] ** 2))  # the e4m3 bound of the twin's CPU test
     np.testing.assert_allclose(lse[seen], lt[seen], rtol=0, atol=1e-4)
 
 
@@ -134,12 +143,8 @@ def test_fp8_kernel_at_d256(rng, poisoned, case, causal):
     o, ot = o.astype(np.float64), ot.astype(np.float64)
     ro = reference.attention(*(fp8.dequantize(x).astype(np.float64) for x in (qh, kh, vh)), causal=causal)
     seen = np.isfinite(lt)
-    ulp = np.spacing(np.abs(ot).astype(np.float16)).astype(np.float64)
-    off = np.abs(o - ot) > 2 * ulp
-    err_twin = np.sqrt(np.mean((ot - ro)[seen] ** 2))
-    gap = np.sqrt(np.mean((o - ot)[seen] ** 2))
-    assert off.mean() <= 1e-3 and gap <= 0.1 * err_twin, (off.mean(), gap, err_twin)
-    assert np.sqrt(np.mean((o - ro)[seen] ** 2)) <= 0.05 * np.sqrt(np.mean(ro[seen] ** 2))
+    err_kern, _ = _agree(o, ot, ro, seen)
+    assert err_kern <= 0.05 * np.sqrt(np.mean(ro[seen] ** 2))
     np.testing.assert_allclose(lse[seen], lt[seen], rtol=0, atol=1e-4)
     np.testing.assert_array_equal(np.isfinite(lse), seen)
 
@@ -224,10 +229,6 @@ def test_fp8_breaks_agree_with_twin(rng, poisoned, ablate, accumulation):
     ot, lt = flashcupy.attention_fp8(qh, kh, vh, **kw)
     o, ot = o.astype(np.float64), ot.astype(np.float64)
     ro = reference.attention(*(fp8.dequantize(x).astype(np.float64) for x in (qh, kh, vh)))
-    err_twin = np.sqrt(np.mean((ot - ro) ** 2))
+    _, err_twin = _agree(o, ot, ro, np.ones(lt.shape, dtype=bool))
     assert err_twin > 0.05 * np.sqrt(np.mean(ro ** 2))  # the break breaks
-    ulp = np.spacing(np.abs(ot).astype(np.float16)).astype(np.float64)
-    off = np.abs(o - ot) > 2 * ulp
-    gap = np.sqrt(np.mean((o - ot) ** 2))
-    assert off.mean() <= 1e-3 and gap <= 0.1 * err_twin, (off.mean(), gap, err_twin)
     np.testing.assert_allclose(lse, lt, rtol=1e-5, atol=1e-4)
