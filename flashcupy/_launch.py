@@ -392,21 +392,20 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
 
     b, hq, nq, d = (int(x) for x in q8.shape)
     hkv, nk = int(k8.shape[1]), int(k8.shape[2])
-    q8, k8, v8 = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (q8, k8, v8))
-    nk_pad = -(-nk // FP8_VT_KEYS) * FP8_VT_KEYS
-    vt = cupy.empty((b, hkv, d, nk_pad), dtype=cupy.uint8)
-    get_kernel(var, "v_transpose")((nk_pad // FP8_VT_KEYS, hkv, b),
-                                   (v8, vt, np.int32(nk), np.int32(nk_pad), *element_strides(v8)))
-    kern = get_kernel(var, "fwd")
     for name, x, shape, dt in (("o", o, (b, hq, nq, d), numpy_dtype(var.dtype)),
                                ("lse", lse, (b, hq, nq), np.dtype(np.float32))):
         if x is not None and not (x.flags.c_contiguous and x.shape == shape and x.dtype == dt):
             raise ValueError(f"{name} must be C-contiguous {shape} {dt}; got {x.shape} {x.dtype}")
+    kern, transpose = get_kernel(var, "fwd"), get_kernel(var, "v_transpose")  # compiled before any launch
+    q8, k8, v8 = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (q8, k8, v8))
+    nk_pad = -(-nk // FP8_VT_KEYS) * FP8_VT_KEYS
+    vt = cupy.empty((b, hkv, d, nk_pad), dtype=cupy.uint8)
     o = cupy.empty((b, hq, nq, d), dtype=numpy_dtype(var.dtype)) if o is None else o
     lse = cupy.empty((b, hq, nq), dtype=cupy.float32) if lse is None else lse
     maps = (tensor_map(q8, var.block_m, box_cols=128, name="q"),
             tensor_map(k8, var.block_n, box_cols=128, name="k"),
             tensor_map(vt, d, box_cols=var.block_n, name="v"))
+    transpose((nk_pad // FP8_VT_KEYS, hkv, b), (v8, vt, np.int32(nk), np.int32(nk_pad), *element_strides(v8)))
     grid = ((nq + var.block_m - 1) // var.block_m, hq, b)
     if wgmma_persistent(var):
         grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)

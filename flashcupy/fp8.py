@@ -168,9 +168,8 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     128 and ``block_m`` 64, 128 or 192 (query rows per CTA, one consumer warpgroup per 64: no effect on
     the result; default 192 at D=128, the fastest measured on the H200, and 128 for two-level
     accumulation, which does not run 192), accumulation "single" or "tile" (D=256: single-level with
-    block_m 128 only); it
-    reads V transposed (a second, small kernel writes V^T first: e4m3 wgmma takes K-major operands only).
-    On the twin ``block_m`` is ignored.
+    block_m 128 only); it reads V transposed (a second, small kernel writes V^T first: e4m3 wgmma takes
+    K-major operands only). On the twin ``block_m`` is ignored.
     """
     from ._checks import _check_bool, check_scale
 

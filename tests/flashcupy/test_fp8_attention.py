@@ -111,6 +111,8 @@ def test_single_level_accumulation_loses_bits_that_two_level_keeps(rng):
     ({"out_dtype": "float32"}, ValueError, ["out_dtype", "bfloat16"]),
     ({"scale": -1.0}, ValueError, ["scale"]),
     ({"causal": 1}, TypeError, ["causal"]),
+    ({"ablate": "max"}, ValueError, ["ablate", "rescaling"]),
+    ({"block_m": 96}, ValueError, ["block_m", "192"]),
 ])
 def test_bad_arguments_are_refused(rng, kwargs, exc, words):
     q, k, v = (_quantized(rng, (1, 1, 8, 64)) for _ in range(3))
