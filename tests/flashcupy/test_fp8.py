@@ -128,3 +128,27 @@ def test_cupy_arrays_get_the_same_bits_as_uint8(rng, granularity, block):
     np.testing.assert_array_equal(cupy.asnumpy(dev.data), host.data.view(np.uint8))
     np.testing.assert_array_equal(cupy.asnumpy(dev.scale), host.scale)
     np.testing.assert_array_equal(cupy.asnumpy(fp8.dequantize(dev)), fp8.dequantize(host))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_gpu_rounding_matches_ml_dtypes_on_every_value_and_tie(fmt):
+    """Every finite value of the format, every midpoint between neighbours (ties: to even), values below
+    half the smallest subnormal and signed zeros, with the tensor's amax at the format's maximum (scale 1,
+    so x / s is x): the GPU's rounding (cvt.rn.satfinite, on compute capability >= 8.9) gives ml_dtypes'
+    bits; on an older GPU the host path runs and this compares it with itself."""
+    import cupy
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.float8_e4m3fn if fmt == "e4m3" else ml_dtypes.float8_e5m2)
+    vals = np.arange(256, dtype=np.uint8).view(dt).astype(np.float32)
+    pos = np.unique(vals[np.isfinite(vals) & (vals > 0)])
+    mids = (pos[:-1] + pos[1:]) / 2
+    tiny = np.array([pos[0] / 2, pos[0] / 4, pos[0] * 0.5001, 0.0, -0.0], np.float32)
+    x = np.concatenate([pos, mids, -pos, -mids, tiny, -tiny]).astype(np.float32)
+    assert np.all((mids > pos[:-1]) & (mids < pos[1:]))  # exact midpoints in float32
+    x = x.reshape(1, 1, -1, 1)
+    host = fp8.quantize(x, fmt, "tensor")
+    dev = fp8.quantize(cupy.asarray(x), fmt, "tensor")
+    assert host.scale.item() == 1.0 and cupy.asnumpy(dev.scale).item() == 1.0
+    np.testing.assert_array_equal(cupy.asnumpy(dev.data), host.data.view(np.uint8))
