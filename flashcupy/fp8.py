@@ -185,6 +185,24 @@ def dequantize(q: Quantized):
 
 
 
+def _check_scale(name: str, x: Quantized) -> None:
+    """x's scale is what its granularity says (the kernel picks its descale reads from the label) and
+    positive and finite (the kernel scales the row maximum once: max(S) f = max(S f) needs f > 0); x's
+    data is fp8 on the host (uint8 bit patterns would be read as the numbers 0..255)."""
+    b, h, n, _ = x.shape
+    want = {"tensor": (1, 1, 1, 1), "head": (b, h, 1, 1), "token": (b, h, n, 1),
+            "block": (b, h, -(-n // x.block), 1) if x.block else None}.get(x.granularity)
+    if want is None or tuple(x.scale.shape) != want:
+        raise ValueError(f"{name}.scale must have shape {want} for granularity {x.granularity!r} "
+                         f"(block={x.block}), got {tuple(x.scale.shape)}")
+    xp = _xp(x.scale)
+    if x.scale.dtype != np.float32 or not bool(xp.all(xp.isfinite(x.scale) & (x.scale > 0))):
+        raise ValueError(f"{name}.scale must be float32, positive and finite")
+    if _xp(x.data) is np and x.data.dtype != _fp8_dtype(x.fmt):
+        raise TypeError(f"{name}.data on the host must be {_fp8_dtype(x.fmt)} values, got {x.data.dtype} "
+                        "(uint8 bit patterns are for CuPy arrays)")
+
+
 def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, scale=None, block_n=128,
                   p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False, block_m=None,
                   ablate=None):
@@ -233,6 +251,7 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
                             f"got {type(x).__name__}")
         if x.fmt != "e4m3":
             raise ValueError(f"{name} must be e4m3 (the format of the fp8 wgmma kernels), got {x.fmt!r}")
+        _check_scale(name, x)
     if v.granularity not in ("tensor", "head"):
         raise ValueError(f"v's granularity must be 'tensor' or 'head' (its scale is factored out of P V, a "
                          f"sum over keys), got {v.granularity!r}")
