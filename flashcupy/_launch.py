@@ -397,7 +397,9 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
         if x is not None and not (x.flags.c_contiguous and x.shape == shape and x.dtype == dt):
             raise ValueError(f"{name} must be C-contiguous {shape} {dt}; got {x.shape} {x.dtype}")
     kern, transpose = get_kernel(var, "fwd"), get_kernel(var, "v_transpose")  # compiled before any launch
-    q8, k8, v8 = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (q8, k8, v8))
+    # TMA and the V^T pre-pass read each row as contiguous bytes: copy any array whose last axis is not
+    q8, k8, v8 = (x if _rows_aligned(x) and (x.shape[3] == 1 or x.strides[3] == 1)
+                  else cupy.ascontiguousarray(x) for x in (q8, k8, v8))
     nk_pad = -(-nk // FP8_VT_KEYS) * FP8_VT_KEYS
     vt = cupy.empty((b, hkv, d, nk_pad), dtype=cupy.uint8)
     o = cupy.empty((b, hq, nq, d), dtype=numpy_dtype(var.dtype)) if o is None else o

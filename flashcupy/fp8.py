@@ -18,8 +18,9 @@ Storage: NumPy arrays come back as ``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2``
 uint8 arrays of the same bit patterns (what a kernel reads and TMA moves as bytes). On a GPU of compute
 capability 8.9 or more a CuPy array is quantized there (the group maxima by CuPy reductions, x / s by an
 IEEE float32 division and the rounding by ``cvt.rn.satfinite``, the same bits as ``ml_dtypes``: the GPU
-tests compare them, ties included); on older GPUs through NumPy on the host. ``dequantize`` gives float32
-back.
+tests compare them, ties included); on older GPUs, and for inputs holding a nonzero value below
+fmax * 2^-126 (which CuPy's flush-to-zero arithmetic would zero), through NumPy on the host.
+``dequantize`` gives float32 back.
 """
 from __future__ import annotations
 
@@ -141,7 +142,9 @@ def quantize(x, fmt: str = "e4m3", granularity: str = "tensor", block: int | Non
     _check(x, fmt, granularity, block)
     xp = _xp(x)
     if xp is not np and _gpu_rounding(x):
-        return _quantize_on_gpu(x, fmt, granularity, block)
+        out = _quantize_on_gpu(x, fmt, granularity, block)
+        if out is not None:
+            return out
     host = np.asarray(x.get() if xp is not np else x).astype(np.float32)
     if not np.isfinite(host).all():
         raise ValueError("x holds inf or NaN; fp8 scales cannot represent them")
@@ -155,11 +158,31 @@ def quantize(x, fmt: str = "e4m3", granularity: str = "tensor", block: int | Non
     return Quantized(xp.asarray(y.view(np.uint8)), xp.asarray(scale), fmt, granularity, block)
 
 
-def _quantize_on_gpu(x, fmt, granularity, block) -> Quantized:
-    """quantize() of a CuPy array on its own GPU: the host path's arithmetic, step for step."""
+def _has_tiny_values(x, fmt: str) -> bool:
+    """Whether CuPy array x holds a nonzero value below fmax * 2^-126 in magnitude: the GPU path would flush
+    it (or its group's scale amax / fmax) to zero, as CuPy compiles with -ftz. Read from the bits (a
+    comparison of floats would flush subnormals too); float16 holds no such value."""
+    import cupy
+
+    tiny = np.float64(FORMATS[fmt][1]) * 2.0 ** -126
+    for width, uint in ((4, np.uint32), (8, np.uint64)):
+        if x.dtype.kind == "f" and x.dtype.itemsize == width:
+            sign_off = uint(np.iinfo(uint).max >> 1)
+            bits = cupy.bitwise_and(x.view(uint), sign_off)
+            limit = np.array(tiny, dtype=x.dtype).view(uint)
+            return bool(((bits > 0) & (bits < limit)).any())
+    return False
+
+
+def _quantize_on_gpu(x, fmt, granularity, block) -> Quantized | None:
+    """quantize() of a CuPy array on its own GPU: the host path's arithmetic, step for step. None when x
+    holds values the GPU's flush-to-zero arithmetic would round differently (the caller takes the host
+    path)."""
     import cupy
 
     with cupy.cuda.Device(x.data.device_id):
+        if _has_tiny_values(x, fmt):
+            return None
         xf = x.astype(cupy.float32)
         if not bool(cupy.isfinite(xf).all()):
             raise ValueError("x holds inf or NaN; fp8 scales cannot represent them")

@@ -131,6 +131,28 @@ def test_cupy_arrays_get_the_same_bits_as_uint8(rng, granularity, block):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_tiny_groups_get_the_host_bits(rng, fmt, dtype):
+    """Groups whose amax is below fmax * 2^-126 (scale subnormal in float32) and float32 subnormal inputs:
+    CuPy's flush-to-zero arithmetic would give them a scale of 0 (and NaN data); quantize sees them in the
+    bits and takes the host path, so the GPU returns the host's scales and bits."""
+    import cupy
+
+    fmax = fp8.FORMATS[fmt][1]
+    x = rng.standard_normal((1, 3, 5, 8))
+    x[:, 0] *= fmax * 2.0 ** -130            # head 0: normal float32 values, a subnormal scale
+    x[:, 1] *= 2.0 ** -128                   # head 1: float32 subnormals (most of them)
+    x = x.astype(dtype)
+    for granularity in ("head", "token"):
+        host = fp8.quantize(x, fmt, granularity)
+        assert (host.scale[:, :2] < np.finfo(np.float32).tiny).all() and (host.scale > 0).all()
+        dev = fp8.quantize(cupy.asarray(x), fmt, granularity)
+        np.testing.assert_array_equal(cupy.asnumpy(dev.scale), host.scale)
+        np.testing.assert_array_equal(cupy.asnumpy(dev.data), host.data.view(np.uint8))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_gpu_rounding_matches_ml_dtypes_on_every_value_and_tie(fmt):
     """Every finite value of the format, every midpoint between neighbours (ties: to even), values below

@@ -192,6 +192,26 @@ def test_v_transpose_permutes_keys_in_groups_of_16(rng):
     np.testing.assert_array_equal(cupy.asnumpy(vt), want)
 
 
+def test_v_with_a_strided_last_axis_is_read_right(rng, poisoned):
+    """q, k and v whose last axis steps by 2 bytes (every other element of a wider array): the call copies
+    them (TMA and the V^T pre-pass read rows as contiguous bytes) and gives the bits of contiguous
+    inputs."""
+    import cupy
+
+    _, qd = _pair(rng, (1, 2, 130, 128), "token")
+    _, kd = _pair(rng, (1, 1, 200, 128), "tensor")
+    _, vd = _pair(rng, (1, 1, 200, 128), "head", shift=0.5)
+    want = cupy.asnumpy(flashcupy.attention_fp8(qd, kd, vd))
+
+    def strided(x):
+        wide = cupy.asarray(rng.integers(0, 256, size=x.shape[:3] + (2 * x.shape[3],), dtype=np.uint8))
+        wide[..., ::2] = x.data
+        return fp8.Quantized(wide[..., ::2], x.scale, x.fmt, x.granularity, x.block)
+
+    got = cupy.asnumpy(flashcupy.attention_fp8(strided(qd), strided(kd), strided(vd)))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def test_kernel_path_refuses_what_it_does_not_run(rng):
     import cupy
 
