@@ -313,7 +313,7 @@ def _variant_report(family, dname, accum, d, causal):
     if fam is None:
         return None, None
     try:
-        bm, bn = fam.default_blocks(dname, d, accum)
+        bm, bn = fam.default_blocks(dname, d, accum, causal)
         v = Variant(family, dname, accum, bm, bn, d, causal)
         t0 = time.perf_counter()
         rep = compile_report(v)

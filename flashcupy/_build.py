@@ -62,7 +62,7 @@ class Family:
     head_dim_pad: Callable[[int], int]
     threads: Callable[["Variant"], int]
     smem_bytes: Callable[["Variant", str], int]
-    default_blocks: Callable[[str, int, str], tuple[int, int]]  # (dtype, head dim, accum)
+    default_blocks: Callable[[str, int, str, bool], tuple[int, int]]  # (dtype, head dim, accum, causal)
     no_spill: Callable[["Variant"], bool]
     limits: Callable[["Variant"], str | None] = lambda v: None
     # NVRTC's -arch. None: the device's own, which CuPy appends at run time (the CPU compile check
@@ -92,7 +92,7 @@ def _mma_smem(v: "Variant", role: str) -> int:
     return (v.block_m + 2 * v.block_n) * v.head_dim_pad * DTYPES[v.dtype][1]
 
 
-def _mma_defaults(dtype: str, d: int, accum: str) -> tuple[int, int]:
+def _mma_defaults(dtype: str, d: int, accum: str, causal: bool) -> tuple[int, int]:
     return (128, 64)
 
 
@@ -163,7 +163,7 @@ def _bwd_simt_limits(v: "Variant") -> str | None:
     return None
 
 
-def _simt_defaults(dtype: str, d: int, accum: str) -> tuple[int, int]:
+def _simt_defaults(dtype: str, d: int, accum: str, causal: bool) -> tuple[int, int]:
     return (64, 64)
 
 
@@ -228,10 +228,17 @@ def _wgmma_limits(v: "Variant") -> str | None:
         return _wgmma_fp8_limits(v)
     if v.head_dim not in WGMMA_HEAD_DIMS:
         return f"fwd_wgmma runs head dims {WGMMA_HEAD_DIMS}, not {v.head_dim}"
-    if v.head_dim == 256 and (v.block_m > 128 or v.block_n != 64):
-        # 128 fp32 O registers a thread and 2 stages of K and V (64 KB each at block_n=64) leave no room
-        return (f"kernel='wgmma' with D=256 supports block_m 64 or 128 and block_n 64; got "
+    if v.head_dim == 256 and (v.block_m > 128 or v.block_n not in (64, 80)):
+        # 128 fp32 O registers a thread and 2 stages of K and V (80 KB each at block_n=80) leave no room
+        return (f"kernel='wgmma' with D=256 supports block_m 64 or 128 and block_n 64 or 80; got "
                 f"block_m={v.block_m}, block_n={v.block_n}")
+    if v.block_n == 80 and v.head_dim != 256:
+        return f"kernel='wgmma' runs block_n=80 at D=256 only (block_m={v.block_m}, D={v.head_dim})"
+    if v.block_n == 176 and (v.head_dim != 128 or v.block_m > 128):
+        # FlashAttention-3's D=128 tile: 88 fp32 S registers a thread beside O and P need the registers of
+        # at most two consumer warpgroups (three have 160 a thread)
+        return (f"kernel='wgmma' runs block_n=176 at D=128 with block_m 64 or 128; got block_m={v.block_m}, "
+                f"D={v.head_dim}")
     if v.accum == "fp16" and v.block_m > 128:
         # ptxas serializes every wgmma of that tile for want of registers (C7511), measured locally
         return f"kernel='wgmma' with accum='fp16' supports block_m 64 or 128, not {v.block_m}"
@@ -282,14 +289,40 @@ def wgmma_persistent(v: "Variant") -> bool:
     return v.head_dim == 64 and not v.causal
 
 
-def _wgmma_defaults(dtype: str, d: int, accum: str) -> tuple[int, int]:
+def _wgmma_defaults(dtype: str, d: int, accum: str, causal: bool) -> tuple[int, int]:
     # D=64: three consumer warpgroups (192 query rows) feed the tensor cores better than two
     # (measured on the H200: 1.02-1.10x the 128-row tile at N = 4096 and 16384 in 7 of 8 cells), with
-    # fp32 accumulators (fp16 ones cannot take that tile, _wgmma_limits); D=256: the largest tile
-    # that fits.
+    # fp32 accumulators (fp16 ones cannot take that tile, _wgmma_limits). FlashAttention-3's wide key
+    # tiles, measured on the H200 against the 128- and 64-key tiles (same process, B=4, H=32):
+    # D=128 without a causal mask 128 x 176 (1.02x at N=4096, 1.03-1.05x at 16384, fp16 and bf16; with
+    # one 0.99x at N=4096: 128 x 128 stays), D=256 128 x 80 (1.04-1.05x at N = 1024, 4096 and 16384,
+    # causal or not; the largest tile that fits in shared memory). fp16 accumulators keep the tiles
+    # measured with them.
     if d == 64 and accum == "fp32":
         return (192, 128)
-    return (128, 64) if d == 256 else (128, 128)
+    if d == 256:
+        return (128, 80) if accum == "fp32" else (128, 64)
+    return (128, 176) if d == 128 and accum == "fp32" and not causal else (128, 128)
+
+
+def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, block_m=None,
+                 block_n=None) -> tuple:
+    """(block_m, block_n) of a call that gives ``block_m`` and ``block_n`` or leaves them None: the
+    family's default tile (``default_blocks``) for what is left None. A caller's block_m with the default
+    block_n: the default key tile where the family runs it with that block_m, else the widest key tile
+    it runs with it (e.g. block_m=192 at D=128 takes 128 keys: 176 needs two consumer warpgroups). Values
+    are not checked here: the caller's checks report a bad one."""
+    fam = FAMILIES[family]
+    dm, dn = fam.default_blocks(dtype, d, accum, causal)
+    if block_m is None or block_n is not None:
+        return (dm if block_m is None else block_m, dn if block_n is None else block_n)
+    for bn in (dn, *sorted(fam.block_n, reverse=True)):
+        try:
+            if Variant(family, dtype, accum, block_m, bn, d, causal).fits():
+                return block_m, bn
+        except (ValueError, TypeError):
+            continue
+    return block_m, dn
 
 
 _FAMILIES = (
@@ -307,7 +340,7 @@ _FAMILIES = (
     Family(
         kind="wgmma", direction="fwd", source="fwd_wgmma.cu",
         roles={"fwd": "flash_fwd_wgmma", "v_transpose": "flash_fwd_fp8_v_transpose"},
-        dtypes=("f16", "bf16"), block_m=(64, 128, 192), block_n=(64, 128),
+        dtypes=("f16", "bf16"), block_m=(64, 128, 192), block_n=(64, 80, 128, 176),
         # wgmma has fp16 accumulators for fp16 inputs only, as mma.sync
         accums=lambda dtype: ("fp32", "fp16") if dtype == "f16" else ("fp32",),
         head_dim_pad=lambda d: d,
@@ -340,7 +373,7 @@ _FAMILIES = (
         head_dim_pad=lambda d: _round_up(d, 32),
         threads=lambda v: 256,
         smem_bytes=_bwd_mma_smem,
-        default_blocks=lambda dtype, d, accum: (64, 128) if d <= 128 else (64, 64),
+        default_blocks=lambda dtype, d, accum, causal: (64, 128) if d <= 128 else (64, 64),
         no_spill=lambda v: True,
         limits=lambda v: ("kernel='mma' backward with D > 128 supports block_n=64 only"
                           if v.head_dim_pad > 128 and v.block_n != 64 else None),
@@ -356,7 +389,7 @@ _FAMILIES = (
         head_dim_pad=lambda d: d,
         threads=lambda v: 128 * (1 + v.block_n // 64),
         smem_bytes=_bwd_wgmma_smem,
-        default_blocks=lambda dtype, d, accum: (64, 128),
+        default_blocks=lambda dtype, d, accum, causal: (64, 128),
         no_spill=lambda v: True,
         limits=_bwd_wgmma_limits, arch="sm_90a",
         # one kernel forms dQ both ways: its additions in any order, or in key-tile order (deterministic)
@@ -370,7 +403,7 @@ _FAMILIES = (
         head_dim_pad=lambda d: d,
         threads=lambda v: 256,
         smem_bytes=_bwd_simt_smem,
-        default_blocks=lambda dtype, d, accum: (64, 64) if d <= 160 else (32, 64),
+        default_blocks=lambda dtype, d, accum, causal: (64, 64) if d <= 160 else (32, 64),
         no_spill=lambda v: True,
         limits=_bwd_simt_limits,
     ),
@@ -776,14 +809,14 @@ def covering_variants(family: str) -> list[Variant]:
     head_dims = (8, 32, 40, 64, 96, 128, 256)
     base = dict(family=family, dtype=fam.dtypes[0], accum="fp32", head_dim=64, causal=False,
                 ablate=None)
-    base["block_m"], base["block_n"] = fam.default_blocks(fam.dtypes[0], 64, "fp32")
+    base["block_m"], base["block_n"] = fam.default_blocks(fam.dtypes[0], 64, "fp32", False)
     out: dict[str, Variant] = {}
 
     def add(**kw):
         args = {**base, **kw}
-        if "block_m" not in kw:  # the default tile of this dtype, head dim and accumulator
+        if "block_m" not in kw:  # the default tile of this dtype, head dim, accumulator and mask
             args["block_m"], args["block_n"] = fam.default_blocks(args["dtype"], args["head_dim"],
-                                                                  args["accum"])
+                                                                  args["accum"], args["causal"])
         try:
             v = Variant(**args)
         except ValueError:  # outside the family's limits

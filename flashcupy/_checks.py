@@ -12,7 +12,16 @@ import math
 
 import numpy as np
 
-from ._build import ABLATIONS, ACCUMS, FAMILIES, SMEM_LIMIT, WGMMA_BWD_HEAD_DIMS, WGMMA_HEAD_DIMS, Variant
+from ._build import (
+    ABLATIONS,
+    ACCUMS,
+    FAMILIES,
+    SMEM_LIMIT,
+    WGMMA_BWD_HEAD_DIMS,
+    WGMMA_HEAD_DIMS,
+    Variant,
+    default_tile,
+)
 
 KERNELS = ("auto", "mma", "simt", "wgmma")
 _GRID_YZ_MAX = 65535
@@ -147,11 +156,9 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     _check_choice("ablate", ablate, ABLATIONS)
 
     family = resolve_family(kernel, dname, accum, direction, head_dim=d, block_m=block_m, block_n=block_n,
-                            backend=backend, device=device)
+                            causal=causal, backend=backend, device=device)
     fam = FAMILIES[family]
-    dm, dn = fam.default_blocks(dname, d, accum)
-    bm = dm if block_m is None else block_m
-    bn = dn if block_n is None else block_n
+    bm, bn = default_tile(family, dname, d, accum, causal, block_m, block_n)
     for name, val, allowed in (("block_m", bm, fam.block_m), ("block_n", bn, fam.block_n)):
         if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
             raise TypeError(f"{name} must be an int or None, got {type(val).__name__}")
@@ -211,8 +218,8 @@ def _wgmma_problem(dname: str, accum: str, direction: str, head_dim: int | None)
 
 
 def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", *,
-                   head_dim: int | None = None, block_m=None, block_n=None, backend: str = "numpy",
-                   device: int | None = None) -> str:
+                   head_dim: int | None = None, block_m=None, block_n=None, causal: bool = False,
+                   backend: str = "numpy", device: int | None = None) -> str:
     """Which family computes this call.
 
     kernel='auto' picks 'wgmma' on a Hopper GPU (compute capability 9.0) where that family has the
@@ -246,9 +253,9 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
     if (backend == "cuda" and _wgmma_problem(dname, accum, direction, head_dim) is None
             and _device_capability(device) == 90):
         wgmma = FAMILIES[f"{direction}_wgmma"]
-        bm, bn = wgmma.default_blocks(dname, head_dim, accum)
+        bm, bn = default_tile(wgmma.name, dname, head_dim, accum, causal, block_m, block_n)
         try:  # the requested tile is one of the family's at this head dim
-            Variant(wgmma.name, dname, accum, block_m or bm, block_n or bn, head_dim)
+            Variant(wgmma.name, dname, accum, bm, bn, head_dim)
             return wgmma.name
         except ValueError:
             pass

@@ -154,12 +154,21 @@ struct WgMma;
 #define WG_REGS16_6 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
 #define WG_REGS16_7 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 #define WG_REGS128 WG_REGS64 "," WG_REGS16_4 "," WG_REGS16_5 "," WG_REGS16_6 "," WG_REGS16_7
+// the key tiles of 80 and 176 columns: 40 and 88 fp32 registers, 20 and 44 packed fp16 ones
+#define WG_REGS20 WG_REGS16 ", %16, %17, %18, %19"
+#define WG_REGS40 WG_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define WG_REGS44 WG_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43"
+#define WG_REGS88 WG_REGS64 "," WG_REGS16_4 ", %80, %81, %82, %83, %84, %85, %86, %87"
 
 #define WG_ACC4(i) WG_C(d[i]), WG_C(d[i + 1]), WG_C(d[i + 2]), WG_C(d[i + 3])
 #define WG_ACC16(i) WG_ACC4(i), WG_ACC4(i + 4), WG_ACC4(i + 8), WG_ACC4(i + 12)
 #define WG_ACC32(i) WG_ACC16(i), WG_ACC16(i + 16)
 #define WG_ACC64(i) WG_ACC32(i), WG_ACC32(i + 32)
 #define WG_ACC128(i) WG_ACC64(i), WG_ACC64(i + 64)
+#define WG_ACC20(i) WG_ACC16(i), WG_ACC4(i + 16)
+#define WG_ACC40(i) WG_ACC32(i), WG_ACC4(i + 32), WG_ACC4(i + 36)
+#define WG_ACC44(i) WG_ACC40(i), WG_ACC4(i + 40)
+#define WG_ACC88(i) WG_ACC64(i), WG_ACC16(i + 64), WG_ACC4(i + 80), WG_ACC4(i + 84)
 
 // "{ .reg .pred p; p = (operand I != 0)": the scale-d predicate, then the instruction of shape m64nNk16
 // (m64nNk32 with e4m3 operands).
@@ -202,12 +211,16 @@ struct WgMma;
     };
 #if FC_ACCUM_F16
 WG_MMA_SHAPE(64, 16, 17, 18, 19, 20, 21)
+WG_MMA_SHAPE(80, 20, 21, 22, 23, 24, 25)
 WG_MMA_SHAPE(128, 32, 33, 34, 35, 36, 37)
+WG_MMA_SHAPE(176, 44, 45, 46, 47, 48, 49)
 WG_MMA_SHAPE(256, 64, 65, 66, 67, 68, 69)
 #else
 WG_MMA_SHAPE(32, 16, 17, 18, 19, 20, 21)  // the backward's dQ share at D=64 (fp32 accumulators only)
 WG_MMA_SHAPE(64, 32, 33, 34, 35, 36, 37)
+WG_MMA_SHAPE(80, 40, 41, 42, 43, 44, 45)     // the forward's key tiles at D=256 (80) and D=128 (176)
 WG_MMA_SHAPE(128, 64, 65, 66, 67, 68, 69)
+WG_MMA_SHAPE(176, 88, 89, 90, 91, 92, 93)
 WG_MMA_SHAPE(256, 128, 129, 130, 131, 132, 133)
 #endif
 

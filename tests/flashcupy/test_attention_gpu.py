@@ -61,17 +61,33 @@ SHAPES_256 = [(113, 203), (1023, 1024), (2049, 2049)]
 
 
 @parametrize_causal
-@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("bm,bn", [(64, 64), (128, 64), (64, 80), (128, 80)])
 @pytest.mark.parametrize("combo", WGMMA_COMBOS, ids=combo_id)
 @pytest.mark.parametrize("nq,nk", SHAPES_256, ids=shape_ids(SHAPES_256))
-def test_wgmma_head_dim_256(rng, nq, nk, combo, bm, causal):
-    """D=256 on the Hopper family: both of its tiles (block_n 64), GQA, ragged lengths."""
+def test_wgmma_head_dim_256(rng, nq, nk, combo, bm, bn, causal):
+    """D=256 on the Hopper family: each of its tiles (block_n 64 and FlashAttention-3's 80, whose key tiles
+    straddle the 128-row query tiles' diagonal at varying offsets), GQA, ragged lengths."""
     kernel, dname, accum = combo
     qh, kh, vh = qkv(rng, (1, 4, 2, nq, nk, 256), dname)
     o, lse = run_poisoned(*to_device(qh, kh, vh), causal=causal, accum=accum, kernel=kernel, block_m=bm,
-                          block_n=64)
+                          block_n=bn)
     _check_against_reference(qh, kh, vh, o, lse, dname, accum, causal,
-                             what=f"{kernel} {dname} acc={accum} d=256 bm={bm} {nq}x{nk} causal={causal}")
+                             what=f"{kernel} {dname} acc={accum} d=256 {bm}x{bn} {nq}x{nk} causal={causal}")
+
+
+@parametrize_causal
+@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("combo", WGMMA_COMBOS, ids=combo_id)
+@pytest.mark.parametrize("nq,nk", SHAPES_256, ids=shape_ids(SHAPES_256))
+def test_wgmma_key_tile_176(rng, nq, nk, combo, bm, causal):
+    """D=128 with FlashAttention-3's 176-key tile (11 k16 steps of P V; not a divisor of the query tile,
+    so the causal edge falls at every offset inside a key tile), GQA, ragged lengths."""
+    kernel, dname, accum = combo
+    qh, kh, vh = qkv(rng, (1, 4, 2, nq, nk, 128), dname)
+    o, lse = run_poisoned(*to_device(qh, kh, vh), causal=causal, accum=accum, kernel=kernel, block_m=bm,
+                          block_n=176)
+    _check_against_reference(qh, kh, vh, o, lse, dname, accum, causal,
+                             what=f"{kernel} {dname} acc={accum} d=128 {bm}x176 {nq}x{nk} causal={causal}")
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)

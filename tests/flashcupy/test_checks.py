@@ -1,6 +1,8 @@
 """Every bad argument raises before any work, naming the argument and what is allowed."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -47,7 +49,13 @@ BAD = [  # (id, mutate(q, k, v, kwargs), error type, words the message must cont
                                            {**kw, "kernel": "wgmma"}), ValueError, ["wgmma", "simt"]),
     ("wgmma-block_n", lambda q, k, v, kw: (*(np.concatenate([x] * 2, -1) for x in (q, k, v)),
                                            {**kw, "kernel": "wgmma", "block_n": 32}), ValueError,
-     ["block_n", "wgmma", "64, 128"]),
+     ["block_n", "wgmma", "64, 80, 128, 176"]),
+    ("wgmma-block_n-80", lambda q, k, v, kw: (*(np.concatenate([x] * 2, -1) for x in (q, k, v)),
+                                              {**kw, "kernel": "wgmma", "block_n": 80}), ValueError,
+     ["wgmma", "block_n=80", "D=256", "D=64"]),
+    ("wgmma-block_n-176", lambda q, k, v, kw: (*(np.concatenate([x] * 4, -1) for x in (q, k, v)),
+                                               {**kw, "kernel": "wgmma", "block_n": 176, "block_m": 192}),
+     ValueError, ["wgmma", "block_n=176", "D=128", "block_m 64 or 128", "block_m=192"]),
     ("ablate", lambda q, k, v, kw: (q, k, v, {**kw, "ablate": "max"}), ValueError,
      ["ablate", "max_subtraction"]),
     ("block_m", lambda q, k, v, kw: (q, k, v, {**kw, "block_m": 48}), ValueError, ["block_m", "64, 128"]),
@@ -178,3 +186,22 @@ def test_backward_arguments_are_checked_after_a_remembered_call():
         flashcupy.attention_backward(o, q, k, v, o, lse, deterministic=1)
     with pytest.raises(ValueError, match="do must have q's shape"):
         flashcupy.attention_backward(o[:, :, :5], q, k, v, o, lse)
+
+
+def test_default_tiles_of_the_wgmma_forward():
+    """FlashAttention-3's wide key tiles where they were measured faster (flashcupy/_build.py): 176 keys at
+    D=128 without a causal mask (fp32 accumulators), 80 at D=256; a block_m given alone keeps the default
+    key tile where the family runs it with that block_m, else takes the widest it runs."""
+    from flashcupy._build import default_tile
+
+    tile = functools.partial(default_tile, "fwd_wgmma", "f16")
+    assert tile(128, "fp32", False) == (128, 176)
+    assert tile(128, "fp32", True) == (128, 128)
+    assert tile(128, "fp16", False) == (128, 128)
+    assert tile(256, "fp32", True) == (128, 80)
+    assert tile(64, "fp32", False) == (192, 128)
+    assert tile(128, "fp32", False, 64) == (64, 176)
+    assert tile(128, "fp32", False, 192) == (192, 128)      # 176 keys need at most two consumer warpgroups
+    assert tile(256, "fp32", False, 64) == (64, 80)
+    assert tile(128, "fp32", False, None, 64) == (128, 64)
+    assert tile(128, "fp32", False, 96) == (96, 176)         # not a block_m: the caller's check reports it

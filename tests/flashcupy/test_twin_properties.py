@@ -29,7 +29,7 @@ def problems(draw):
     try:
         Variant(fam.name, dname, accum, bm, bn, d)
     except ValueError:  # a tile the family refuses here (its own check test covers the message)
-        bm, bn = fam.default_blocks(dname, d, accum)
+        bm, bn = fam.default_blocks(dname, d, accum, False)
     b, hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
     nq, nk = draw(st.integers(1, 80)), draw(st.integers(1, 80))
     seed = draw(st.integers(0, 2 ** 32 - 1))
