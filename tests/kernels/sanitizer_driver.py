@@ -16,8 +16,9 @@ def main() -> None:
     configs = [  # (kernel, dtype, accum, block_m, block_n, d)
         ("wgmma", np.float16, "fp32", 128, 64, 64),
         ("wgmma", np.float16, "fp32", 192, 128, 128),
+        ("wgmma", np.float16, "fp32", 128, 176, 128),
         ("wgmma", np.float16, "fp16", 128, 128, 64),
-        ("wgmma", np.float16, "fp32", 128, 64, 256),
+        ("wgmma", np.float16, "fp32", 128, 80, 256),
         ("mma", np.float16, "fp16", 128, 64, 40),
         ("simt", np.float32, "fp32", 32, 16, 64),
         ("simt", np.float16, "fp16", 16, 32, 40),
