@@ -124,22 +124,24 @@ def test_bad_arguments_are_refused(rng, kwargs, exc, words):
 
 def test_scales_that_contradict_their_label_are_refused(rng):
     """A hand-built Quantized whose scale does not match its granularity (the kernel would read one k
-    descale per key tile where the twin applies one per key), a non-positive scale, uint8 host data."""
+    descale per key tile where the twin applies one per key) or with uint8 host data, refused by
+    attention_fp8; a scale that is not positive, finite float32 is refused when the Quantized is made."""
     q, k, v = (_quantized(rng, (1, 1, 8, 64)) for _ in range(3))
     tok = _quantized(rng, (1, 1, 8, 64), "token")
     bad = {
         "label": (fp8.Quantized(k.data, tok.scale, "e4m3", "tensor"), ValueError, "shape"),
         "block": (fp8.Quantized(k.data, tok.scale, "e4m3", "block", 3), ValueError, "shape"),
-        "negative": (fp8.Quantized(k.data, -k.scale, "e4m3", "tensor"), ValueError, "positive"),
-        "zero": (fp8.Quantized(k.data, 0 * k.scale, "e4m3", "tensor"), ValueError, "positive"),
-        "float64": (fp8.Quantized(k.data, k.scale.astype(np.float64), "e4m3", "tensor"), ValueError,
-                    "float32"),
         "uint8": (fp8.Quantized(k.data.view(np.uint8), k.scale, "e4m3", "tensor"), TypeError, "uint8"),
     }
     for what, (kb, exc, word) in bad.items():
         with pytest.raises(exc, match=word):
             flashcupy.attention_fp8(q, kb, v)
     flashcupy.attention_fp8(q, tok, v)  # a label that matches its scale runs
+    for scale, word in ((-k.scale, "positive"), (0 * k.scale, "positive"), (k.scale * np.inf, "finite"),
+                        (k.scale * np.nan, "finite"), (k.scale.astype(np.float64), "float64"),
+                        (1.0, "float")):
+        with pytest.raises(ValueError, match=word):
+            fp8.Quantized(k.data, scale, "e4m3", "tensor")
 
 
 def test_bad_inputs_are_refused(rng):

@@ -252,3 +252,31 @@ def test_fp8_breaks_agree_with_twin(rng, poisoned, ablate, accumulation):
     _, err_twin = _agree(o, ot, ro, np.ones(lt.shape, dtype=bool))
     assert err_twin > 0.05 * np.sqrt(np.mean(ro ** 2))  # the break breaks
     np.testing.assert_allclose(lse, lt, rtol=1e-5, atol=1e-4)
+
+
+def test_the_kernel_path_never_waits_for_the_device(rng):
+    """attention_fp8 on CuPy inputs (as attention) only enqueues work: with the stream held busy for
+    200 ms by a spinning kernel, a call returns long before it. A check that reads the device (e.g. the
+    scales' values, which Quantized checks once when made) would wait for the spin: that cost the fp8
+    path 6.5x its time at N=1024 when it ran on every call (the bench on the H200)."""
+    import time
+
+    import cupy
+
+    from analysis.bench import _hold_gpu
+
+    _, qd = _pair(rng, (1, 2, 256, 128), "token")
+    _, kd = _pair(rng, (1, 1, 256, 128), "tensor")
+    _, vd = _pair(rng, (1, 1, 256, 128), "head", shift=0.5)
+    q16, k16, v16 = (fp8.dequantize(x).astype(cupy.float16) for x in (qd, kd, vd))
+    calls = {"fp8": lambda: flashcupy.attention_fp8(qd, kd, vd, causal=True),
+             "16-bit": lambda: flashcupy.attention(q16, k16, v16, causal=True)}
+    for name, call in calls.items():
+        call()  # compiled and planned
+        cupy.cuda.get_current_stream().synchronize()
+        _hold_gpu(200.0)
+        t0 = time.perf_counter()
+        call()
+        waited = time.perf_counter() - t0
+        cupy.cuda.get_current_stream().synchronize()
+        assert waited < 0.1, f"{name}: the call took {waited * 1e3:.0f} ms behind a 200 ms kernel"
