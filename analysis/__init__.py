@@ -26,8 +26,9 @@ EXPERIMENTS = {
     "bench": ("bench", "run_bench", "speed against naive CuPy and torch SDPA, same run"),
 }
 # Reports that other commands write into a report folder, listed in its index.md when they are there:
-# profile (Nsight Compute counters beside FlashAttention-2 and cuDNN: python -m analysis.profile_ncu).
-OTHER_REPORTS = ("profile",)
+# profile (Nsight Compute counters beside FlashAttention-2 and cuDNN: python -m analysis.profile_ncu) of the
+# default kernels (wgmma on the H200), and profile_mma, the same for the mma family (--name profile_mma).
+OTHER_REPORTS = ("profile", "profile_mma")
 
 __all__ = ["EXPERIMENTS", "OTHER_REPORTS", "run_experiment"]
 
