@@ -50,8 +50,8 @@
 //     + 8 * (2 + 4 * FC_KV_STAGES)  (mbarriers)
 // Supported: FC_DTYPE 1 or 2; FC_ACCUM_F16 only with FC_DTYPE 1; FC_HEAD_DIM in {64, 128, 256};
 // FC_BLOCK_M in {64, 128, 192}, FC_BLOCK_N in {64, 128}, and FlashAttention-3's wide key tiles: 176 at
-// D=128 (FC_BLOCK_M <= 128) and 80 at D=256 (D=256: FC_BLOCK_M 64 or 128, FC_BLOCK_N
-// 64 or 80, so that the O accumulator and the K/V stages fit); FC_KV_STAGES >= 2 (default 2).
+// D=128 (FC_BLOCK_M <= 128) and 80 at D=256 (D=256: FC_BLOCK_M 64 or 128, FC_BLOCK_N 64 or 80, so that
+// the O accumulator and the K/V stages fit); FC_KV_STAGES >= 2 (default 2).
 //
 // fp8 (FC_FP8 = 1; FlashAttention-3's fp8 forward, issue 13): q, k, v are e4m3 bytes, FC_DTYPE the
 // output's type; D = 128 or 256, FC_BLOCK_N = 128, fp32 accumulators (flashcupy/_build.py keeps D=256 to
@@ -118,7 +118,8 @@ constexpr int ON = WgMma<HD>::REGS;        // O accumulator registers per thread
 static_assert(HD == 64 || HD == 128 || HD == 256, "fwd_wgmma: FC_HEAD_DIM must be 64, 128 or 256");
 static_assert(FC_HEAD_DIM_PAD >= HD, "FC_HEAD_DIM_PAD must cover FC_HEAD_DIM");
 static_assert(BM == 64 || BM == 128 || BM == 192, "fwd_wgmma: FC_BLOCK_M must be 64, 128 or 192");
-static_assert(BN == 64 || BN == 80 || BN == 128 || BN == 176, "fwd_wgmma: FC_BLOCK_N must be 64, 80, 128 or 176");
+static_assert(BN == 64 || BN == 80 || BN == 128 || BN == 176,
+              "fwd_wgmma: FC_BLOCK_N must be 64, 80, 128 or 176");
 static_assert(HD < 256 || (BM <= 128 && (BN == 64 || BN == 80 || FC_FP8)),
               "fwd_wgmma: D=256 runs FC_BLOCK_M 64 or 128, FC_BLOCK_N 64 or 80 (128 with e4m3 operands)");
 static_assert((BN != 80 || HD == 256) && (BN != 176 || (HD == 128 && BM <= 128)),
