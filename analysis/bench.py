@@ -214,7 +214,7 @@ def _measure_flashcupy(c: _Cell, compile_rows: dict) -> None:
         del outs, bsets
 
 
-FP8_HEAD_DIMS = (128,)   # the fp8 wgmma forward's head dims
+FP8_HEAD_DIMS = (128, 256)   # the fp8 wgmma forward's head dims (two-level accumulation at D=128 only)
 FP8_PROVIDERS = {"flashcupy wgmma fp8": "single", "flashcupy wgmma fp8 2lvl": "tile"}
 
 
@@ -226,6 +226,9 @@ def _measure_fp8(c: _Cell) -> None:
     out = {"f16": "float16", "bf16": "bfloat16"}[c.dname]
     qsets = [tuple(fp8.quantize(x, "e4m3", "tensor") for x in s[:3]) for s in c.sets]
     for prov, acc in FP8_PROVIDERS.items():
+        if acc == "tile" and c.d != 128:
+            c.res[(prov, "fwd")] = {"error": "two-level accumulation runs at D=128 only"}
+            continue
         c.measure(prov, "fwd", lambda s, acc=acc: fp8.attention_fp8(*s, causal=c.causal, accumulation=acc,
                                                                     out_dtype=out), qsets)
     del qsets
@@ -413,18 +416,21 @@ def _finding(ctx: Context, raw, columns, table_rows, b: int, h: int, with_torch:
             finding += (f" Its deterministic backward runs at {min(det):.2f}x to {max(det):.2f}x the "
                         "atomic-dQ path's speed.")
     fp8 = _fp8_rows(raw)
-    if fp8:
-        ratios = [r[6] for r in fp8 if r[6]]
-        top = max(fp8, key=lambda r: (r[1], not r[2]))
-        finding += (f" fp8 (e4m3) forward at D=128: {min(ratios):.2f}x to {max(ratios):.2f}x the 16-bit "
-                    f"wgmma forward ({top[3]:.0f} TFLOP/s at N={top[1]}{' causal' if top[2] else ''}, "
-                    f"{top[6]:.2f}x).")
+    for d in sorted({r[2] for r in fp8}):
+        rows = [r for r in fp8 if r[2] == d]
+        ratios = [r[7] for r in rows if r[7]]
+        top = max(rows, key=lambda r: (r[1], not r[3]))
+        if ratios:
+            finding += (f" fp8 (e4m3) forward at D={d}: {min(ratios):.2f}x to {max(ratios):.2f}x the 16-bit "
+                        f"wgmma forward ({top[4]:.0f} TFLOP/s at N={top[1]}{' causal' if top[3] else ''}, "
+                        f"{top[7]:.2f}x).")
     return finding
 
 
 def _fp8_rows(raw) -> list:
-    """The fp8 table: (dtype, N, causal, fp8 TFLOP/s, fp8 two-level TFLOP/s, 16-bit wgmma TFLOP/s, fp8 /
-    wgmma, two-level / wgmma, cuDNN TFLOP/s, fp8 / cuDNN) per forward cell where the fp8 kernel ran."""
+    """The fp8 table: (dtype, N, D, causal, fp8 TFLOP/s, fp8 two-level TFLOP/s (None at D=256), 16-bit
+    wgmma TFLOP/s, fp8 / wgmma, two-level / wgmma, cuDNN TFLOP/s, fp8 / cuDNN) per forward cell where the
+    fp8 kernel ran."""
     rows = []
     for r in raw:
         tf = {p: (r.get(p) or {}).get("tflops") for p in [HOPPER, *FP8_PROVIDERS, "torch cudnn"]}
@@ -432,8 +438,8 @@ def _fp8_rows(raw) -> list:
         if r["direction"] != "fwd" or not one:
             continue
         w, cu = tf[HOPPER], tf["torch cudnn"]
-        rows.append([r["dtype"], r["N"], r["causal"], one, two, w, w and one / w, w and two and two / w, cu,
-                     cu and one / cu])
+        rows.append([r["dtype"], r["N"], r["D"], r["causal"], one, two, w, w and one / w,
+                     w and two and two / w, cu, cu and one / cu])
     return rows
 
 
@@ -622,7 +628,7 @@ def run_bench(ctx: Context, cells=None) -> Report:
     fig = _figure(ctx, columns, table_rows, raw, MINE + peers)
     setup = {"grid": f"B={b}, H={h}, cells (dtype, N, D, causal) = {cells}",
              "providers": "flashcupy wgmma (forward; Hopper GPUs, D 64, 128 and 256; its fp8 forward at "
-                          "D=128, single- and two-level accumulation), mma and simt "
+                          "D=128 and 256, single-level accumulation, and two-level at D=128), mma and simt "
                           f"(simt only for N <= {SIMT_MAX_N} to fit the time budget), "
                           "naive attention (flashcupy.naive) where 4 (fwd) / 6 (bwd) fp32 N x N matrices "
                           "fit, torch SDPA flash / cuDNN / mem-efficient when torch is importable "
@@ -643,10 +649,10 @@ def run_bench(ctx: Context, cells=None) -> Report:
                     ["provider", "direction", "seconds"], first_rows)]
     fp8 = _fp8_rows(raw)
     if fp8:
-        tables.append(Table("fp8 (e4m3) forward, D=128: inputs quantized per tensor (outside the timing), "
-                            "output in the cell's dtype; single-level accumulation (the tensor core's) and "
-                            "two-level (fp32 every 128 keys)",
-                            ["dtype", "N", "causal", "fp8 TFLOP/s", "fp8 two-level TFLOP/s",
+        tables.append(Table("fp8 (e4m3) forward, D=128 and 256: inputs quantized per tensor (outside the "
+                            "timing), output in the cell's dtype; single-level accumulation (the tensor "
+                            "core's) and two-level (fp32 every 128 keys, D=128 only)",
+                            ["dtype", "N", "D", "causal", "fp8 TFLOP/s", "fp8 two-level TFLOP/s",
                              "16-bit wgmma TFLOP/s", "fp8 / wgmma", "two-level / wgmma",
                              "cuDNN (16-bit) TFLOP/s", "fp8 / cuDNN"], fp8))
     if small:

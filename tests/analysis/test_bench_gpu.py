@@ -65,7 +65,7 @@ def test_bench_fp8_table(tmp_path):
     rep = bench.run_bench(ctx, cells=[("f16", 1024, 128, True)])
     t = next(t for t in rep.tables if t.title.startswith("fp8"))
     (row,) = t.rows
-    dtype, n, causal, one, two, w, r1, r2, cu, rc = row
-    assert (dtype, n, causal) == ("f16", 1024, True) and one > 0 and two > 0 and w > 0
+    dtype, n, d, causal, one, two, w, r1, r2, cu, rc = row
+    assert (dtype, n, d, causal) == ("f16", 1024, 128, True) and one > 0 and two > 0 and w > 0
     assert r1 == pytest.approx(one / w) and r2 == pytest.approx(two / w)
     assert "fp8 (e4m3) forward" in rep.finding

@@ -219,3 +219,24 @@ def test_fp8_arms_lose_to_fp16_and_single_level_accumulation_grows_with_n(report
     sweep = [r for r in table(doc, "Error against N") if r["v mean"] == 1.0]
     assert sweep[-1]["single-level accumulation"] > 3 * sweep[-1]["two-level accumulation"]
     assert sweep[-1]["single-level accumulation"] > sweep[0]["single-level accumulation"]
+
+
+def test_bench_fp8_rows_per_head_dim():
+    """The bench's fp8 table from raw rows (no GPU): one row per forward cell where the fp8 kernel ran, its
+    head dim, no two-level column at D=256 (that accumulation runs at D=128 only), ratios from the row."""
+    from analysis.bench import FP8_PROVIDERS, HOPPER, _fp8_rows
+
+    one, two = FP8_PROVIDERS
+
+    def raw(d, direction, fp8, fp8_two, wgmma, cudnn):
+        return {"dtype": "f16", "N": 4096, "D": d, "causal": False, "direction": direction,
+                one: {"tflops": fp8} if fp8 else {"error": "x"}, two: {"tflops": fp8_two} if fp8_two else {},
+                HOPPER: {"tflops": wgmma}, "torch cudnn": {"tflops": cudnn}}
+
+    rows = _fp8_rows([raw(128, "fwd", 800.0, 700.0, 640.0, 660.0),
+                      raw(256, "fwd", 1000.0, None, 680.0, 700.0),
+                      raw(128, "bwd", 800.0, 700.0, 500.0, 550.0),
+                      raw(64, "fwd", None, None, 500.0, 480.0)])
+    assert [r[:4] for r in rows] == [["f16", 4096, 128, False], ["f16", 4096, 256, False]]
+    assert rows[0][4:] == [800.0, 700.0, 640.0, 800.0 / 640.0, 700.0 / 640.0, 660.0, 800.0 / 660.0]
+    assert rows[1][5] is None and rows[1][8] is None and rows[1][7] == 1000.0 / 680.0
