@@ -268,6 +268,12 @@ def _bwd_wgmma_limits(v: "Variant") -> str | None:
         # one consumer warpgroup would hold dK, dV and a 64 x 128 dQ share: ptxas spills and serializes
         # every wgmma (C7512), measured locally
         return f"kernel='wgmma' backward with D=128 supports block_n=128, not {v.block_n}"
+    if v.block_m == 128 and (v.head_dim != 64 or v.block_n != 128):
+        # S^T and dP^T of 128 queries (64 registers each) beside dK and dV of D=128 exceed 240 registers;
+        # with block_n=64 one warpgroup also holds a 128 x 64 dQ share: ptxas serializes every wgmma
+        # (C7512), measured locally
+        return ("kernel='wgmma' backward runs block_m=128 at D=64 with block_n=128 only, not "
+                f"D={v.head_dim}, block_n={v.block_n}; block_m=64 runs both head dims")
     return None
 
 
@@ -308,21 +314,27 @@ def _wgmma_defaults(dtype: str, d: int, accum: str, causal: bool) -> tuple[int, 
 def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, block_m=None,
                  block_n=None) -> tuple:
     """(block_m, block_n) of a call that gives ``block_m`` and ``block_n`` or leaves them None: the
-    family's default tile (``default_blocks``) for what is left None. A caller's block_m with the default
-    block_n: the default key tile where the family runs it with that block_m, else the widest key tile
-    it runs with it (e.g. block_m=192 at D=128 takes 128 keys: 176 needs two consumer warpgroups). Values
-    are not checked here: the caller's checks report a bad one."""
+    family's default tile (``default_blocks``) for what is left None. A caller's block_m alone: the
+    default key tile where the family runs it with that block_m, else the widest key tile it runs with it
+    (e.g. block_m=192 at D=128 takes 128 keys: 176 needs two consumer warpgroups); block_n alone, the same
+    the other way (e.g. the wgmma backward at D=64 with block_n=64 takes 64 query rows: 128 needs
+    block_n=128). Values are not checked here: the caller's checks report a bad one."""
     fam = FAMILIES[family]
     dm, dn = fam.default_blocks(dtype, d, accum, causal)
-    if block_m is None or block_n is not None:
-        return (dm if block_m is None else block_m, dn if block_n is None else block_n)
-    for bn in (dn, *sorted(fam.block_n, reverse=True)):
+    if block_m is None and block_n is None:
+        return dm, dn
+    if block_m is not None and block_n is not None:
+        return block_m, block_n
+
+    def runs(bm, bn):
         try:
-            if Variant(family, dtype, accum, block_m, bn, d, causal).fits():
-                return block_m, bn
+            return Variant(family, dtype, accum, bm, bn, d, causal).fits()
         except (ValueError, TypeError):
-            continue
-    return block_m, dn
+            return False
+
+    if block_n is None:
+        return block_m, next((bn for bn in (dn, *sorted(fam.block_n, reverse=True)) if runs(block_m, bn)), dn)
+    return next((bm for bm in (dm, *sorted(fam.block_m, reverse=True)) if runs(bm, block_n)), dm), block_n
 
 
 _FAMILIES = (
@@ -382,14 +394,17 @@ _FAMILIES = (
         kind="wgmma", direction="bwd", source="bwd_wgmma.cu",
         roles={"prep": "flash_bwd_prep", "dkdvdq": "flash_bwd_dkdvdq_wgmma",
                "dkdvdq_ordered": "flash_bwd_dkdvdq_ordered_wgmma", "dq_convert": "flash_bwd_dq_convert"},
-        # query tiles of 64 rows; one consumer warpgroup per 64 keys of the key tile
-        dtypes=("f16", "bf16"), block_m=(64,), block_n=(64, 128),
+        # query tiles of 64 rows (or 128 at D=64); one consumer warpgroup per 64 keys of the key tile
+        dtypes=("f16", "bf16"), block_m=(64, 128), block_n=(64, 128),
         # fp32 accumulators only: accum='fp16' runs on the mma family (_checks.py says so)
         accums=lambda dtype: ("fp32",),
         head_dim_pad=lambda d: d,
         threads=lambda v: 128 * (1 + v.block_n // 64),
         smem_bytes=_bwd_wgmma_smem,
-        default_blocks=lambda dtype, d, accum, causal: (64, 128),
+        # D=64: 128 queries a tile, twice the products for the same per-tile waits and barriers (measured
+        # on the H200: 1.06-1.10x the 64-query tile at N >= 4096, 1.14-1.23x deterministic;
+        # reports/wgmma_bwd_plan.md)
+        default_blocks=lambda dtype, d, accum, causal: (128, 128) if d == 64 else (64, 128),
         no_spill=lambda v: True,
         limits=_bwd_wgmma_limits, arch="sm_90a",
         # one kernel forms dQ both ways: its additions in any order, or in key-tile order (deterministic)

@@ -9,8 +9,9 @@
 //     dV += P^T dO     dK += dS^T Q               dQ += dS K          (dK, dQ times scale at the end)
 //
 // flash_bwd_dkdvdq_wgmma, grid (ceil(nk / BN), Hkv, B): the CTA owns keys n0 .. n0 + BN - 1 of kv head
-// hk and loops over the `group` query heads that share it and over their query tiles of BM = 64 rows
-// (causal: from the first tile that sees key n0). Its warpgroups (128 threads each):
+// hk and loops over the `group` query heads that share it and over their query tiles of BM = 64 rows,
+// or 128 at D = 64 (twice the products per tile for the same per-tile waits and barriers) (causal: from
+// the first tile that sees key n0). Its warpgroups (128 threads each):
 //   warpgroup 0, the producer: gives registers back (setmaxnreg.dec); its warp 0 loads K and V once and,
 //       per query tile, Q and dO by TMA and the tile's L and delta (plain loads, 2 rows a lane) into a
 //       ring of FC_BWD_STAGES buffers in shared memory, each guarded by a "full" mbarrier (an arrival
@@ -24,7 +25,8 @@
 //           P^T, dS^T in registers (fp32; masked keys/queries give P = 0), rounded to the element type
 //                                             into A fragments, and dS^T also into shared memory
 //           dV += P^T dO, dK += dS^T Q        wgmma m64nDk16, A from registers, B = dO / Q MN-major
-//           dQ_c = dS K[:, c-th D / NCWG columns]   wgmma m64n(D/NCWG)k16 over all BN keys of the tile,
+//           dQ_c = dS K[:, c-th D / NCWG columns]   wgmma m64n(D/NCWG)k16 over all BN keys of the tile (one
+//                                             per 64 queries),
 //                                             A = dS^T and B = K from shared memory, both MN-major;
 //                                             needs every consumer's dS^T (named barrier 1)
 //           dQ_c stored to shared memory (fp32, swizzled) and added to the fp32 buffer by one TMA
@@ -61,7 +63,7 @@
 // (64, BM) for q and dout, (64, BN) for k and v; and of the fp32 dQ buffer, box (32, BM); 128-byte
 // swizzle. Rows past N arrive as zeros (loads) or are skipped (reduce-adds).
 // Shared-memory operands are stacks of 128-byte panels (wgmma_common.cuh); dS^T is BN rows (keys) of
-// BM = 64 queries, one panel, written with the same swizzle.
+// BM queries, BM / 64 panels, written with the same swizzle.
 //
 // Kernel parameters: five CUtensorMap (q, k, v, dout, and dq_accum: fp32 (B, Hq, nq, D), zeroed),
 // FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; dq is
@@ -71,8 +73,8 @@
 // Dynamic shared memory (bytes), FC_SMEM_DKDVDQ:
 //     1024 (alignment slack) + 2 BN D 2 (K, V) + STAGES (2 BM D 2 + 8 BM) (Q, dO, L, delta)
 //     + 2 BN BM 2 (dS^T) + 4 BM D (dQ stages) + 8 (1 + 2 STAGES) (mbarriers)
-// Supported: FC_DTYPE 1 or 2, fp32 accumulators (no FC_ACCUM_F16); FC_HEAD_DIM 64 or 128; FC_BLOCK_M 64;
-// FC_BLOCK_N 64 or 128.
+// Supported: FC_DTYPE 1 or 2, fp32 accumulators (no FC_ACCUM_F16); FC_HEAD_DIM 64 or 128; FC_BLOCK_M 64
+// (or 128 at D = 64); FC_BLOCK_N 64 or 128.
 
 #include "flash_common.cuh"
 #include "wgmma_common.cuh"
@@ -96,13 +98,14 @@ constexpr int NSTEPS = BN / 16;          // k16 steps of dQ (over keys)
 constexpr int DQN = HD / NCWG;           // dQ columns per consumer warpgroup
 constexpr int SN = WgMma<BM>::REGS;      // S^T, dP^T registers per thread
 constexpr int DN = WgMma<HD>::REGS;      // dK, dV registers per thread
-constexpr int QN = WgMma<DQN>::REGS;     // dQ share registers per thread
+constexpr int QN = WgMma<DQN>::REGS;     // dQ share registers per thread and 64-query block
+constexpr int MB = BM / 64;              // 64-query blocks of a tile (m64 products of dQ)
 
 #if FC_ACCUM_F16
 #error "bwd_wgmma: fp32 accumulators only (the build layer routes accum='fp16' to the mma family)"
 #endif
 static_assert(HD == 64 || HD == 128, "bwd_wgmma: FC_HEAD_DIM must be 64 or 128");
-static_assert(BM == 64, "bwd_wgmma: FC_BLOCK_M must be 64 (dS^T rows are one 128-byte panel)");
+static_assert(BM == 64 || (BM == 128 && HD == 64), "bwd_wgmma: FC_BLOCK_M must be 64, or 128 at D = 64");
 static_assert(BN == 64 || BN == 128, "bwd_wgmma: FC_BLOCK_N must be 64 or 128");
 static_assert(DQN % 32 == 0, "bwd_wgmma: dQ columns per warpgroup");
 static_assert(STAGES >= 2, "bwd_wgmma: FC_BWD_STAGES must be at least 2");
@@ -111,7 +114,7 @@ static_assert(FC_NUM_THREADS == NTHR, "bwd_wgmma: FC_NUM_THREADS must be 128 * (
 // Shared-memory layout (offsets from a 1024-byte aligned base).
 constexpr int KV_PANEL = BN * 128, Q_PANEL = BM * 128;   // bytes of one panel
 constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2;
-constexpr int DS_BYTES = BN * BM * 2;
+constexpr int DS_BYTES = BN * BM * 2, DS_PANEL = BN * 128;  // dS^T: MB panels of 64 queries
 constexpr int OFF_V = KV_BYTES;
 constexpr int OFF_Q = 2 * KV_BYTES;                      // STAGES Q tiles
 constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;         // STAGES dO tiles
@@ -130,6 +133,12 @@ constexpr int CONSUMER_REGS = 240;
 // 65536 / NTHR rounded down to 8: 168 at 384 threads); a split that needs more makes setmaxnreg.inc
 // wait forever (measured: producer 32 + 2 x 240 hung every launch).
 static_assert(128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= NTHR * (65536 / NTHR / 8 * 8), "register split");
+
+// A compile-time bool as a value (an argument of a generic lambda).
+template <bool B>
+struct FcBool {
+    static constexpr bool value = B;
+};
 
 // The deterministic path's counters: an acquire load and a release increment at GPU scope.
 __device__ __forceinline__ int ld_acquire_gpu(const int *p) {
@@ -301,33 +310,45 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             key_product(p_acc, vr, sdo);
 
             // ---- P^T = exp2(S^T c - L_query) (fp32, in place; masked keys/queries give 0) while the
-            //      tensor cores compute dP^T ----
+            //      tensor cores compute dP^T. Two copies of the loop, with and without the mask, behind a
+            //      branch on need_mask: the branch ends a basic block, which keeps dP^T's wait below the
+            //      loop. In one block ptxas (13.0 and 13.5) hoisted the wait above all but the first exp2,
+            //      so that P^T was formed after dP^T had finished, and at BM = 128 it also hoisted all 32
+            //      loads of L, which spilled. Measured on the H200 at BM = 64: 0.96x to 1.02x the single
+            //      block; at BM = 128 the split is what keeps the kernel free of spills ----
             wg_wait<1>();
             reg_fence(s_acc);
             const float *ld = s_ld(s);
+            auto form_p = [&](auto masked) {
 #pragma unroll
-            for (int i = 0; i < BM / 8; ++i) {
-                const int qc = 8 * i + 2 * t;  // queries qc, qc + 1 of the tile (columns of S^T)
-                const float2 l2 = *reinterpret_cast<const float2 *>(ld + qc);
-                const float lq[2] = {l2.x, l2.y};
+                for (int i = 0; i < BM / 8; ++i) {
+                    const int qc = 8 * i + 2 * t;  // queries qc, qc + 1 of the tile (columns of S^T)
+                    const float2 l2 = *reinterpret_cast<const float2 *>(ld + qc);
+                    const float lq[2] = {l2.x, l2.y};
 #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    float p[2];
+                    for (int hf = 0; hf < 2; ++hf) {
+                        float p[2];
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        p[e] = fc_softmax_p(acc_get(wg_tile(s_acc, i), 2 * hf + e), scale_log2, lq[e]);
-                        if (need_mask) {  // query qc + e of the tile sees key key_g + 8 hf
-                            const int query = m0 + qc + e;
-                            p[e] = (query < nq && query >= q_first_vis[hf]) ? p[e] : 0.f;
+                        for (int e = 0; e < 2; ++e) {
+                            p[e] = fc_softmax_p(acc_get(wg_tile(s_acc, i), 2 * hf + e), scale_log2, lq[e]);
+                            if constexpr (decltype(masked)::value) {  // query qc + e sees key key_g + 8 hf
+                                const int query = m0 + qc + e;
+                                p[e] = (query < nq && query >= q_first_vis[hf]) ? p[e] : 0.f;
+                            }
                         }
+                        acc_set_pair(wg_tile(s_acc, i), hf, p[0], p[1]);
                     }
-                    acc_set_pair(wg_tile(s_acc, i), hf, p[0], p[1]);
                 }
-            }
+            };
+            if (need_mask)
+                form_p(FcBool<true>{});
+            else
+                form_p(FcBool<false>{});
 
             // ---- dS^T = P^T (dP^T - delta_query) (fp32); P^T and dS^T rounded to the element type into
             //      the A fragments of dV, dK (k16 step kk: accumulator tiles 2kk, 2kk + 1), dS^T also into
-            //      shared memory (row = key, 16-byte chunk i of queries at chunk i ^ (row % 8) = i ^ g) ----
+            //      shared memory (row = key; 16-byte chunk i of queries in panel i / 8, at chunk
+            //      (i % 8) ^ (row % 8) = (i % 8) ^ g) ----
             wg_wait<0>();
             reg_fence(p_acc);
             u32 p_frag[QSTEPS][4], ds_frag[QSTEPS][4];
@@ -345,8 +366,8 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
                     const int row = 64 * cw + 16 * wq + g + 8 * hf;
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sds + row * 128 + ((i ^ g) << 4) + 4 * t),
-                                 "r"(ds_frag[i >> 1][hf + 2 * (i & 1)])
+                    const u32 addr = sds + (i >> 3) * DS_PANEL + row * 128 + (((i & 7) ^ g) << 4) + 4 * t;
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds_frag[i >> 1][hf + 2 * (i & 1)])
                                  : "memory");
                 }
             }
@@ -361,14 +382,17 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 fence_proxy_async_global();
                 red_release_gpu_add(prev_sem, 1);
             }
-            acc_t q_acc[QN];
+            acc_t q_acc[MB][QN];  // query block mb: queries 64 mb .. of the tile
             wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < NSTEPS; ++kk) {
-                const u64 da = wg_desc_sw128(sds + kk * 16 * 128, DS_BYTES, 1024);
-                const u64 db = wg_desc_sw128(kd + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
-                                             KV_PANEL, 1024);
-                WgMma<DQN>::ss_tt(q_acc, da, db, kk > 0);
+            for (int mb = 0; mb < MB; ++mb) {
+#pragma unroll
+                for (int kk = 0; kk < NSTEPS; ++kk) {
+                    const u64 da = wg_desc_sw128(sds + mb * DS_PANEL + kk * 16 * 128, DS_PANEL, 1024);
+                    const u64 db = wg_desc_sw128(kd + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
+                                                 KV_PANEL, 1024);
+                    WgMma<DQN>::ss_tt(q_acc[mb], da, db, kk > 0);
+                }
             }
             wg_commit();
 #pragma unroll
@@ -379,24 +403,28 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 WgMma<HD>::rs_tb(dk_acc, ds_frag[kk], wg_desc_sw128(sq + kk * 16 * 128, Q_PANEL, 1024), 1);
             wg_commit();
             wg_wait<1>();  // dQ_c (dV, dK may still run)
-            reg_fence(q_acc);
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb) reg_fence(q_acc[mb]);
 
             // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 rows x 128 bytes, the
             //      128-byte swizzle) and added into the fp32 buffer by the TMA unit (rows past nq are
             //      skipped by it); in key-tile order when ORDERED. A thread holds columns 8i + 2t, +1 of
-            //      its rows r (r % 8 = g): 32 bytes per row g, one chunk pair p = (i % 4) ^ (g >> 1) of the
-            //      swizzled row. A half-warp's 64-bit stores cover rows g = 0..3 (or 4..7), so in the same
-            //      i rows g and g ^ 1 hit the same banks (2-way conflicts: at D = 128 all of the loop's,
-            //      ncu on the H200). At step j a lane stores block i % 4 = j ^ sel instead, sel = (g ^ (g >>
-            //      1)) & 3, so p = j ^ (g & 3): distinct within each half-warp; the block is chosen by
-            //      selects (registers cannot be indexed at run time) ----
+            //      its rows r (r % 8 = g; r + 64 mb in query block mb): 32 bytes per row g, one chunk pair
+            //      p = (i % 4) ^ (g >> 1) of the swizzled row. A half-warp's 64-bit stores cover rows
+            //      g = 0..3 (or 4..7), so in the same i rows g and g ^ 1 hit the same banks (2-way
+            //      conflicts: at D = 128 all of the loop's, ncu on the H200). At step j a lane stores block
+            //      i % 4 = j ^ sel instead, sel = (g ^ (g >> 1)) & 3, so p = j ^ (g & 3): distinct within
+            //      each half-warp; the block is chosen by selects (registers cannot be indexed at run
+            //      time) ----
             const u32 sdq = base + OFF_DQ + cw * DQ_BYTES;
             if (lt == 0) tma_wait_read();  // this warpgroup's previous reduction has read the stage
             named_bar_sync(3 + cw, 128);
             const int sel = (g ^ (g >> 1)) & 3;
 #pragma unroll
+            for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const int r = 16 * wq + g + 8 * hf;  // r % 8 == g
+                const int r = 64 * mb + 16 * wq + g + 8 * hf;  // r % 8 == g
 #pragma unroll
                 for (int pn = 0; pn < DQN / 32; ++pn) {
 #pragma unroll
@@ -404,7 +432,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                         float v[2];
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {  // element e of block 4 pn + (j ^ sel)
-                            auto a = [&](int jj) { return acc_get(wg_tile(q_acc, 4 * pn + jj), 2 * hf + e); };
+                            auto a = [&](int jj) { return acc_get(wg_tile(q_acc[mb], 4 * pn + jj), 2 * hf + e); };
                             const float lo = (sel & 1) ? a(j ^ 1) : a(j), hi = (sel & 1) ? a(j ^ 3) : a(j ^ 2);
                             v[e] = (sel & 2) ? hi : lo;
                         }

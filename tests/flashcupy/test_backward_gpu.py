@@ -172,7 +172,7 @@ def test_wgmma_noncausal_deterministic_orders(rng, nq, nk):
     _launch._BACKWARD_PLANS.clear()
     runs = [run_backward_poisoned(do, q, k, v, o, lse, kernel="wgmma", deterministic=True) for _ in range(3)]
     (plan,) = [p for p in _launch._BACKWARD_PLANS.values() if p.sem_shape is not None]
-    n_qt, n_kt = -(-nq // 64), plan.kv_grid[0]
+    n_qt, n_kt = plan.q_grid[0], plan.kv_grid[0]
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     assert int(plan.sem_tail[0]) == int(n_qt >= n_kt and n_kt <= sms)
     for run in runs[1:]:
@@ -188,6 +188,28 @@ def test_wgmma_noncausal_deterministic_orders(rng, nq, nk):
         assert diff <= dq_order_tolerance("f16", float(cupy.abs(b).max())), f"{name}: {diff:.3e} apart"
     if nq <= 4096:
         _check(tuple(x.get() for x in (do, q, k, v)), runs[0], "f16", "fp32", False, f"wgmma det {nq}x{nk}")
+
+
+@pytest.mark.parametrize("causal,nq,nk", [(True, 333, 517), (True, 517, 333), (False, 1024, 1024)],
+                         ids=["causal-333x517", "causal-517x333", "1024x1024"])
+def test_wgmma_backward_query_tiles_of_128_give_the_bits_of_64(rng, causal, nq, nk):
+    """At D=64 the wgmma backward runs 128-query tiles by default (two m64 dQ products a tile, dS^T in two
+    panels). The tensor cores then add the same k16 chunks in the same order as with 64-query tiles (a
+    chunk of masked queries adds exact zeros), so the deterministic path gives the 64-row tile's dq, dk,
+    dv bit for bit and the atomic path its dk, dv (without a causal mask at nq = nk = 1024, where the
+    rotated starts of the deterministic path fall on the same query rows for both tiles)."""
+    import cupy
+
+    do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, nq, nk, 64), "f16"))
+    o, lse = _fwd(q, k, v, causal, "wgmma", "fp32")
+    for det in (False, True):
+        wide, narrow = (run_backward_poisoned(do, q, k, v, o, lse, causal=causal, kernel="wgmma", block_m=bm,
+                                              block_n=128, deterministic=det) for bm in (128, 64))
+        for name, a, b in zip(("dq", "dk", "dv"), wide, narrow):
+            if det or name != "dq":
+                assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} det={det}"
+        assert float(cupy.abs(wide[2].astype(cupy.float32)).max()) > 0
+    _check(tuple(x.get() for x in (do, q, k, v)), wide, "f16", "fp32", causal, f"wgmma bm=128 {nq}x{nk}")
 
 
 @pytest.mark.parametrize("combo", [("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"),

@@ -115,8 +115,10 @@ def test_wgmma_backward_refuses_what_it_does_not_run_and_names_the_families_that
     o, lse = flashcupy.attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match="accum='fp32' only.*kernel='mma'"):
         flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma", accum="fp16")
-    with pytest.raises(ValueError, match="block_m=128 is not supported by kernel='wgmma'"):
-        flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma", block_m=128)
+    with pytest.raises(ValueError, match="block_m=192 is not supported by kernel='wgmma'"):
+        flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma", block_m=192)
+    with pytest.raises(ValueError, match="block_m=128 at D=64 with block_n=128 only"):
+        flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma", block_m=128, block_n=64)
     grads = flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma")
     assert all(np.isfinite(g.astype(np.float32)).all() for g in grads)
 
@@ -186,6 +188,24 @@ def test_backward_arguments_are_checked_after_a_remembered_call():
         flashcupy.attention_backward(o, q, k, v, o, lse, deterministic=1)
     with pytest.raises(ValueError, match="do must have q's shape"):
         flashcupy.attention_backward(o[:, :, :5], q, k, v, o, lse)
+
+
+def test_default_tiles_of_the_wgmma_backward():
+    """128 query rows a tile at D=64 (measured faster on the H200), 64 at D=128, where 128 does not fit in
+    registers; a block_n given alone takes the default block_m where the family runs it with that block_n,
+    else the largest it runs (block_n=64 at D=64: 64 rows, as before 128 became the default)."""
+    from flashcupy._build import Variant, default_tile
+
+    tile = functools.partial(default_tile, "bwd_wgmma", "f16")
+    assert tile(64, "fp32", False) == (128, 128)
+    assert tile(64, "fp32", True) == (128, 128)
+    assert tile(128, "fp32", False) == (64, 128)
+    assert tile(64, "fp32", False, None, 64) == (64, 64)
+    assert tile(64, "fp32", False, 64) == (64, 128)
+    assert tile(128, "fp32", False, None, 128) == (64, 128)
+    for d, bn in ((128, 128), (64, 64)):
+        with pytest.raises(ValueError, match="block_m=128 at D=64 with block_n=128 only"):
+            Variant("bwd_wgmma", "f16", "fp32", 128, bn, d)
 
 
 def test_default_tiles_of_the_wgmma_forward():

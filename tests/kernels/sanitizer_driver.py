@@ -31,16 +31,18 @@ def main() -> None:
                 v = cupy.asarray(rng.standard_normal((1, 2, nk, d)).astype(dt))
                 o, lse = flashcupy.attention(q, k, v, causal=causal, kernel=kernel, accum=accum,
                                              block_m=bm, block_n=bn, return_lse=True)
-                bwd_tile = {}
+                bwd_tiles = [{}]
                 if kernel == "wgmma":  # the backward family's own tiles, where it runs this case
                     if d not in (64, 128) or accum != "fp32":
                         continue
-                    bwd_tile = {"block_m": 64, "block_n": 128 if d == 128 else 64}
+                    bwd_tiles = ([{"block_m": 64, "block_n": 128}] if d == 128 else
+                                 [{"block_m": 64, "block_n": 64}, {"block_m": 128, "block_n": 128}])
                 do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
                 # mma / wgmma fp32: the atomic dQ path, then the deterministic one
-                for det in (False, True):
-                    flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel,
-                                                 accum=accum, deterministic=det, **bwd_tile)
+                for bwd_tile in bwd_tiles:
+                    for det in (False, True):
+                        flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel,
+                                                     accum=accum, deterministic=det, **bwd_tile)
     # fp8 (e4m3) forward: both accumulations, k descales per tile and per key, every tile, GQA, ragged
     from flashcupy import fp8
 
