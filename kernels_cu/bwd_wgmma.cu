@@ -25,6 +25,7 @@
 //           P^T, dS^T in registers (fp32; masked keys/queries give P = 0), rounded to the element type
 //                                             into A fragments, and dS^T also into shared memory
 //           dV += P^T dO, dK += dS^T Q        wgmma m64nDk16, A from registers, B = dO / Q MN-major
+//                                             (dV issued as soon as P^T is formed, FC_BWD_EARLY_DV)
 //           dQ_c = dS K[:, c-th D / NCWG columns]   wgmma m64n(D/NCWG)k16 over all BN keys of the tile (one
 //                                             per 64 queries),
 //                                             A = dS^T and B = K from shared memory, both MN-major;
@@ -83,11 +84,20 @@
 #ifndef FC_BWD_STAGES
 #define FC_BWD_STAGES 2
 #endif
+// FC_BWD_EARLY_DV 1: dV += P^T dO is issued as soon as P^T is formed, so that the tensor cores run it while
+// the warpgroup forms dS^T and waits at barrier 1; 0: dV is issued with dK after barrier 1. The same
+// products in the same order (the same bits either way). Measured on the H200 at D = 128: 1.006x to
+// 1.018x (reports/wgmma_bwd_plan.md). P^T's fp32 values stay live beside its fragments until dS^T is
+// formed: at BM = 128 (D = 64) that spills 144 bytes, so the default is 1 at BM = 64 only.
+#ifndef FC_BWD_EARLY_DV
+#define FC_BWD_EARLY_DV (FC_BLOCK_M == 64)
+#endif
 
 constexpr int BM = FC_BLOCK_M;
 constexpr int BN = FC_BLOCK_N;
 constexpr int HD = FC_HEAD_DIM;
 constexpr int STAGES = FC_BWD_STAGES;
+constexpr bool EARLY_DV = FC_BWD_EARLY_DV;
 constexpr int NCWG = BN / 64;            // consumer warpgroups, 64 keys each
 constexpr int NTHR = 128 * (1 + NCWG);
 constexpr int NCTHR = 128 * NCWG;        // consumer threads
@@ -319,6 +329,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             wg_wait<1>();
             reg_fence(s_acc);
             const float *ld = s_ld(s);
+            u32 p_frag[QSTEPS][4], ds_frag[QSTEPS][4];
             auto form_p = [&](auto masked) {
 #pragma unroll
                 for (int i = 0; i < BM / 8; ++i) {
@@ -337,6 +348,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                             }
                         }
                         acc_set_pair(wg_tile(s_acc, i), hf, p[0], p[1]);
+                        if constexpr (EARLY_DV) p_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(p[0], p[1]);
                     }
                 }
             };
@@ -345,13 +357,24 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             else
                 form_p(FcBool<false>{});
 
+            // ---- dV += P^T dO (B = dO: rows = queries, MN-major), one wgmma group ----
+            auto issue_dv = [&] {
+#pragma unroll
+                for (int kk = 0; kk < QSTEPS; ++kk)
+                    WgMma<HD>::rs_tb(dv_acc, p_frag[kk], wg_desc_sw128(sdo + kk * 16 * 128, Q_PANEL, 1024), 1);
+            };
+            if constexpr (EARLY_DV) {  // the tensor cores run it while dS^T is formed and at barrier 1
+                wg_fence();
+                issue_dv();
+                wg_commit();
+            }
+
             // ---- dS^T = P^T (dP^T - delta_query) (fp32); P^T and dS^T rounded to the element type into
             //      the A fragments of dV, dK (k16 step kk: accumulator tiles 2kk, 2kk + 1), dS^T also into
             //      shared memory (row = key; 16-byte chunk i of queries in panel i / 8, at chunk
             //      (i % 8) ^ (row % 8) = (i % 8) ^ g) ----
-            wg_wait<0>();
+            wg_wait<EARLY_DV ? 1 : 0>();  // dP^T (an early dV may still run)
             reg_fence(p_acc);
-            u32 p_frag[QSTEPS][4], ds_frag[QSTEPS][4];
 #pragma unroll
             for (int i = 0; i < BM / 8; ++i) {
                 const int qc = 8 * i + 2 * t;
@@ -363,7 +386,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
                         ds[e] = acc_get(wg_tile(s_acc, i), 2 * hf + e) * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
-                    p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
+                    if constexpr (!EARLY_DV) p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
                     const int row = 64 * cw + 16 * wq + g + 8 * hf;
                     const u32 addr = sds + (i >> 3) * DS_PANEL + row * 128 + (((i & 7) ^ g) << 4) + 4 * t;
@@ -395,14 +418,12 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 }
             }
             wg_commit();
-#pragma unroll
-            for (int kk = 0; kk < QSTEPS; ++kk)
-                WgMma<HD>::rs_tb(dv_acc, p_frag[kk], wg_desc_sw128(sdo + kk * 16 * 128, Q_PANEL, 1024), 1);
+            if constexpr (!EARLY_DV) issue_dv();
 #pragma unroll
             for (int kk = 0; kk < QSTEPS; ++kk)
                 WgMma<HD>::rs_tb(dk_acc, ds_frag[kk], wg_desc_sw128(sq + kk * 16 * 128, Q_PANEL, 1024), 1);
             wg_commit();
-            wg_wait<1>();  // dQ_c (dV, dK may still run)
+            wg_wait<1>();  // dQ_c (and an early dV; dK, or dV and dK, may still run)
 #pragma unroll
             for (int mb = 0; mb < MB; ++mb) reg_fence(q_acc[mb]);
 
