@@ -17,6 +17,10 @@
 //       ring of FC_BWD_STAGES buffers in shared memory, each guarded by a "full" mbarrier (an arrival
 //       per producer lane; lane 0 adds the TMA transaction bytes) and an "empty" one (an arrival per
 //       consumer thread: each one's loads of L and delta are then ordered before the next stores).
+//       Its warp 1, the dQ writer (FlashAttention-3's): per query tile, once each consumer has staged
+//       its dQ share in shared memory (named barriers DQ_FULL / DQ_EMPTY), it adds the shares into the
+//       fp32 buffer by TMA reduce-adds, and on the deterministic path waits for the tile's turn and
+//       releases it, so that the consumers never wait on the TMA unit or on other CTAs directly.
 //   warpgroups 1 .. NCWG (NCWG = BN / 64), the consumers: consumer c owns keys n0 + 64c .. n0 + 64c + 63
 //       and keeps their dK and dV in registers (m64nD fp32 accumulators) across all query tiles. Per
 //       query tile:
@@ -30,19 +34,19 @@
 //                                             per 64 queries),
 //                                             A = dS^T and B = K from shared memory, both MN-major;
 //                                             needs every consumer's dS^T (named barrier 1)
-//           dQ_c stored to shared memory (fp32, swizzled) and added to the fp32 buffer by one TMA
-//                                             reduce-add per 32 columns (cp.reduce.async.bulk.tensor;
-//                                             measured: the threads' red.global.add.v2.f32 cost 37% of
-//                                             the kernel's time at D = 128, N = 16384)
+//           dQ_c stored to shared memory (fp32, swizzled), which the writer warp adds to the fp32
+//                                             buffer by one TMA reduce-add per 32 columns
+//                                             (cp.reduce.async.bulk.tensor; measured: the threads'
+//                                             red.global.add.v2.f32 cost 37% of the kernel's time at
+//                                             D = 128, N = 16384)
 //       and at the end dk = scale * dK and dv = dV (rows < nk), straight from registers.
 //   dS^T has two shared-memory buffers (query tile parity): a consumer writes tile i's only after
 //   every consumer passed barrier 1 of tile i - 1, so every dQ product of tile i - 2 has landed.
 //
 // Deterministic dQ, flash_bwd_dkdvdq_ordered_wgmma (dq_sem: int32 (B, Hq, ceil(nq / BM)) zeroed): the
-// additions into query tile i's rows happen in a fixed key-tile order. A CTA waits until the tile's
-// counter reads its place in that order, issues its reduce-adds, and increments the counter (acquire /
-// release at GPU scope) once they are performed: at the next tile's barrier 1 (or after the loop), so
-// that waiting for the TMA unit stays off the critical path. The order is the one in which the CTAs,
+// additions into query tile i's rows happen in a fixed key-tile order. A CTA's writer warp waits until
+// the tile's counter reads its place in that order, issues its reduce-adds, and increments the counter
+// (acquire / release at GPU scope) once they are performed: before its next tile's wait (or at the end). The order is the one in which the CTAs,
 // all starting together, reach tile i:
 //   non-causal: ascending key tiles (every CTA runs the query tiles from 0; FlashAttention-3's order),
 //       which makes key tile kt wait about kt reduce latencies before its first addition; with
@@ -143,6 +147,13 @@ constexpr int CONSUMER_REGS = 240;
 // 65536 / NTHR rounded down to 8: 168 at 384 threads); a split that needs more makes setmaxnreg.inc
 // wait forever (measured: producer 32 + 2 x 240 hung every launch).
 static_assert(128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= NTHR * (65536 / NTHR / 8 * 8), "register split");
+
+// Named barriers: 1 (the consumers' dS^T of a tile), and per consumer warpgroup c the dQ stage's
+// DQ_FULL + c (its 128 threads arrive once the share is staged, the writer warp waits) and DQ_EMPTY + c
+// (the writer warp arrives once the TMA unit has read the stage, the 128 threads wait before staging the
+// next share), each counting DQ_BAR_THREADS.
+constexpr int DQ_FULL = 2, DQ_EMPTY = DQ_FULL + NCWG, DQ_BAR_THREADS = 128 + 32;
+static_assert(DQ_EMPTY + NCWG <= 16, "named barriers");
 
 // A compile-time bool as a value (an argument of a generic lambda).
 template <bool B>
@@ -265,13 +276,67 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 }
                 mbar_arrive(q_full(s));  // releases this lane's stores
             }
+        } else if (tid < 64 && n_it > 0) {
+            // ---- the dQ writer warp (FlashAttention-3's): per tile, once consumer c has staged its dQ
+            //      share, lane 0 adds it into the fp32 buffer by TMA reduce-adds (rows past nq are skipped
+            //      by the TMA unit); once the unit has read the stages, the warp lets the consumers stage
+            //      the next ones. Deterministic: before a tile's additions lane 0 waits until the tile's
+            //      counter reads this key tile's place in the order, and it increments the counter once
+            //      they are performed (at the next tile, or at the end), so that neither wait is the
+            //      consumers' ----
+            tma_prefetch_map(&tm_dq);
+            for (int c = 0; c < NCWG; ++c) named_bar_arrive(DQ_EMPTY + c, DQ_BAR_THREADS);  // empty stages
+            int *sem = nullptr;  // deterministic: the counter of the tile being added, not yet released
+            for (int it = 0; it < n_it; ++it) {
+                const int hq = head_of(it), qt = tile_of(it), m0 = qt * BM;
+                if (ordered && lane == 0) {
+                    if (sem != nullptr) {  // the last tile's additions performed: next key tile's turn
+                        tma_wait_all();
+                        fence_proxy_async_global();
+                        red_release_gpu_add(sem, 1);
+                    }
+                    sem = dq_sem + ((long long)b * heads_q + hq) * n_qt + qt;
+                    // this key tile's place in the order of query tile qt's additions
+#if FC_CAUSAL
+                    const int place = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) / BN - kt;  // diagonal first
+#else
+                    // ascending key tiles; rotated: ordered by the step at which each CTA reaches tile qt,
+                    // i.e. CTAs whose start lies in (rot, qt] (cyclically) go first; C = #{kt': start <= qt}
+                    const int c_le = (int)(((long long)(qt + 1) * n_kt + n_qt - 1) / n_qt);
+                    const int place = dq_rotate ? c_le - kt - 1 + (rot > qt ? n_kt : 0) : kt;
+#endif
+                    while (ld_acquire_gpu(sem) != place) {
+                    }
+                    fence_proxy_async_global();  // the acquire before this thread's TMA reductions
+                }
+                for (int c = 0; c < NCWG; ++c) {
+                    named_bar_sync(DQ_FULL + c, DQ_BAR_THREADS);  // consumer c's share is staged
+                    if (lane == 0) {
+#pragma unroll
+                        for (int p = 0; p < DQN / 32; ++p)
+                            tma_reduce_add_4d(&tm_dq, base + OFF_DQ + c * DQ_BYTES + p * DQ_PANEL, c * DQN + 32 * p, m0,
+                                              hq, b);
+                        tma_commit();
+                    }
+                }
+                if (it + 1 < n_it) {  // (the last tile's stages are not written again)
+                    if (lane == 0) tma_wait_read();
+                    __syncwarp();
+                    for (int c = 0; c < NCWG; ++c) named_bar_arrive(DQ_EMPTY + c, DQ_BAR_THREADS);
+                }
+            }
+            if (lane == 0) {
+                tma_wait_all();  // the reductions performed (the stages read) before the CTA ends
+                if (ordered) {
+                    fence_proxy_async_global();
+                    red_release_gpu_add(sem, 1);
+                }
+            }
         }
     } else {
         // ------------------------------------------------------------------ consumers ---------
         setmaxnreg_inc<CONSUMER_REGS>();
         const int cw = wg - 1;                   // keys n0 + 64 cw ..
-        const int ct = tid - 128;                // consumer thread 0 .. NCTHR - 1
-        const int lt = tid & 127;                // thread in the warpgroup
         const int wq = (tid & 127) >> 5;         // warp in the warpgroup: rows 16 wq .. of an m64 product
         const int g = lane >> 2, t = lane & 3;
         const u32 k_rows = sK + 64 * cw * 128, v_rows = sV + 64 * cw * 128;  // this warpgroup's 64 rows
@@ -289,7 +354,6 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         }
         if (n_it > 0) mbar_wait(bar_kv, 0);
 
-        int *prev_sem = nullptr;  // deterministic: the counter of the last tile added, not yet released
 #pragma unroll 1
         for (int it = 0; it < n_it; ++it) {
             const int s = it % STAGES;
@@ -399,12 +463,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             //      MN-major; needs every consumer's dS^T), then dV += P^T dO and dK += dS^T Q (B = dO, Q:
             //      rows = queries, MN-major) in a second group, which runs under dQ_c's epilogue ----
             fence_proxy_async();          // this thread's dS^T stores before the async proxy reads them
-            if (ordered && prev_sem != nullptr && lt == 0) tma_wait_all();  // the last tile's reductions done
             named_bar_sync(1, NCTHR);
-            if (ordered && prev_sem != nullptr && ct == 0) {  // ... in every warpgroup: next key tile's turn
-                fence_proxy_async_global();
-                red_release_gpu_add(prev_sem, 1);
-            }
             acc_t q_acc[MB][QN];  // query block mb: queries 64 mb .. of the tile
             wg_fence();
 #pragma unroll
@@ -428,8 +487,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             for (int mb = 0; mb < MB; ++mb) reg_fence(q_acc[mb]);
 
             // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 rows x 128 bytes, the
-            //      128-byte swizzle) and added into the fp32 buffer by the TMA unit (rows past nq are
-            //      skipped by it); in key-tile order when ORDERED. A thread holds columns 8i + 2t, +1 of
+            //      128-byte swizzle), for the writer warp to add into the fp32 buffer. A thread holds columns 8i + 2t, +1 of
             //      its rows r (r % 8 = g; r + 64 mb in query block mb): 32 bytes per row g, one chunk pair
             //      p = (i % 4) ^ (g >> 1) of the swizzled row. A half-warp's 64-bit stores cover rows
             //      g = 0..3 (or 4..7), so in the same i rows g and g ^ 1 hit the same banks (2-way
@@ -438,8 +496,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             //      each half-warp; the block is chosen by selects (registers cannot be indexed at run
             //      time) ----
             const u32 sdq = base + OFF_DQ + cw * DQ_BYTES;
-            if (lt == 0) tma_wait_read();  // this warpgroup's previous reduction has read the stage
-            named_bar_sync(3 + cw, 128);
+            named_bar_sync(DQ_EMPTY + cw, DQ_BAR_THREADS);  // the TMA unit has read the previous share
             const int sel = (g ^ (g >> 1)) & 3;
 #pragma unroll
             for (int mb = 0; mb < MB; ++mb)
@@ -463,28 +520,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 }
             }
             fence_proxy_async();            // the stores before the TMA unit reads them
-            named_bar_sync(3 + cw, 128);
-            int *sem = ordered ? dq_sem + ((long long)b * heads_q + hq) * n_qt + qt : nullptr;
-            if (lt == 0) {
-                if (ordered) {
-                    // this key tile's place in the order of query tile qt's additions
-#if FC_CAUSAL
-                    const int place = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) / BN - kt;  // diagonal first
-#else
-                    // ascending key tiles; rotated: ordered by the step at which each CTA reaches tile qt,
-                    // i.e. CTAs whose start lies in (rot, qt] (cyclically) go first; C = #{kt': start <= qt}
-                    const int c_le = (int)(((long long)(qt + 1) * n_kt + n_qt - 1) / n_qt);
-                    const int place = dq_rotate ? c_le - kt - 1 + (rot > qt ? n_kt : 0) : kt;
-#endif
-                    while (ld_acquire_gpu(sem) != place) {
-                    }
-                    fence_proxy_async_global();  // the acquire before this thread's TMA reductions
-                }
-#pragma unroll
-                for (int p = 0; p < DQN / 32; ++p)
-                    tma_reduce_add_4d(&tm_dq, sdq + p * DQ_PANEL, dcol0 + 32 * p, m0, hq, b);
-                tma_commit();
-            }
+            named_bar_arrive(DQ_FULL + cw, DQ_BAR_THREADS);
             wg_wait<0>();  // dV, dK: stage s's Q and dO are read
             reg_fence(dv_acc);
             reg_fence(dk_acc);
@@ -494,15 +530,6 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 reg_fence(ds_frag[kk]);
             }
             mbar_arrive(q_empty(s));  // this thread is done with stage s
-            prev_sem = sem;            // released at the next tile's barrier 1, once performed
-        }
-        if (lt == 0) tma_wait_all();  // the last reduction has read the stage and landed
-        if (ordered && prev_sem != nullptr) {
-            named_bar_sync(2, NCTHR);
-            if (ct == 0) {
-                fence_proxy_async_global();
-                red_release_gpu_add(prev_sem, 1);
-            }
         }
 
         // ---- epilogue: dk = scale * dK, dv = dV (rows < nk), straight from registers ----
