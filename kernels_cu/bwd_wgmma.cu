@@ -46,8 +46,8 @@
 // Deterministic dQ, flash_bwd_dkdvdq_ordered_wgmma (dq_sem: int32 (B, Hq, ceil(nq / BM)) zeroed): the
 // additions into query tile i's rows happen in a fixed key-tile order. A CTA's writer warp waits until
 // the tile's counter reads its place in that order, issues its reduce-adds, and increments the counter
-// (acquire / release at GPU scope) once they are performed: before its next tile's wait (or at the end). The order is the one in which the CTAs,
-// all starting together, reach tile i:
+// (acquire / release at GPU scope) once they are performed: before its next tile's wait (or at the end).
+// The order is the one in which the CTAs, all starting together, reach tile i:
 //   non-causal: ascending key tiles (every CTA runs the query tiles from 0; FlashAttention-3's order),
 //       which makes key tile kt wait about kt reduce latencies before its first addition; with
 //       dq_rotate (set by the host when every key tile of a head can be resident at once and
@@ -487,14 +487,14 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             for (int mb = 0; mb < MB; ++mb) reg_fence(q_acc[mb]);
 
             // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 rows x 128 bytes, the
-            //      128-byte swizzle), for the writer warp to add into the fp32 buffer. A thread holds columns 8i + 2t, +1 of
-            //      its rows r (r % 8 = g; r + 64 mb in query block mb): 32 bytes per row g, one chunk pair
-            //      p = (i % 4) ^ (g >> 1) of the swizzled row. A half-warp's 64-bit stores cover rows
-            //      g = 0..3 (or 4..7), so in the same i rows g and g ^ 1 hit the same banks (2-way
-            //      conflicts: at D = 128 all of the loop's, ncu on the H200). At step j a lane stores block
-            //      i % 4 = j ^ sel instead, sel = (g ^ (g >> 1)) & 3, so p = j ^ (g & 3): distinct within
-            //      each half-warp; the block is chosen by selects (registers cannot be indexed at run
-            //      time) ----
+            //      128-byte swizzle), for the writer warp to add into the fp32 buffer. A thread holds
+            //      columns 8i + 2t, +1 of its rows r (r % 8 = g; r + 64 mb in query block mb): 32 bytes per
+            //      row g, one chunk pair p = (i % 4) ^ (g >> 1) of the swizzled row. A half-warp's 64-bit
+            //      stores cover rows g = 0..3 (or 4..7), so in the same i rows g and g ^ 1 hit the same
+            //      banks (2-way conflicts: at D = 128 all of the loop's, ncu on the H200). At step j a lane
+            //      stores block i % 4 = j ^ sel instead, sel = (g ^ (g >> 1)) & 3, so p = j ^ (g & 3):
+            //      distinct within each half-warp; the block is chosen by selects (registers cannot be
+            //      indexed at run time) ----
             const u32 sdq = base + OFF_DQ + cw * DQ_BYTES;
             named_bar_sync(DQ_EMPTY + cw, DQ_BAR_THREADS);  // the TMA unit has read the previous share
             const int sel = (g ^ (g >> 1)) & 3;
