@@ -402,8 +402,7 @@ _FAMILIES = (
         threads=lambda v: 128 * (1 + v.block_n // 64),
         smem_bytes=_bwd_wgmma_smem,
         # D=64: 128 queries a tile, twice the products for the same per-tile waits and barriers (measured
-        # on the H200: 1.06-1.10x the 64-query tile at N >= 4096, 1.14-1.23x deterministic;
-        # reports/wgmma_bwd_plan.md)
+        # on the H200: 1.07-1.14x the 64-query tile, 1.15-1.26x deterministic; reports/wgmma_bwd_plan.md)
         default_blocks=lambda dtype, d, accum, causal: (128, 128) if d == 64 else (64, 128),
         no_spill=lambda v: True,
         limits=_bwd_wgmma_limits, arch="sm_90a",

@@ -90,8 +90,8 @@
 #endif
 // FC_BWD_EARLY_DV 1: dV += P^T dO is issued as soon as P^T is formed, so that the tensor cores run it while
 // the warpgroup forms dS^T and waits at barrier 1; 0: dV is issued with dK after barrier 1. The same
-// products in the same order (the same bits either way). Measured on the H200 at D = 128: 1.006x to
-// 1.018x (reports/wgmma_bwd_plan.md). P^T's fp32 values stay live beside its fragments until dS^T is
+// products in the same order (the same bits either way). Measured on the H200 at D = 128, before the dQ
+// writer warp: 1.006x to 1.018x (reports/wgmma_bwd_plan.md). P^T's fp32 values stay live beside its fragments until dS^T is
 // formed: at BM = 128 (D = 64) that spills 144 bytes, so the default is 1 at BM = 64 only.
 #ifndef FC_BWD_EARLY_DV
 #define FC_BWD_EARLY_DV (FC_BLOCK_M == 64)
