@@ -681,13 +681,18 @@ class CompileError(RuntimeError):
     pass
 
 
+# The options cupy.RawModule appends to every NVRTC compile (CuPy 14, non-jitify): subnormals flushed, and
+# unannotated functions compiled as __device__ (NVRTC 13.0 rejects a generic lambda in a kernel without
+# it; 13.5 accepts it). The compile check adds them too, so that it compiles the code that runs.
+RAWMODULE_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+
+
 def _nvrtc_log(variant: Variant, arch: str) -> str:
     """NVRTC's log of one variant, with ptxas's -v resource report."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source_text(variant.fam.source), variant.fam.source, [], [])
-    # cupy.RawModule always appends -ftz=true (subnormals flushed); the report compiles the same code.
-    opts = list(compile_options(variant)) + [f"-arch={arch}", "-ftz=true", "--ptxas-options=-v"]
+    opts = list(compile_options(variant)) + [f"-arch={arch}", *RAWMODULE_OPTIONS, "--ptxas-options=-v"]
     try:
         try:
             nvrtc.compileProgram(prog, opts)
@@ -722,7 +727,8 @@ def ptx(variant: Variant, arch: str | None = None) -> str:
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source_text(variant.fam.source), variant.fam.source, [], [])
-    opts = list(compile_options(variant)) + [f"-arch={arch or variant.fam.arch or CHECK_ARCH}", "-ftz=true"]
+    arch = arch or variant.fam.arch or CHECK_ARCH
+    opts = list(compile_options(variant)) + [f"-arch={arch}", *RAWMODULE_OPTIONS]
     try:
         try:
             nvrtc.compileProgram(prog, opts)
