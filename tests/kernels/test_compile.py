@@ -70,7 +70,8 @@ WGMMA_VARIANTS = [p for p in VARIANTS if p.values[0].fam.kind == "wgmma"]
 def test_wgmma_under_the_toolkit_ptxas(variant, tmp_path):
     """The same PTX through the toolkit's ptxas (which prints the C75xx notes where NVRTC's log may be
     empty; at its own PTX version when it is older than NVRTC): no serializing note; and, where
-    cuobjdump exists, the main loop issues HGMMA (wgmma), not only the HMMA of the mma.sync path."""
+    cuobjdump exists, the main loop issues wgmma: HGMMA on 16-bit operands, QGMMA on e4m3 (fp8), not
+    only the HMMA of the mma.sync path."""
     out = tmp_path / "k.cubin"
     res = toolkit_ptxas(ptx(variant), variant.fam.arch, str(out))
     if res.returncode and "version" in res.stderr:
@@ -81,7 +82,8 @@ def test_wgmma_under_the_toolkit_ptxas(variant, tmp_path):
     if shutil.which("cuobjdump"):
         sass = subprocess.run(["cuobjdump", "--dump-sass", str(out)], capture_output=True, text=True,
                               check=True).stdout
-        assert "HGMMA" in sass, sass[:2000]
+        gmma = "QGMMA" if variant.fp8 else "HGMMA"
+        assert gmma in sass, f"no {gmma} in the SASS of {variant.key}: {sass[:2000]}"
 
 
 def test_softmax_step_and_its_breaks_exist_once():
