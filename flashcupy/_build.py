@@ -62,7 +62,8 @@ class Family:
     head_dim_pad: Callable[[int], int]
     threads: Callable[["Variant"], int]
     smem_bytes: Callable[["Variant", str], int]
-    default_blocks: Callable[[str, int, str, bool], tuple[int, int]]  # (dtype, head dim, accum, causal)
+    # (dtype, head dim, accum, causal, n): n the query rows of the call, or None (a default for any length)
+    default_blocks: Callable[[str, int, str, bool, int | None], tuple[int, int]]
     no_spill: Callable[["Variant"], bool]
     limits: Callable[["Variant"], str | None] = lambda v: None
     # NVRTC's -arch. None: the device's own, which CuPy appends at run time (the CPU compile check
@@ -92,7 +93,7 @@ def _mma_smem(v: "Variant", role: str) -> int:
     return (v.block_m + 2 * v.block_n) * v.head_dim_pad * DTYPES[v.dtype][1]
 
 
-def _mma_defaults(dtype: str, d: int, accum: str, causal: bool) -> tuple[int, int]:
+def _mma_defaults(dtype: str, d: int, accum: str, causal: bool, n: int | None = None) -> tuple[int, int]:
     return (128, 64)
 
 
@@ -163,7 +164,7 @@ def _bwd_simt_limits(v: "Variant") -> str | None:
     return None
 
 
-def _simt_defaults(dtype: str, d: int, accum: str, causal: bool) -> tuple[int, int]:
+def _simt_defaults(dtype: str, d: int, accum: str, causal: bool, n: int | None = None) -> tuple[int, int]:
     return (64, 64)
 
 
@@ -174,12 +175,12 @@ WGMMA_HEAD_DIMS = (64, 128, 256)
 
 def _wgmma_smem(v: "Variant", role: str) -> int:
     # 1024 bytes of alignment slack, the Q tile and WGMMA_KV_STAGES K and V tiles (2-byte elements, 1 byte
-    # with fp8), and the mbarriers (q_full, q_empty; k_full, k_empty, v_full, v_empty per stage); the fp8
-    # V transposition uses static shared memory only
+    # with fp8), the mbarriers (q_full, q_empty; k_full, k_empty, v_full, v_empty per stage) and 8 bytes
+    # for the next tile's index; the fp8 V transposition uses static shared memory only
     if role != "fwd":
         return 0
     return (1024 + (v.block_m + 2 * WGMMA_KV_STAGES * v.block_n) * v.head_dim * (1 if v.fp8 else 2)
-            + 8 * (2 + 4 * WGMMA_KV_STAGES))
+            + 8 * (2 + 4 * WGMMA_KV_STAGES) + 8)
 
 
 # fp8 (e4m3) variants of fwd_wgmma: the accumulation of O (FC_FP8_TWO_LEVEL) and whether k's descale
@@ -284,18 +285,40 @@ def _fp8_defines(v: "Variant") -> dict[str, int]:
             "FC_FP8_KSCALE_KEY": int(v.fp8_kscale == "key")}
 
 
-def wgmma_persistent(v: "Variant") -> bool:
-    """Whether a fwd_wgmma variant loops over tiles on one CTA per SM (FC_WG_PERSISTENT=1: the next
-    tile's Q, K and V load while this tile's epilogue runs) or runs one tile per CTA. Persistent at D=64
-    without a causal mask: measured on the H200 (same process, fp16) 1.11x / 1.04x one tile per CTA at
-    N = 1024 / 4096 and 0.99x at 16384. At D 128 and 256 the tile loop cost 2% to 6% (its bookkeeping
-    in the consumers' loop: 2368 SASS instructions against 2128 at D=128), and with a causal mask the
-    tiles' costs differ, so the hardware's block scheduler (heaviest tiles first, to whichever SM
-    frees up) balances better than a static split (0.56x at N=4096, D=64)."""
-    return v.head_dim == 64 and not v.causal
+# How a fwd_wgmma variant walks its tiles (FC_WG_PERSISTENT 0, 1, 2): one tile per CTA ("tile"), or one CTA
+# per SM looping over the tiles, a static split ("static") or handed out by a global counter, heaviest
+# first ("dynamic", FlashAttention-3's scheduler).
+SCHEDULES = ("tile", "static", "dynamic")
 
 
-def _wgmma_defaults(dtype: str, d: int, accum: str, causal: bool) -> tuple[int, int]:
+def wgmma_schedule(d: int, causal: bool, n: int | None = None, tile: tuple[int, int] = (128, 128)) -> str:
+    """The default schedule of the wgmma forward at head dim ``d`` for ``n`` query rows (None: any) on
+    ``tile`` (block_m, block_n).
+    Measured on the H200 (same process, fp16 and bf16, B=4, H=32; reports/wgmma_notes.md):
+    - D=64 without a causal mask, "static": 1.11x / 1.04x one tile per CTA at N = 1024 / 4096, 0.99x
+      at 16384; "dynamic" 0.95-0.97x "static" there (the static order runs a head's query tiles side
+      by side, so the CTAs running at once share its K and V in L2).
+    - D=64 causal, "dynamic": 1.22x / 1.11x / 1.04x one tile per CTA at N = 1024 / 4096 / 16384 (a
+      static split gave 0.56x: the tiles' costs differ).
+    - D=128 causal, "dynamic" up to N = 2048 (1.05x at 1024, 1.02x at 2048), one tile per CTA above
+      (the loop's bookkeeping in the consumers: dynamic 0.98x / 0.97x / 0.95x at 4096 / 8192 / 16384)
+      and on tiles wider than 128 x 128 (the loop spills 8-16 bytes there).
+    - D=128 without a mask and D=256, one tile per CTA (dynamic 0.92x at D=128 N=1024; the loop spills
+      at D=256)."""
+    if d == 64:
+        return "dynamic" if causal else "static"
+    if d == 128 and causal and n is not None and n <= 2048 and max(tile) <= 128:
+        return "dynamic"
+    return "tile"
+
+
+def wgmma_persistent(v: "Variant") -> int:
+    """FC_WG_PERSISTENT of a fwd_wgmma variant: 0 one tile per CTA, 1 a static split over one CTA per SM,
+    2 the dynamic scheduler (its ``schedule``; None: ``wgmma_schedule`` for any length)."""
+    return SCHEDULES.index(v.schedule or wgmma_schedule(v.head_dim, v.causal))
+
+
+def _wgmma_defaults(dtype: str, d: int, accum: str, causal: bool, n: int | None = None) -> tuple[int, int]:
     # D=64: three consumer warpgroups (192 query rows) feed the tensor cores better than two
     # (measured on the H200: 1.02-1.10x the 128-row tile at N = 4096 and 16384 in 7 of 8 cells), with
     # fp32 accumulators (fp16 ones cannot take that tile, _wgmma_limits). FlashAttention-3's wide key
@@ -303,24 +326,27 @@ def _wgmma_defaults(dtype: str, d: int, accum: str, causal: bool) -> tuple[int, 
     # D=128 without a causal mask 128 x 176 (1.02x at N=4096, 1.03-1.05x at 16384, fp16 and bf16; with
     # one 0.99x at N=4096: 128 x 128 stays), D=256 128 x 80 (1.04-1.05x at N = 1024, 4096 and 16384,
     # causal or not; the largest tile that fits in shared memory). fp16 accumulators keep the tiles
-    # measured with them.
+    # measured with them. D=64 causal up to 1024 query rows: 128 rows (the 192-row tiles leave the
+    # heaviest query tile two thirds empty there; with the dynamic scheduler 1.07x the 192-row tile at
+    # N=1024, 0.93x at 2048).
     if d == 64 and accum == "fp32":
-        return (192, 128)
+        return (128, 128) if causal and n is not None and n <= 1024 else (192, 128)
     if d == 256:
         return (128, 80) if accum == "fp32" else (128, 64)
     return (128, 176) if d == 128 and accum == "fp32" and not causal else (128, 128)
 
 
 def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, block_m=None,
-                 block_n=None) -> tuple:
+                 block_n=None, n: int | None = None) -> tuple:
     """(block_m, block_n) of a call that gives ``block_m`` and ``block_n`` or leaves them None: the
     family's default tile (``default_blocks``) for what is left None. A caller's block_m alone: the
     default key tile where the family runs it with that block_m, else the widest key tile it runs with it
     (e.g. block_m=192 at D=128 takes 128 keys: 176 needs two consumer warpgroups); block_n alone, the same
     the other way (e.g. the wgmma backward at D=64 with block_n=64 takes 64 query rows: 128 needs
-    block_n=128). Values are not checked here: the caller's checks report a bad one."""
+    block_n=128). ``n``: the call's query rows, where a default depends on them. Values are not checked
+    here: the caller's checks report a bad one."""
     fam = FAMILIES[family]
-    dm, dn = fam.default_blocks(dtype, d, accum, causal)
+    dm, dn = fam.default_blocks(dtype, d, accum, causal, n)
     if block_m is None and block_n is None:
         return dm, dn
     if block_m is not None and block_n is not None:
@@ -385,7 +411,7 @@ _FAMILIES = (
         head_dim_pad=lambda d: _round_up(d, 32),
         threads=lambda v: 256,
         smem_bytes=_bwd_mma_smem,
-        default_blocks=lambda dtype, d, accum, causal: (64, 128) if d <= 128 else (64, 64),
+        default_blocks=lambda dtype, d, accum, causal, n=None: (64, 128) if d <= 128 else (64, 64),
         no_spill=lambda v: True,
         limits=lambda v: ("kernel='mma' backward with D > 128 supports block_n=64 only"
                           if v.head_dim_pad > 128 and v.block_n != 64 else None),
@@ -403,7 +429,7 @@ _FAMILIES = (
         smem_bytes=_bwd_wgmma_smem,
         # D=64: 128 queries a tile, twice the products for the same per-tile waits and barriers (measured
         # on the H200: 1.07-1.14x the 64-query tile, 1.15-1.26x deterministic; reports/wgmma_bwd_plan.md)
-        default_blocks=lambda dtype, d, accum, causal: (128, 128) if d == 64 else (64, 128),
+        default_blocks=lambda dtype, d, accum, causal, n=None: (128, 128) if d == 64 else (64, 128),
         no_spill=lambda v: True,
         limits=_bwd_wgmma_limits, arch="sm_90a",
         # one kernel forms dQ both ways: its additions in any order, or in key-tile order (deterministic)
@@ -417,7 +443,7 @@ _FAMILIES = (
         head_dim_pad=lambda d: d,
         threads=lambda v: 256,
         smem_bytes=_bwd_simt_smem,
-        default_blocks=lambda dtype, d, accum, causal: (64, 64) if d <= 160 else (32, 64),
+        default_blocks=lambda dtype, d, accum, causal, n=None: (64, 64) if d <= 160 else (32, 64),
         no_spill=lambda v: True,
         limits=_bwd_simt_limits,
     ),
@@ -441,6 +467,9 @@ class Variant:
     # k's descale per key tile or per key (FP8_KSCALES); the dtype is then the output's
     fp8: str | None = None
     fp8_kscale: str = "tile"
+    # fwd_wgmma only: how the CTAs walk the tiles (SCHEDULES); None, or the value equal to it, is the
+    # default for any length, wgmma_schedule(head_dim, causal)
+    schedule: str | None = None
 
     def __post_init__(self):
         fam = FAMILIES.get(self.family)
@@ -460,6 +489,12 @@ class Variant:
             raise ValueError(f"head dim must be a multiple of 8 from 8 to 256, got {self.head_dim}")
         if self.ablate not in ABLATIONS:
             raise ValueError(f"ablate must be one of {ABLATIONS}, got {self.ablate!r}")
+        if self.schedule is not None:
+            if self.family != "fwd_wgmma" or self.schedule not in SCHEDULES:
+                raise ValueError(f"schedule must be None or, in fwd_wgmma, one of {SCHEDULES}; got "
+                                 f"{self.schedule!r} in {self.family}")
+            if self.schedule == wgmma_schedule(self.head_dim, self.causal):
+                object.__setattr__(self, "schedule", None)  # one key per kernel
         problem = fam.limits(self)
         if problem:
             raise ValueError(problem)
@@ -509,6 +544,8 @@ class Variant:
             parts.append("ablate_" + self.ablate)
         if self.fp8:
             parts.append(f"e4m3_{self.fp8}" + ("_kkey" if self.fp8_kscale == "key" else ""))
+        if self.schedule:
+            parts.append(self.schedule)
         return ".".join(parts)
 
     def __str__(self) -> str:
@@ -865,6 +902,14 @@ def covering_variants(family: str) -> list[Variant]:
             for bn in fam.block_n:
                 for ab in ABLATIONS:
                     add(block_m=bm, block_n=bn, head_dim=128, causal=True, ablate=ab)
+    # the dynamic scheduler at D=128 with a causal mask (the default up to 2048 query rows): every tile it
+    # runs on (wgmma_schedule), with each break, and fp16 accumulators
+    if family == "fwd_wgmma":
+        for bm in (64, 128):
+            for bn in (64, 128):
+                for ab in ABLATIONS:
+                    add(block_m=bm, block_n=bn, head_dim=128, causal=True, ablate=ab, schedule="dynamic")
+        add(head_dim=128, causal=True, accum="fp16", schedule="dynamic")
     # fp8 (fwd_wgmma): every accumulation x k-descale x causal on its default tile, the 64- and 128-row
     # tiles, and the breaks
     if family == "fwd_wgmma":

@@ -21,6 +21,7 @@ from ._build import (
     WGMMA_HEAD_DIMS,
     Variant,
     default_tile,
+    wgmma_schedule,
 )
 
 KERNELS = ("auto", "mma", "simt", "wgmma")
@@ -158,14 +159,15 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     family = resolve_family(kernel, dname, accum, direction, head_dim=d, block_m=block_m, block_n=block_n,
                             causal=causal, backend=backend, device=device)
     fam = FAMILIES[family]
-    bm, bn = default_tile(family, dname, d, accum, causal, block_m, block_n)
+    bm, bn = default_tile(family, dname, d, accum, causal, block_m, block_n, n=nq)
     for name, val, allowed in (("block_m", bm, fam.block_m), ("block_n", bn, fam.block_n)):
         if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
             raise TypeError(f"{name} must be an int or None, got {type(val).__name__}")
         if val not in allowed:
             raise ValueError(f"{name}={val} is not supported by kernel={fam.kind!r}; "
                              f"supported: {allowed}")
-    variant = Variant(family, dname, accum, int(bm), int(bn), d, bool(causal), ablate)
+    schedule = wgmma_schedule(d, bool(causal), nq, (bm, bn)) if family == "fwd_wgmma" else None
+    variant = Variant(family, dname, accum, int(bm), int(bn), d, bool(causal), ablate, schedule=schedule)
     if not variant.fits():
         raise ValueError(f"block_m={bm}, block_n={bn} with D={d} in {dname} needs "
                          f"{variant.smem_bytes} bytes of shared memory in {family}; the limit is "

@@ -27,6 +27,23 @@ def _wgmma_ctas(tiles: int) -> int:
     return min(tiles, _sm_count(cupy.cuda.Device().id))
 
 
+_TILE_COUNTERS: dict = {}
+
+
+def _tile_counter(stream):
+    """The tile counter of the wgmma forward's dynamic scheduler (FC_WG_PERSISTENT 2) for launches on
+    ``stream``: two int32, zero before each launch and zero again after it (the kernel's last CTA resets
+    them), so launches in one stream share it and another stream gets its own (a CUDA graph captured on
+    a stream keeps that stream's counter: replay it on one stream at a time)."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = cupy.zeros(2, dtype=cupy.int32)
+    return counter
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
     """Streaming multiprocessors of a device."""
@@ -233,11 +250,13 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
             raise ValueError(f"lse must be C-contiguous {plan.lse_shape} float32; got {lse.shape} "
                              f"{lse.dtype}")
     maps = plan.tensor_maps(q, k, v) if plan.maps is not None else ()  # q, k, v stay alive until return
+    stream = cupy.cuda.get_current_stream()
+    counter = (_tile_counter(stream),) if plan.maps is not None else ()
     if plan.launcher is not None:
-        plan.launcher(cupy.cuda.get_current_stream().ptr,
-                      (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr), maps)
+        plan.launcher(stream.ptr, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr,
+                                   *(c.data.ptr for c in counter)), maps)
         return o, lse
-    args = maps + (q, k, v, o, lse) + plan.args + plan.tail
+    args = maps + (q, k, v, o, lse) + plan.args + plan.tail + counter
     launcher = _Launcher.make(plan.kern, plan.grid, args)  # first: a layout error raises before any launch
     plan.kern(plan.grid, args)
     plan.launcher = launcher  # the next calls launch through it
@@ -414,6 +433,7 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
     args = maps + (q8, k8, vt, o, lse, np.int32(nq), np.int32(nk), np.int32(hq // hkv),
                    *element_strides(q8), *element_strides(k8), *element_strides(v8),
                    np.float32(scale * _LOG2E), np.int32(hq), np.int32(b),
-                   q_ds, k_ds, v_ds, np.float32(p_scale), np.float32(math.log2(p_scale)))
+                   _tile_counter(cupy.cuda.get_current_stream()), q_ds, k_ds, v_ds, np.float32(p_scale),
+                   np.float32(math.log2(p_scale)))
     kern(grid, args)
     return o, lse

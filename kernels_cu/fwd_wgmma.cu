@@ -1,11 +1,14 @@
 // fwd_wgmma.cu: FlashAttention forward pass on Hopper (sm_90a), FlashAttention-3's structure: TMA
 // loads from tensor maps, an mbarrier pipeline, warp specialization, wgmma, setmaxnreg.
 //
-// Tiles: with FC_WG_PERSISTENT (below) CTA x runs the tiles x, x + gridDim.x, ... of the
-// ceil(nq / FC_BLOCK_M) x Hq x B (query tile, head, batch) tiles, the query tile fastest (so the CTAs
-// running at once share a head's K and V in L2; causal runs each head's heaviest tiles first), and
-// any grid size gives the same bits (the launch uses one CTA per SM); without it each CTA runs the
-// one tile of its block index.
+// Tiles: the ceil(nq / FC_BLOCK_M) x Hq x B (query tile, head, batch) tiles. With FC_WG_PERSISTENT 1
+// (below) CTA x runs the tiles x, x + gridDim.x, ..., the query tile fastest (so the CTAs running at
+// once share a head's K and V in L2; causal runs each head's heaviest tiles first); with
+// FC_WG_PERSISTENT 2 CTA x runs tile x, then whichever tile a global counter hands it next (the
+// producer fetches it while the consumers run this one) in an order that puts the heaviest tiles of
+// a few heads first (FlashAttention-3's dynamic scheduler; "the tile order" below). Either way any grid
+// size gives the same bits (the launch uses one CTA per SM). Without it each CTA runs the one tile of
+// its block index.
 // A tile is FC_BLOCK_M query rows of one (batch, query head). The CTA's warpgroups (128 threads):
 //   warpgroup 0, the producer: gives registers back (setmaxnreg.dec) and one thread issues every TMA
 //       load: per tile the Q tile (once the consumers have seen the previous tile's last S: the
@@ -42,12 +45,14 @@
 // keeps the full fp32 row sum of the unrounded P, rounded to fp16 once per tile (fc_softmax_l).
 //
 // Kernel parameters: three CUtensorMap (128 bytes, by value) for q, k, v, then FC_FWD_PARAMS
-// (the pointers and strides of q, k, v are not read: the tensor maps carry them), then Hq and B.
-// Grid: (any number of CTAs, 1, 1), e.g. min(tiles, SMs); every grid size writes the same bits.
+// (the pointers and strides of q, k, v are not read: the tensor maps carry them), then Hq, B and
+// tile_counter (read only by FC_WG_PERSISTENT 2).
+// Grid: persistent, (any number of CTAs, 1, 1), e.g. min(tiles, SMs), every grid size writing the same
+// bits; one tile per CTA, (ceil(nq / FC_BLOCK_M), Hq, B).
 // Block: FC_NUM_THREADS = 128 * (1 + FC_BLOCK_M / 64).
 // Dynamic shared memory (bytes), to be passed at launch and as FC_SMEM_FWD:
 //     1024 (alignment slack) + (FC_BLOCK_M + 2 * FC_KV_STAGES * FC_BLOCK_N) * FC_HEAD_DIM * 2
-//     + 8 * (2 + 4 * FC_KV_STAGES)  (mbarriers)
+//     + 8 * (2 + 4 * FC_KV_STAGES)  (mbarriers) + 8  (the tile slot of FC_WG_PERSISTENT 2)
 // Supported: FC_DTYPE 1 or 2; FC_ACCUM_F16 only with FC_DTYPE 1; FC_HEAD_DIM in {64, 128, 256};
 // FC_BLOCK_M in {64, 128, 192}, FC_BLOCK_N in {64, 128}, and FlashAttention-3's wide key tiles: 176 at
 // D=128 (FC_BLOCK_M <= 128) and 80 at D=256 (D=256: FC_BLOCK_M 64 or 128, FC_BLOCK_N 64 or 80, so that
@@ -86,8 +91,10 @@
 //   FC_WG_EARLY_RESCALE  (default 1) with FC_WG_OVERLAP: O *= alpha_{j-1} runs while S_j is on the tensor cores (just
 //                   before P_{j-1} V_{j-1} is issued) instead of after P_{j-1} V_{j-1} has landed.
 //   FC_WG_PERSISTENT  (set by the build layer, flashcupy/_build.py wgmma_persistent) 1: the CTA loops over
-//                   tiles (any grid size; the launch uses one CTA per SM); 0: one tile per CTA, grid
-//                   (ceil(nq / FC_BLOCK_M), Hq, B).
+//                   tiles, a static split (any grid size; the launch uses one CTA per SM); 2: the CTA
+//                   loops over the tiles a global counter hands out (tile_counter: two ints, zero
+//                   before the launch, zero again after it: the last CTA to finish resets them); 0: one
+//                   tile per CTA, grid (ceil(nq / FC_BLOCK_M), Hq, B).
 #ifndef FC_WG_PERSISTENT
 #error "fwd_wgmma: FC_WG_PERSISTENT (0 or 1) must be defined by the build layer"
 #endif
@@ -149,8 +156,10 @@ constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
 constexpr int N_BARS = 2 + 4 * STAGES;     // q_full, q_empty, k_full[], k_empty[], v_full[], v_empty[]
-constexpr int SMEM_NEEDED = 1024 + OFF_BAR + 8 * N_BARS;
-static_assert(FC_SMEM_FWD == SMEM_NEEDED, "shared memory (Q, K/V stages, mbarriers) differs from FC_SMEM_FWD");
+constexpr int OFF_SLOT = OFF_BAR + 8 * N_BARS;  // FC_WG_PERSISTENT 2: the next tile's index
+constexpr int SMEM_NEEDED = 1024 + OFF_SLOT + 8;
+static_assert(FC_SMEM_FWD == SMEM_NEEDED,
+              "shared memory (Q, K/V stages, mbarriers, tile slot) differs from FC_SMEM_FWD");
 
 // Registers per thread after setmaxnreg: the producer keeps few, the consumers share the rest of the
 // registers the CTA was launched with (128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= NTHR x 65536 / NTHR
@@ -171,7 +180,7 @@ constexpr int CONSUMER_REGS = NCWG == 3 ? 160 : 240;
 extern "C" __global__ void __launch_bounds__(NTHR, 1)
     flash_fwd_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
                     const __grid_constant__ FcTensorMap tm_v, FC_FWD_PARAMS, const int heads_q,
-                    const int batch FC_FP8_PARAMS) {
+                    const int batch, int *__restrict__ tile_counter FC_FP8_PARAMS) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     const u32 sQ = base, sK = base + OFF_K, sV = base + OFF_V;
@@ -197,7 +206,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         const FcKeyTiles kt = fc_key_tiles<BN>(m_tile * BM, BM, nq, nk);
         return Tile{m_tile * BM, h, b, kt.n, kt.mask_from};
     };
-#if FC_WG_PERSISTENT
+#if FC_WG_PERSISTENT == 1
     // CTA x runs tiles x, x + gridDim.x, ... of the n_mt * heads_q * batch (query tile, head, batch)
     // tiles, the query tile fastest (neighbouring CTAs share a head's K and V in L2).
     const int n_mt = (nq + BM - 1) / BM, n_work = n_mt * heads_q * batch;
@@ -207,6 +216,25 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     };
 #define FC_FOR_EACH_TILE(tl) \
     for (int w_ = blockIdx.x; w_ < n_work; w_ += gridDim.x) if (const Tile tl = tile_at(w_); true)
+#elif FC_WG_PERSISTENT == 2
+    // The tile order: the (batch, head) pairs in sections of hs, a power of two of KV heads whose K and
+    // V fit in 32 MB (of the H200's 50 MB of L2) together; inside a section the query tile is the slow
+    // index (causal: the heaviest first), so the CTAs running at once read a few heads' K and V and the
+    // heaviest tiles of a section start first (longest processing time first). The last section holds
+    // the remaining pairs.
+    const int n_mt = (nq + BM - 1) / BM, n_bh = heads_q * batch, n_work = n_mt * n_bh;
+    const long long kv_head_bytes = 2ll * max(nk, 1) * HD * EB, l2_kv = 32ll << 20;
+    const int hs = group * (kv_head_bytes >= l2_kv ? 1 : 1 << (31 - __clz((int)(l2_kv / kv_head_bytes))));
+    auto tile_at = [&](int w) {
+        const int sec = w / (hs * n_mt), first = sec * hs, in_sec = min(hs, n_bh - first);
+        const int r = w - first * n_mt, mt = r / in_sec, bh = first + (r - mt * in_sec);
+        return tile_of(fc_query_tile(mt, n_mt), bh % heads_q, bh / heads_q);
+    };
+    // Tile k > 0 of a CTA: its index, which the producer writes into the slot before its arrival on
+    // bar_q for that tile (the arrival releases, the wait acquires); n_work or more: no tile left.
+    volatile int *const slot = reinterpret_cast<volatile int *>(smem_raw + (base + OFF_SLOT - (u32)__cvta_generic_to_shared(smem_raw)));
+#define FC_FOR_EACH_TILE(tl) \
+    for (int w_ = blockIdx.x; w_ < n_work; w_ = next_tile()) if (const Tile tl = tile_at(w_); true)
 #else
     // one tile per CTA: (blockIdx.x, blockIdx.y, blockIdx.z) = (query tile, head, batch)
 #define FC_FOR_EACH_TILE(tl) if (const Tile tl = tile_of(fc_query_tile(), blockIdx.y, blockIdx.z); true)
@@ -233,41 +261,80 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             tma_prefetch_map(&tm_k);
             tma_prefetch_map(&tm_v);
             int it = 0, tq = 0;  // K/V loads and Q loads so far
+            auto load_q = [&](const Tile &tl) {
+                mbar_arrive_expect_tx(bar_q, Q_BYTES);
+#pragma unroll
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, PANEL_ELEMS * p, tl.m0, tl.h, tl.b);
+            };
+            auto load_kv = [&](const Tile &tl, int hk) {  // (hk = tl.h / group, the KV head)
+                for (int j = 0; j < tl.n; ++j, ++it) {
+                    const int s = stage(it);
+                    const u32 ph = phase(it);
+                    // buffer s was last used by load it - STAGES: wait for every consumer warp to
+                    // release it
+                    if (it >= STAGES) mbar_wait(k_empty(s), ph ^ 1u);
+                    mbar_arrive_expect_tx(k_full(s), KV_BYTES);
+#pragma unroll
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), PANEL_ELEMS * p,
+                                    j * BN, hk, tl.b);
+                    if (it >= STAGES) mbar_wait(v_empty(s), ph ^ 1u);
+                    mbar_arrive_expect_tx(v_full(s), KV_BYTES);
+#if FC_FP8
+                    // V^T (d x keys, one 128-byte panel of HD rows: the keys j BN .. j BN + 127)
+                    tma_load_4d(sV + s * KV_BYTES, &tm_v, v_full(s), j * BN, 0, hk, tl.b);
+#else
+#pragma unroll
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p, j * BN, hk,
+                                    tl.b);
+#endif
+                }
+            };
+#if FC_WG_PERSISTENT == 2
+            // Every tile, and the stop after the last, takes one phase of bar_q (an arrival without
+            // bytes where the tile loads nothing) and, but for the first, the release of the previous
+            // tile's Q; the next tile's index is fetched as soon as this one is known.
+            for (int w = blockIdx.x;; ++tq) {
+                if (tq > 0) {
+                    mbar_wait(bar_q_empty, (u32)((tq - 1) & 1));
+                    *slot = w;
+                }
+                if (w >= n_work) {
+                    if (tq > 0) mbar_arrive(bar_q);
+                    break;
+                }
+                const Tile tl = tile_at(w);
+                w = atomicAdd(tile_counter, 1) + (int)gridDim.x;
+                if (tl.n > 0) {
+                    const int hk = tl.h / group;
+                    load_q(tl);
+                    load_kv(tl, hk);
+                } else {
+                    mbar_arrive(bar_q);
+                }
+            }
+            // Every fetch of this CTA precedes its count; the last CTA to count zeroes the counter and
+            // the count for the next launch on the stream.
+            __threadfence();
+            if (atomicAdd(tile_counter + 1, 1) == (int)gridDim.x - 1) {
+                __threadfence();
+                atomicExch(tile_counter, 0);
+                atomicExch(tile_counter + 1, 0);
+            }
+#else
             FC_FOR_EACH_TILE(tl) {
                 if (tl.n > 0) {  // (rows that see no key: nothing to load)
                     const int hk = tl.h / group;
                     // the Q buffer is free once every consumer warp has seen the previous tile's last S
                     if (tq > 0) mbar_wait(bar_q_empty, (u32)((tq - 1) & 1));
-                    mbar_arrive_expect_tx(bar_q, Q_BYTES);
-#pragma unroll
-                    for (int p = 0; p < PANELS; ++p)
-                        tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, PANEL_ELEMS * p, tl.m0, tl.h, tl.b);
+                    load_q(tl);
                     ++tq;
-                    for (int j = 0; j < tl.n; ++j, ++it) {
-                        const int s = stage(it);
-                        const u32 ph = phase(it);
-                        // buffer s was last used by load it - STAGES: wait for every consumer warp to
-                        // release it
-                        if (it >= STAGES) mbar_wait(k_empty(s), ph ^ 1u);
-                        mbar_arrive_expect_tx(k_full(s), KV_BYTES);
-#pragma unroll
-                        for (int p = 0; p < PANELS; ++p)
-                            tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), PANEL_ELEMS * p,
-                                        j * BN, hk, tl.b);
-                        if (it >= STAGES) mbar_wait(v_empty(s), ph ^ 1u);
-                        mbar_arrive_expect_tx(v_full(s), KV_BYTES);
-#if FC_FP8
-                        // V^T (d x keys, one 128-byte panel of HD rows: the keys j BN .. j BN + 127)
-                        tma_load_4d(sV + s * KV_BYTES, &tm_v, v_full(s), j * BN, 0, hk, tl.b);
-#else
-#pragma unroll
-                        for (int p = 0; p < PANELS; ++p)
-                            tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p, j * BN, hk,
-                                        tl.b);
-#endif
-                    }
+                    load_kv(tl, hk);
                 }
             }
+#endif
         }
     } else {
         // ------------------------------------------------------------------ consumers ---------
@@ -277,6 +344,15 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         const int g = lane >> 2, t = lane & 3;
         const u32 q_rows = sQ + 64 * cw * 128;       // this warpgroup's 64 rows of each Q panel
         int it = 0, tq = 0;                          // K/V loads and Q loads consumed so far
+#if FC_WG_PERSISTENT == 2
+        // (lane 0, which makes the warp's arrival on bar_q_empty, reads the slot for its warp)
+        auto next_tile = [&]() {
+            mbar_wait(bar_q, (u32)(tq & 1));
+            int w = 0;
+            if (lane == 0) w = *slot;
+            return __shfl_sync(0xffffffffu, w, 0);
+        };
+#endif
         FC_FOR_EACH_TILE(tl) {
             const int n_tiles = tl.n, mask_from = tl.mask_from, it0 = it;
             const int row_g = tl.m0 + 64 * cw + 16 * (lt >> 5) + g;  // query rows row_g and row_g + 8
@@ -300,7 +376,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             // l: this lane's partial sums with fp32 accumulators, the full row sum with fp16 ones
             float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
-            if (n_tiles > 0) mbar_wait(bar_q, (u32)(tq & 1));
+            // (FC_WG_PERSISTENT 2: every phase of bar_q is waited for in turn, also a tile's without keys:
+            // a wait for the parity of the phase before the current one returns at once)
+            if (FC_WG_PERSISTENT == 2 || n_tiles > 0) mbar_wait(bar_q, (u32)(tq & 1));
 
             // S = Q K^T from stage s into sacc: one wgmma group, committed, not waited for.
             auto issue_s = [&](acc_t(&sacc)[SN], int s) {
@@ -480,6 +558,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 if (j == n_tiles - 1) release(bar_q_empty);
             };
             if (PINGPONG && cw == 1 && n_tiles > 0) named_bar_arrive(1, 256);
+            if (FC_WG_PERSISTENT == 2 && n_tiles == 0) release(bar_q_empty);  // (one bar_q phase a tile)
 
 #if FC_WG_OVERLAP
             // Software pipeline: P_{j-1} V_{j-1} runs on the tensor cores during the softmax of tile j.
@@ -595,7 +674,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 }
             }
             it += n_tiles;
-            tq += n_tiles > 0;
+            tq += FC_WG_PERSISTENT == 2 || n_tiles > 0;
         }  // tiles
     }
 }

@@ -119,26 +119,40 @@ def test_block_sizes(rng, kernel, dname, bm, bn):
                                      what=f"{kernel} acc={accum} bm={bm} bn={bn} causal={causal}")
 
 
+@pytest.mark.parametrize("nq,nk", [(333, 517), (517, 333)], ids=["333x517", "517x333"])
+@parametrize_causal
 @pytest.mark.parametrize("combo", WGMMA_COMBOS, ids=combo_id)
-def test_wgmma_persistent_grid_of_any_size_writes_the_same_bits(rng, combo, monkeypatch):
-    """A persistent variant (D=64, no causal mask) with 1, 3 or 7 CTAs (each running many tiles, its
-    mbarrier phases running on across them) and with one CTA per tile: the bits of the default grid
-    (one CTA per SM)."""
+def test_wgmma_persistent_grid_of_any_size_writes_the_same_bits(rng, combo, causal, nq, nk, monkeypatch):
+    """A persistent variant (D=64: a static split without a causal mask, the dynamic scheduler with one)
+    with 1, 3 or 7 CTAs (each running many tiles, its mbarrier phases running on across them) and with
+    one CTA per tile: the bits of the default grid (one CTA per SM). 517 x 333 causal has query tiles
+    that see no key (they take no K/V load yet one turn of the scheduler). The dynamic scheduler's
+    counter is back to zero after every launch."""
     import cupy
 
     from flashcupy import _launch
     from flashcupy._build import wgmma_persistent
 
     kernel, dname, accum = combo
-    q, k, v = to_device(*qkv(rng, (2, 4, 2, 333, 517, 64), dname))
-    kw = dict(accum=accum, kernel=kernel)
-    assert wgmma_persistent(check_forward(q, k, v, **{**FORWARD_DEFAULTS, **kw}).variant)
+    q, k, v = to_device(*qkv(rng, (2, 4, 2, nq, nk, 64), dname))
+    kw = dict(accum=accum, kernel=kernel, causal=causal)
+    variant = check_forward(q, k, v, **{**FORWARD_DEFAULTS, **kw}).variant
+    assert wgmma_persistent(variant) == (2 if causal else 1)
     o_ref, lse_ref = flashcupy.attention(q, k, v, return_lse=True, **kw)
     for n_cta in (1, 3, 7, 10 ** 6):
         monkeypatch.setattr(_launch, "_wgmma_ctas", lambda tiles, n=n_cta: min(tiles, n))
         o, lse = run_poisoned(q, k, v, **kw)
         assert bool((o.view(cupy.uint16) == o_ref.view(cupy.uint16)).all()), n_cta
         assert bool((lse.view(cupy.uint32) == lse_ref.view(cupy.uint32)).all()), n_cta
+        if causal:
+            counter = _launch._tile_counter(cupy.cuda.get_current_stream())
+            assert counter.tolist() == [0, 0], n_cta
+    if causal:  # a second stream gets its own counter, and its launches the same bits
+        with cupy.cuda.Stream(non_blocking=True) as s:
+            o2 = flashcupy.attention(q, k, v, **kw)
+            s.synchronize()
+            assert _launch._tile_counter(s).data.ptr != _launch._tile_counter(cupy.cuda.Stream.null).data.ptr
+        assert bool((o2.view(cupy.uint16) == o_ref.view(cupy.uint16)).all())
 
 
 @pytest.mark.parametrize("kernel,dname", [("wgmma", "f16"), ("wgmma", "bf16"), ("mma", "f16"),

@@ -225,3 +225,40 @@ def test_default_tiles_of_the_wgmma_forward():
     assert tile(256, "fp32", False, 64) == (64, 80)
     assert tile(128, "fp32", False, None, 64) == (128, 64)
     assert tile(128, "fp32", False, 96) == (96, 176)         # not a block_m: the caller's check reports it
+
+
+def test_default_tiles_and_schedules_that_depend_on_the_length():
+    """The wgmma forward's choices per query length (flashcupy/_build.py, measured on the H200): D=64 with
+    a causal mask takes 128-row tiles up to 1024 rows, 192 above; D=128 causal runs the dynamic tile
+    scheduler up to 2048 rows on tiles of at most 128 x 128 and one tile per CTA above; D=64 always loops
+    (a static split without a mask, the dynamic scheduler with one). A schedule equal to the default for
+    any length leaves the variant's key as it was."""
+    from flashcupy._build import Variant, default_tile, wgmma_persistent, wgmma_schedule
+    from flashcupy._checks import check_forward
+
+    tile = functools.partial(default_tile, "fwd_wgmma", "f16")
+    assert tile(64, "fp32", True, n=1024) == (128, 128)
+    assert tile(64, "fp32", True, n=1025) == (192, 128)
+    assert tile(64, "fp32", False, n=1024) == (192, 128)
+    assert tile(64, "fp32", True, 192, n=1024) == (192, 128)   # a caller's block_m wins
+    assert wgmma_schedule(128, True, 2048) == "dynamic"
+    assert wgmma_schedule(128, True, 2049) == wgmma_schedule(128, True) == "tile"
+    assert wgmma_schedule(128, True, 1024, (128, 176)) == "tile"
+    assert wgmma_schedule(128, False, 1024) == "tile"
+    assert (wgmma_schedule(64, False), wgmma_schedule(64, True)) == ("static", "dynamic")
+
+    q = np.zeros((1, 2, 1024, 128), np.float16)
+    p = check_forward(q, q, q, **{**FORWARD_DEFAULTS, "causal": True, "kernel": "wgmma"})
+    assert p.variant.key == "fwd_wgmma.f16.acc32.bm128.bn128.d128.causal.dynamic"
+    assert wgmma_persistent(p.variant) == 2
+    q = np.zeros((1, 2, 4096, 128), np.float16)
+    p = check_forward(q, q, q, **{**FORWARD_DEFAULTS, "causal": True, "kernel": "wgmma"})
+    assert p.variant.key == "fwd_wgmma.f16.acc32.bm128.bn128.d128.causal" and wgmma_persistent(p.variant) == 0
+    q = np.zeros((1, 2, 1000, 64), np.float16)
+    p = check_forward(q, q, q, **{**FORWARD_DEFAULTS, "causal": True, "kernel": "wgmma"})
+    assert p.variant.key == "fwd_wgmma.f16.acc32.bm128.bn128.d64.causal" and wgmma_persistent(p.variant) == 2
+    same = Variant("fwd_wgmma", "f16", "fp32", 192, 128, 64, schedule="static")
+    assert same == Variant("fwd_wgmma", "f16", "fp32", 192, 128, 64) and same.schedule is None
+    for family, bm, bn, schedule in (("fwd_mma", 128, 64, "dynamic"), ("fwd_wgmma", 128, 128, "loop")):
+        with pytest.raises(ValueError, match="schedule must be"):
+            Variant(family, "f16", "fp32", bm, bn, 64, schedule=schedule)

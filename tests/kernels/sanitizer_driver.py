@@ -43,6 +43,20 @@ def main() -> None:
                     for det in (False, True):
                         flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel,
                                                      accum=accum, deterministic=det, **bwd_tile)
+    # the persistent wgmma forward (D=64) on 3 CTAs, so that each runs several tiles: the static split
+    # and, with a causal mask, the dynamic scheduler's tile slot and counter
+    from flashcupy import _launch
+
+    ctas = _launch._wgmma_ctas
+    _launch._wgmma_ctas = lambda tiles: min(tiles, 3)
+    try:
+        for causal in (False, True):
+            for nq, nk in ((301, 130), (130, 301)):
+                q = cupy.asarray(rng.standard_normal((1, 4, nq, 64)).astype(np.float16))
+                k = cupy.asarray(rng.standard_normal((1, 2, nk, 64)).astype(np.float16))
+                flashcupy.attention(q, k, k, causal=causal, kernel="wgmma", block_m=128, block_n=64)
+    finally:
+        _launch._wgmma_ctas = ctas
     # fp8 (e4m3) forward: both accumulations, k descales per tile and per key, every tile, GQA, ragged
     from flashcupy import fp8
 
