@@ -53,8 +53,9 @@
 //       dq_rotate (set by the host when every key tile of a head can be resident at once and
 //       n_qt >= n_kt) CTA kt starts at query tile floor(kt n_qt / n_kt) and wraps around instead, so
 //       the CTAs of a head reach each tile at different steps and tile i's order is that of the steps
-//       (dK, dV then sum the query tiles in another order than the atomic path's; rotating the atomic
-//       path too cost it 3-6% at D = 128 non-causal, measured, not profiled);
+//       (dK, dV sum the query tiles in the order of the steps too; the atomic path starts rotated at
+//       D = 128, ATOMIC_DQ_ROTATE, where its dK, dV then have the deterministic path's bits wherever the
+//       host rotates that one);
 //   causal: descending from tile i's diagonal key tile kt_top (CTA kt starts at its own diagonal, so
 //       kt + 1 reaches tile i before kt does; the key tiles that see tile i are exactly 0 .. kt_top);
 //       ascending would make every CTA wait for key tile 0 to come down the diagonal (measured: 0.33x
@@ -102,6 +103,11 @@ constexpr int BN = FC_BLOCK_N;
 constexpr int HD = FC_HEAD_DIM;
 constexpr int STAGES = FC_BWD_STAGES;
 constexpr bool EARLY_DV = FC_BWD_EARLY_DV;
+// The atomic path's dQ without a causal mask: 1, the key tiles start rotated as the deterministic path's
+// do with dq_rotate (the header). Measured on the H200 (same process, fp16, B=4, H=32): D = 128 1.013x /
+// 1.018x / 1.031x / 1.019x at N = 1024 / 2048 / 4096 / 16384; D = 64 1.053x at 1024, 1.003x at 2048, 0.989x
+// at 4096 and 0.962x at 16384, so it is on at D = 128 only.
+constexpr int ATOMIC_DQ_ROTATE = HD == 128;
 constexpr int NCWG = BN / 64;            // consumer warpgroups, 64 keys each
 constexpr int NTHR = 128 * (1 + NCWG);
 constexpr int NCTHR = 128 * NCWG;        // consumer threads
@@ -191,10 +197,31 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
     // The key tile: block x, except on the causal deterministic path, where block x runs key tile
-    // n_kt - 1 - x (its CTAs wait only on CTAs of lower block index; see the header).
+    // n_kt - 1 - x (its CTAs wait only on CTAs of lower block index; see the header), and on the causal
+    // atomic path, where the blocks take the (key tile, head, batch) tiles in FlashAttention-3's LPT
+    // order: the (batch, KV head) pairs in sections of hs, a power of two of heads whose Q, dO and fp32
+    // dQ fit in 40 MB (of the H200's 50 MB of L2) together, and inside a section the key tile slowest,
+    // from key tile 0, the heaviest (it sees every query tile), so that the hardware's block scheduler
+    // hands the heaviest tiles of all the section's heads out first.
     constexpr bool ordered = ORDERED;
-    const int kt = (FC_CAUSAL && ordered) ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+#if FC_CAUSAL
+    int kt, hk, b;
+    if (ordered) {
+        kt = (int)(gridDim.x - 1 - blockIdx.x), hk = blockIdx.y, b = blockIdx.z;
+    } else {
+        const int n_kt = gridDim.x, n_hb = gridDim.y * gridDim.z;
+        const int lin = blockIdx.x + n_kt * (blockIdx.y + gridDim.y * blockIdx.z);
+        const long long head_bytes = (long long)group * max(nq, 1) * HD * (2 + 2 + 4), l2_bytes = 40ll << 20;
+        const int hs = head_bytes >= l2_bytes ? 1 : 1 << (31 - __clz((int)(l2_bytes / head_bytes)));
+        const int sec = lin / (hs * n_kt), first = sec * hs, in_sec = min(hs, n_hb - first);
+        const int r = lin - first * n_kt, hb = first + r % in_sec;
+        kt = r / in_sec, hk = hb % gridDim.y, b = hb / gridDim.y;
+    }
+    const int n0 = kt * BN;
+#else
+    const int kt = (int)blockIdx.x;
     const int n0 = kt * BN, hk = blockIdx.y, b = blockIdx.z;
+#endif
     const int heads_kv = gridDim.y, heads_q = heads_kv * group;
 
     // Query tiles [qt0, n_qt) of each of the group's heads hold a query that sees some key of this tile.
@@ -212,10 +239,10 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #if FC_CAUSAL
     const int rot = 0;
 #else
-    // dq_rotate (non-causal, deterministic): CTA kt starts at query tile rot = floor(kt n_qt / n_kt) and
-    // wraps around, so that a head's CTAs reach each query tile at different steps (see the header)
+    // dq_rotate (non-causal; the atomic path: ATOMIC_DQ_ROTATE): CTA kt starts at query tile rot = floor(kt n_qt / n_kt) and wraps around, so
+    // that a head's CTAs reach each query tile at different steps (see the header)
     const int n_kt = gridDim.x;
-    const int rot = (ordered && dq_rotate != 0) ? (int)((long long)kt * n_qt / n_kt) : 0;
+    const int rot = (ordered ? dq_rotate != 0 : ATOMIC_DQ_ROTATE) ? (int)((long long)kt * n_qt / n_kt) : 0;
 #endif
     auto tile_of = [&](int it) {
         const int j = it % qt_per_head + rot;

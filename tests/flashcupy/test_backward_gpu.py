@@ -155,19 +155,21 @@ def test_backward_bitwise_deterministic(rng, combo):
             assert bool((a.view(bits) == b.view(bits)).all())
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("nq,nk", [(1029, 577), (130, 1029), (17000, 17000)], ids=lambda x: str(x))
-def test_wgmma_noncausal_deterministic_orders(rng, nq, nk):
+def test_wgmma_noncausal_deterministic_orders(rng, nq, nk, d):
     """The non-causal deterministic wgmma backward orders a query tile's dQ additions by the step at which
     the key tiles reach it when they start rotated (n_qt >= n_kt and a head's key tiles fit on the SMs),
     by ascending key tile otherwise (the (130, 1029) and, on a GPU of at most 132 SMs, the
-    (17000, 17000) case): both orders are bitwise repeatable and agree with the atomic path (dk, dv bit
-    for bit where the query tiles run in the atomic path's order)."""
+    (17000, 17000) case): both orders are bitwise repeatable and agree with the atomic path, whose key
+    tiles start rotated at D=128 and at query tile 0 at D=64 (dk, dv bit for bit where both paths run
+    the query tiles in the same order)."""
     import cupy
 
     from flashcupy import _launch
 
     bh = (1, 1, 1) if nq > 4096 else (2, 4, 2)
-    do, q, k, v = to_device(*do_qkv(rng, (*bh, nq, nk, 64), "f16"))
+    do, q, k, v = to_device(*do_qkv(rng, (*bh, nq, nk, d), "f16"))
     o, lse = _fwd(q, k, v, False, "wgmma", "fp32")
     _launch._BACKWARD_PLANS.clear()
     runs = [run_backward_poisoned(do, q, k, v, o, lse, kernel="wgmma", deterministic=True) for _ in range(3)]
@@ -178,16 +180,18 @@ def test_wgmma_noncausal_deterministic_orders(rng, nq, nk):
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
-    # the atomic path runs the query tiles in ascending order: dk, dv are its bits unless rotated
+    # the atomic path's order: rotated at D=128, ascending at D=64
     fast = run_backward_poisoned(do, q, k, v, o, lse, kernel="wgmma")
     for name, a, b in zip(("dq", "dk", "dv"), fast, runs[0]):
-        if name != "dq" and not int(plan.sem_tail[0]):
+        if name != "dq" and int(plan.sem_tail[0]) == (d == 128):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name}: the dQ paths differ"
         a, b = a.astype(cupy.float32), b.astype(cupy.float32)
         diff = float(cupy.abs(a - b).max())
         assert diff <= dq_order_tolerance("f16", float(cupy.abs(b).max())), f"{name}: {diff:.3e} apart"
     if nq <= 4096:
-        _check(tuple(x.get() for x in (do, q, k, v)), runs[0], "f16", "fp32", False, f"wgmma det {nq}x{nk}")
+        host = tuple(x.get() for x in (do, q, k, v))
+        _check(host, runs[0], "f16", "fp32", False, f"wgmma det {nq}x{nk} d={d}")
+        _check(host, fast, "f16", "fp32", False, f"wgmma {nq}x{nk} d={d}")
 
 
 @pytest.mark.parametrize("causal,nq,nk", [(True, 333, 517), (True, 517, 333), (False, 1024, 1024)],
