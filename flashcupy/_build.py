@@ -303,12 +303,17 @@ def wgmma_schedule(d: int, causal: bool, n: int | None = None, tile: tuple[int, 
     - D=128 causal, "dynamic" up to N = 2048 (1.05x at 1024, 1.02x at 2048), one tile per CTA above
       (the loop's bookkeeping in the consumers: dynamic 0.98x / 0.97x / 0.95x at 4096 / 8192 / 16384)
       and on tiles wider than 128 x 128 (the loop spills 8-16 bytes there).
-    - D=128 without a mask and D=256, one tile per CTA (dynamic 0.92x at D=128 N=1024; the loop spills
-      at D=256)."""
+    - D=128 without a mask, "static" up to N = 1024 (1.02x, fp16 and bf16) on tiles of at most 128
+      query rows (three consumer warpgroups spill in the loop), one tile per CTA above (static 0.99x at
+      2048, 0.96x at 4096; dynamic 0.92x at 1024).
+    - D=256, one tile per CTA (the loop spills)."""
     if d == 64:
         return "dynamic" if causal else "static"
-    if d == 128 and causal and n is not None and n <= 2048 and max(tile) <= 128:
-        return "dynamic"
+    if d == 128 and n is not None:
+        if causal and n <= 2048 and max(tile) <= 128:
+            return "dynamic"
+        if not causal and n <= 1024 and tile[0] <= 128:
+            return "static"
     return "tile"
 
 
@@ -902,14 +907,17 @@ def covering_variants(family: str) -> list[Variant]:
             for bn in fam.block_n:
                 for ab in ABLATIONS:
                     add(block_m=bm, block_n=bn, head_dim=128, causal=True, ablate=ab)
-    # the dynamic scheduler at D=128 with a causal mask (the default up to 2048 query rows): every tile it
-    # runs on (wgmma_schedule), with each break, and fp16 accumulators
+    # the tile loops at D=128 for short sequences (wgmma_schedule): the dynamic scheduler with a causal
+    # mask, the static split without, on every tile they run on, with each break, and fp16 accumulators
     if family == "fwd_wgmma":
         for bm in (64, 128):
-            for bn in (64, 128):
+            for bn in (64, 128, 176):
                 for ab in ABLATIONS:
-                    add(block_m=bm, block_n=bn, head_dim=128, causal=True, ablate=ab, schedule="dynamic")
+                    if bn <= 128:
+                        add(block_m=bm, block_n=bn, head_dim=128, causal=True, ablate=ab, schedule="dynamic")
+                    add(block_m=bm, block_n=bn, head_dim=128, ablate=ab, schedule="static")
         add(head_dim=128, causal=True, accum="fp16", schedule="dynamic")
+        add(head_dim=128, accum="fp16", schedule="static")
     # fp8 (fwd_wgmma): every accumulation x k-descale x causal on its default tile, the 64- and 128-row
     # tiles, and the breaks
     if family == "fwd_wgmma":

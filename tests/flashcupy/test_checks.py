@@ -230,7 +230,8 @@ def test_default_tiles_of_the_wgmma_forward():
 def test_default_tiles_and_schedules_that_depend_on_the_length():
     """The wgmma forward's choices per query length (flashcupy/_build.py, measured on the H200): D=64 with
     a causal mask takes 128-row tiles up to 1024 rows, 192 above; D=128 causal runs the dynamic tile
-    scheduler up to 2048 rows on tiles of at most 128 x 128 and one tile per CTA above; D=64 always loops
+    scheduler up to 2048 rows on tiles of at most 128 x 128 and one tile per CTA above, D=128 without a
+    mask the static split up to 1024 rows on tiles of at most 128 rows; D=64 always loops
     (a static split without a mask, the dynamic scheduler with one). A schedule equal to the default for
     any length leaves the variant's key as it was."""
     from flashcupy._build import Variant, default_tile, wgmma_persistent, wgmma_schedule
@@ -244,7 +245,8 @@ def test_default_tiles_and_schedules_that_depend_on_the_length():
     assert wgmma_schedule(128, True, 2048) == "dynamic"
     assert wgmma_schedule(128, True, 2049) == wgmma_schedule(128, True) == "tile"
     assert wgmma_schedule(128, True, 1024, (128, 176)) == "tile"
-    assert wgmma_schedule(128, False, 1024) == "tile"
+    assert wgmma_schedule(128, False, 1024, (128, 176)) == "static"
+    assert wgmma_schedule(128, False, 1025) == wgmma_schedule(128, False, 1024, (192, 128)) == "tile"
     assert (wgmma_schedule(64, False), wgmma_schedule(64, True)) == ("static", "dynamic")
 
     q = np.zeros((1, 2, 1024, 128), np.float16)
