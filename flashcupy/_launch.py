@@ -27,20 +27,26 @@ def _wgmma_ctas(tiles: int) -> int:
     return min(tiles, _sm_count(cupy.cuda.Device().id))
 
 
-_TILE_COUNTERS: dict = {}
-
-
 def _tile_counter(stream):
-    """The tile counter of the wgmma forward's dynamic scheduler (FC_WG_PERSISTENT 2) for launches on
-    ``stream``: two int32, zero before each launch and zero again after it (the kernel's last CTA resets
-    them), so launches in one stream share it and another stream gets its own (a CUDA graph captured on
-    a stream keeps that stream's counter: replay it on one stream at a time)."""
+    """The tile counter of the wgmma forward's dynamic scheduler (FC_WG_PERSISTENT 2) for a launch on
+    ``stream`` from this thread: two int32, zero before each launch and zero again after it (the kernel's
+    last CTA resets them). Launches that run one after another share one: those of a thread on one
+    stream (another thread, whose per-thread default stream has the same handle, gets its own). While
+    the stream is captured into a CUDA graph the launch takes the thread's capture counter instead, and
+    a memset to zero is captured before it, so that each replay starts from zero whatever ran before;
+    graphs that hold such a launch share that counter: replay them one at a time."""
     import cupy
 
-    key = (cupy.cuda.runtime.getDevice(), stream.ptr)
-    counter = _TILE_COUNTERS.get(key)
+    counters = getattr(_THREAD, "tile_counters", None)
+    if counters is None:
+        counters = _THREAD.tile_counters = {}
+    capturing = stream.is_capturing()
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr, capturing)
+    counter = counters.get(key)
     if counter is None:
-        counter = _TILE_COUNTERS[key] = cupy.zeros(2, dtype=cupy.int32)
+        counter = counters[key] = cupy.zeros(2, dtype=cupy.int32)
+    elif capturing:
+        counter.fill(0)
     return counter
 
 
@@ -162,7 +168,7 @@ def _c_value(a):
 
 class _ForwardPlan:
     __slots__ = ("aligned", "kern", "grid", "args", "tail", "maps", "boxes", "o_shape", "lse_shape",
-                 "launcher")
+                 "launcher", "dynamic")
 
     def __init__(self, p: Problem, q_strides, k_strides, v_strides, itemsize: int):
         var = p.variant
@@ -176,12 +182,14 @@ class _ForwardPlan:
         self.args = (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
                      *_element_strides(q_strides, itemsize), *_element_strides(k_strides, itemsize),
                      *_element_strides(v_strides, itemsize), np.float32(p.scale * _LOG2E))
-        self.tail, self.maps, self.boxes, self.launcher = (), None, None, None
+        self.tail, self.maps, self.boxes, self.launcher, self.dynamic = (), None, None, None, False
         if var.fam.kind == "wgmma":
             # The Hopper kernels load q, k, v by TMA from tensor maps over their real strides, passed
             # first, by value; they also take the head and batch counts, and a persistent variant loops
-            # over the tiles on one CTA per SM.
-            self.tail = (np.int32(p.heads_q), np.int32(p.batch))
+            # over the tiles on one CTA per SM, with the dynamic scheduler taking them from a counter (a
+            # call's own, _tile_counter; the others get a null pointer).
+            self.dynamic = wgmma_persistent(var) == 2
+            self.tail = (np.int32(p.heads_q), np.int32(p.batch)) + (() if self.dynamic else (np.uint64(0),))
             self.maps, self.boxes = {}, (var.block_m, var.block_n, var.block_n)
             if wgmma_persistent(var):
                 self.grid = (_wgmma_ctas(self.grid[0] * self.grid[1] * self.grid[2]), 1, 1)
@@ -251,7 +259,7 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
                              f"{lse.dtype}")
     maps = plan.tensor_maps(q, k, v) if plan.maps is not None else ()  # q, k, v stay alive until return
     stream = cupy.cuda.get_current_stream()
-    counter = (_tile_counter(stream),) if plan.maps is not None else ()
+    counter = (_tile_counter(stream),) if plan.dynamic else ()
     if plan.launcher is not None:
         plan.launcher(stream.ptr, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr,
                                    *(c.data.ptr for c in counter)), maps)
@@ -430,10 +438,10 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
     grid = ((nq + var.block_m - 1) // var.block_m, hq, b)
     if wgmma_persistent(var):
         grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
+    counter = _tile_counter(cupy.cuda.get_current_stream()) if wgmma_persistent(var) == 2 else np.uint64(0)
     args = maps + (q8, k8, vt, o, lse, np.int32(nq), np.int32(nk), np.int32(hq // hkv),
                    *element_strides(q8), *element_strides(k8), *element_strides(v8),
-                   np.float32(scale * _LOG2E), np.int32(hq), np.int32(b),
-                   _tile_counter(cupy.cuda.get_current_stream()), q_ds, k_ds, v_ds, np.float32(p_scale),
-                   np.float32(math.log2(p_scale)))
+                   np.float32(scale * _LOG2E), np.int32(hq), np.int32(b), counter,
+                   q_ds, k_ds, v_ds, np.float32(p_scale), np.float32(math.log2(p_scale)))
     kern(grid, args)
     return o, lse

@@ -212,7 +212,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         const int n_kt = gridDim.x, n_hb = gridDim.y * gridDim.z;
         const int lin = blockIdx.x + n_kt * (blockIdx.y + gridDim.y * blockIdx.z);
         const long long head_bytes = (long long)group * max(nq, 1) * HD * (2 + 2 + 4), l2_bytes = 40ll << 20;
-        const int hs = head_bytes >= l2_bytes ? 1 : 1 << (31 - __clz((int)(l2_bytes / head_bytes)));
+        const int hs = min(head_bytes >= l2_bytes ? 1 : 1 << (31 - __clz((int)(l2_bytes / head_bytes))), n_hb);
         const int sec = lin / (hs * n_kt), first = sec * hs, in_sec = min(hs, n_hb - first);
         const int r = lin - first * n_kt, hb = first + r % in_sec;
         kt = r / in_sec, hk = hb % gridDim.y, b = hb / gridDim.y;

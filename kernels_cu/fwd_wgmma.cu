@@ -224,7 +224,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     // the remaining pairs.
     const int n_mt = (nq + BM - 1) / BM, n_bh = heads_q * batch, n_work = n_mt * n_bh;
     const long long kv_head_bytes = 2ll * max(nk, 1) * HD * EB, l2_kv = 32ll << 20;
-    const int hs = group * (kv_head_bytes >= l2_kv ? 1 : 1 << (31 - __clz((int)(l2_kv / kv_head_bytes))));
+    const long long hs_l2 = group * (kv_head_bytes >= l2_kv ? 1ll : 1ll << (31 - __clz((int)(l2_kv / kv_head_bytes))));
+    const int hs = (int)min(hs_l2, (long long)n_bh);  // (at most every pair: hs n_mt <= n_work)
     auto tile_at = [&](int w) {
         const int sec = w / (hs * n_mt), first = sec * hs, in_sec = min(hs, n_bh - first);
         const int r = w - first * n_mt, mt = r / in_sec, bh = first + (r - mt * in_sec);

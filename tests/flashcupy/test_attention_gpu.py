@@ -155,6 +155,67 @@ def test_wgmma_persistent_grid_of_any_size_writes_the_same_bits(rng, combo, caus
         assert bool((o2.view(cupy.uint16) == o_ref.view(cupy.uint16)).all())
 
 
+def test_wgmma_dynamic_scheduler_on_per_thread_streams_and_in_a_cuda_graph(rng):
+    """The dynamic scheduler's counter (D=64 causal) under concurrency: two host threads launching at
+    once on their per-thread default streams (one handle, two streams) get the default stream's bits
+    every time; a forward captured into a CUDA graph gives them at each replay, and eager launches on
+    the capturing stream before the capture and between replays stay right; every counter reads zero
+    after the launches."""
+    import threading
+
+    import cupy
+
+    from flashcupy import _launch
+    from flashcupy._build import wgmma_persistent
+
+    q, k, v = to_device(*qkv(rng, (2, 8, 4, 700, 700, 64), "f16"))
+    kw = dict(causal=True, kernel="wgmma")
+    p = check_forward(q, k, v, **{**FORWARD_DEFAULTS, **kw})
+    assert wgmma_persistent(p.variant) == 2
+    o_ref, lse_ref = flashcupy.attention(q, k, v, return_lse=True, **kw)
+    cupy.cuda.Device().synchronize()
+
+    def same(o):
+        return bool((o.view(cupy.uint16) == o_ref.view(cupy.uint16)).all())
+
+    results, errors = [], []
+
+    def worker():
+        try:
+            with cupy.cuda.Stream.ptds:
+                outs = [flashcupy.attention(q, k, v, **kw) for _ in range(8)]
+                cupy.cuda.Stream.ptds.synchronize()
+                results.append(all(same(o) for o in outs))
+                results.append(_launch._tile_counter(cupy.cuda.Stream.ptds).tolist() == [0, 0])
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert results == [True] * 4, results
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    o, lse = cupy.empty_like(o_ref), cupy.empty_like(lse_ref)
+    with stream:
+        _launch.forward(q, k, v, p, o, lse)  # eager, before the capture
+        stream.begin_capture()
+        _launch.forward(q, k, v, p, o, lse)
+        graph = stream.end_capture()
+        for _ in range(3):
+            o.fill(cupy.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            assert same(o)
+            o2 = flashcupy.attention(q, k, v, **kw)  # eager on the same stream, between replays
+            stream.synchronize()
+            assert same(o2)
+    assert _launch._tile_counter(stream).tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("kernel,dname", [("wgmma", "f16"), ("wgmma", "bf16"), ("mma", "f16"),
                                           ("mma", "bf16"), ("simt", "f32")])
 def test_strided_bnhd_view_runs_without_copy(rng, kernel, dname):
