@@ -217,15 +217,16 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #define FC_FOR_EACH_TILE(tl) \
     for (int w_ = blockIdx.x; w_ < n_work; w_ += gridDim.x) if (const Tile tl = tile_at(w_); true)
 #elif FC_WG_PERSISTENT == 2
-    // The tile order: the (batch, head) pairs in sections of hs, a power of two of KV heads whose K and
-    // V fit in 32 MB (of the H200's 50 MB of L2) together; inside a section the query tile is the slow
-    // index (causal: the heaviest first), so the CTAs running at once read a few heads' K and V and the
-    // heaviest tiles of a section start first (longest processing time first). The last section holds
-    // the remaining pairs.
+    // The tile order: the (batch, query head) pairs in sections of hs, the query heads of a power of two
+    // of KV heads whose K and V fit in 32 MB (of the H200's 50 MB of L2) together (at most all the
+    // pairs, so that hs n_mt <= n_work); inside a section the query tile is the slow index (causal: the
+    // heaviest first), so the CTAs running at once read a few heads' K and V and the heaviest tiles of
+    // a section start first (longest processing time first). The last section holds the remaining pairs.
     const int n_mt = (nq + BM - 1) / BM, n_bh = heads_q * batch, n_work = n_mt * n_bh;
     const long long kv_head_bytes = 2ll * max(nk, 1) * HD * EB, l2_kv = 32ll << 20;
-    const long long hs_l2 = group * (kv_head_bytes >= l2_kv ? 1ll : 1ll << (31 - __clz((int)(l2_kv / kv_head_bytes))));
-    const int hs = (int)min(hs_l2, (long long)n_bh);  // (at most every pair: hs n_mt <= n_work)
+    const long long hs_l2 =
+        group * (kv_head_bytes >= l2_kv ? 1ll : 1ll << (31 - __clz((int)(l2_kv / kv_head_bytes))));
+    const int hs = (int)min(hs_l2, (long long)n_bh);
     auto tile_at = [&](int w) {
         const int sec = w / (hs * n_mt), first = sec * hs, in_sec = min(hs, n_bh - first);
         const int r = w - first * n_mt, mt = r / in_sec, bh = first + (r - mt * in_sec);
@@ -233,7 +234,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     };
     // Tile k > 0 of a CTA: its index, which the producer writes into the slot before its arrival on
     // bar_q for that tile (the arrival releases, the wait acquires); n_work or more: no tile left.
-    volatile int *const slot = reinterpret_cast<volatile int *>(smem_raw + (base + OFF_SLOT - (u32)__cvta_generic_to_shared(smem_raw)));
+    volatile int *const slot =
+        reinterpret_cast<volatile int *>(smem_raw + (base + OFF_SLOT - (u32)__cvta_generic_to_shared(smem_raw)));
 #define FC_FOR_EACH_TILE(tl) \
     for (int w_ = blockIdx.x; w_ < n_work; w_ = next_tile()) if (const Tile tl = tile_at(w_); true)
 #else
