@@ -28,9 +28,12 @@ def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, 
         that sees no key gets output 0 and LSE -inf.
     scale : score scale, default 1/sqrt(D); must be finite and > 0.
     block_m, block_n : tile sizes (query rows per block, keys per inner step); None picks a default per
-        (kernel, dtype, D, accum, causal) (a block_m given alone keeps the default key tile where the
-        family runs it with that block_m, else takes the widest it does). Unsupported values raise
-        ValueError listing the supported ones.
+        (kernel, dtype, D, accum, causal) and, for the wgmma forward, the query length (D=64 causal:
+        128 rows up to 1024 query rows, 192 above) (a block_m given alone keeps the default key tile
+        where the family runs it with that block_m, else takes the widest it does). Unsupported values
+        raise ValueError listing the supported ones. The wgmma forward also picks how its CTAs walk
+        the tiles by D, causal and the query length (flashcupy._build.wgmma_schedule); that choice
+        never changes a bit of the result.
     accum : "fp32" or "fp16": precision of the on-chip accumulators (scores, running max and sum,
         output accumulator). The rounding model is written in ``flashcupy._twin``.
     kernel : "wgmma" (Hopper only: wgmma + TMA + warp specialization, FlashAttention-3's design;
