@@ -239,8 +239,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #if FC_CAUSAL
     const int rot = 0;
 #else
-    // dq_rotate (non-causal; the atomic path: ATOMIC_DQ_ROTATE): CTA kt starts at query tile rot = floor(kt n_qt / n_kt) and wraps around, so
-    // that a head's CTAs reach each query tile at different steps (see the header)
+    // dq_rotate (non-causal; the atomic path: ATOMIC_DQ_ROTATE): CTA kt starts at query tile
+    // rot = floor(kt n_qt / n_kt) and wraps around, so that a head's CTAs reach each query tile at
+    // different steps (see the header)
     const int n_kt = gridDim.x;
     const int rot = (ordered ? dq_rotate != 0 : ATOMIC_DQ_ROTATE) ? (int)((long long)kt * n_qt / n_kt) : 0;
 #endif
