@@ -173,14 +173,40 @@ WGMMA_KV_STAGES = 2
 WGMMA_HEAD_DIMS = (64, 128, 256)
 
 
-def _wgmma_smem(v: "Variant", role: str) -> int:
+def _wgmma_smem_tiles(v: "Variant") -> int:
     # 1024 bytes of alignment slack, the Q tile and WGMMA_KV_STAGES K and V tiles (2-byte elements, 1 byte
     # with fp8), the mbarriers (q_full, q_empty; k_full, k_empty, v_full, v_empty per stage) and 8 bytes
-    # for the next tile's index; the fp8 V transposition uses static shared memory only
-    if role != "fwd":
-        return 0
+    # for the next tile's index
     return (1024 + (v.block_m + 2 * WGMMA_KV_STAGES * v.block_n) * v.head_dim * (1 if v.fp8 else 2)
             + 8 * (2 + 4 * WGMMA_KV_STAGES) + 8)
+
+
+def wgmma_o_stage(v: "Variant") -> int:
+    """FC_WG_O_STAGE of a fwd_wgmma variant, how o leaves the CTA: 1 through the Q buffer and a TMA store
+    (one tile per CTA), 2 through a buffer of its own and a TMA store (the tile loops, where it fits in
+    shared memory), 0 straight from registers (4 bytes of half a 32-byte sector per lane and store).
+    Measured on the H200 against the register stores (same process, fp16, B=4, H=32, o bitwise equal;
+    reports/wgmma_notes.md): one tile per CTA +2.2% / +2.6% at D=128 N=4096 (non-causal / causal), +3.2%
+    at N=16384, +5.2% / +6.4% at D=256 N=4096; the dynamic scheduler +14% at D=128 causal N=1024, +6.8% /
+    +3.2% at D=64 causal N = 1024 / 4096. Register stores stay for e4m3 variants, loops on tiles that
+    leave no room (128 x 176, D=256 with 128 rows), and the static split at D=64, where the TMA store
+    measured 0.98x (a 128-byte row of o per lane group there: the register stores fill whole sectors)."""
+    if v.fp8:
+        return 0
+    persistent = wgmma_persistent(v)
+    if not persistent:
+        return 1
+    if persistent == 1 and v.head_dim == 64:
+        return 0
+    return 2 if _wgmma_smem_tiles(v) + v.block_m * v.head_dim * 2 <= SMEM_LIMIT else 0
+
+
+def _wgmma_smem(v: "Variant", role: str) -> int:
+    # the tiles and barriers, and with FC_WG_O_STAGE 2 the o tile (2-byte elements); the fp8 V
+    # transposition uses static shared memory only
+    if role != "fwd":
+        return 0
+    return _wgmma_smem_tiles(v) + (v.block_m * v.head_dim * 2 if wgmma_o_stage(v) == 2 else 0)
 
 
 # fp8 (e4m3) variants of fwd_wgmma: the accumulation of O (FC_FP8_TWO_LEVEL) and whether k's descale
@@ -333,12 +359,14 @@ def _wgmma_defaults(dtype: str, d: int, accum: str, causal: bool, n: int | None 
     # causal or not; the largest tile that fits in shared memory). fp16 accumulators keep the tiles
     # measured with them. D=64 causal up to 1024 query rows: 128 rows (the 192-row tiles leave the
     # heaviest query tile two thirds empty there; with the dynamic scheduler 1.07x the 192-row tile at
-    # N=1024, 0.93x at 2048).
+    # N=1024, 0.93x at 2048). D=128 without a mask up to 1024 query rows: 128 x 128, whose static split
+    # stores o by TMA from a buffer of its own (no room beside 128 x 176): 1.08x 128 x 176 at N=1024.
     if d == 64 and accum == "fp32":
         return (128, 128) if causal and n is not None and n <= 1024 else (192, 128)
     if d == 256:
         return (128, 80) if accum == "fp32" else (128, 64)
-    return (128, 176) if d == 128 and accum == "fp32" and not causal else (128, 128)
+    short = n is not None and n <= 1024
+    return (128, 176) if d == 128 and accum == "fp32" and not causal and not short else (128, 128)
 
 
 def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, block_m=None,
@@ -394,7 +422,8 @@ _FAMILIES = (
         # rescaling break and a causal mask ptxas spills 8 bytes. Reported, allowed; the others must not.
         no_spill=lambda v: v.fp8 is not None or not (v.block_m == 192 and v.head_dim == 128),
         limits=_wgmma_limits, arch="sm_90a",
-        extra_defines=lambda v: {"FC_WG_PERSISTENT": int(wgmma_persistent(v)), **_fp8_defines(v)},
+        extra_defines=lambda v: {"FC_WG_PERSISTENT": int(wgmma_persistent(v)), "FC_WG_O_STAGE": wgmma_o_stage(v),
+                                 **_fp8_defines(v)},
         roles_of=lambda v: ("fwd", "v_transpose") if v.fp8 else ("fwd",),
     ),
     Family(

@@ -185,17 +185,18 @@ class _ForwardPlan:
         self.tail, self.maps, self.boxes, self.launcher, self.dynamic = (), None, None, None, False
         if var.fam.kind == "wgmma":
             # The Hopper kernels load q, k, v by TMA from tensor maps over their real strides, passed
-            # first, by value; they also take the head and batch counts, and a persistent variant loops
+            # first, by value, and store o through a fourth (64 x 64 boxes); they also take the head and
+            # batch counts, and a persistent variant loops
             # over the tiles on one CTA per SM, with the dynamic scheduler taking them from a counter (a
             # call's own, _tile_counter; the others get a null pointer).
             self.dynamic = wgmma_persistent(var) == 2
             self.tail = (np.int32(p.heads_q), np.int32(p.batch)) + (() if self.dynamic else (np.uint64(0),))
-            self.maps, self.boxes = {}, (var.block_m, var.block_n, var.block_n)
+            self.maps, self.boxes = {}, (var.block_m, var.block_n, var.block_n, 64)
             if wgmma_persistent(var):
                 self.grid = (_wgmma_ctas(self.grid[0] * self.grid[1] * self.grid[2]), 1, 1)
 
-    def tensor_maps(self, q, k, v) -> tuple:
-        return _tensor_maps(self.maps, (q, k, v), self.boxes, ("q", "k", "v"))
+    def tensor_maps(self, q, k, v, o) -> tuple:
+        return _tensor_maps(self.maps, (q, k, v, o), self.boxes, ("q", "k", "v", "o"))
 
 
 def _tensor_maps(cache: dict, arrays: tuple, boxes: tuple, names: tuple) -> tuple:
@@ -257,7 +258,7 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
         if not (lse.flags.c_contiguous and lse.shape == plan.lse_shape and lse.dtype == cupy.float32):
             raise ValueError(f"lse must be C-contiguous {plan.lse_shape} float32; got {lse.shape} "
                              f"{lse.dtype}")
-    maps = plan.tensor_maps(q, k, v) if plan.maps is not None else ()  # q, k, v stay alive until return
+    maps = plan.tensor_maps(q, k, v, o) if plan.maps is not None else ()  # the arrays outlive the launch
     stream = cupy.cuda.get_current_stream()
     counter = (_tile_counter(stream),) if plan.dynamic else ()
     if plan.launcher is not None:
@@ -433,7 +434,8 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
     lse = cupy.empty((b, hq, nq), dtype=cupy.float32) if lse is None else lse
     maps = (tensor_map(q8, var.block_m, box_cols=128, name="q"),
             tensor_map(k8, var.block_n, box_cols=128, name="k"),
-            tensor_map(vt, d, box_cols=var.block_n, name="v"))
+            tensor_map(vt, d, box_cols=var.block_n, name="v"),
+            tensor_map(o, 64, name="o"))  # (read by the kernel only where wgmma_o_stage says so)
     transpose((nk_pad // FP8_VT_KEYS, hkv, b), (v8, vt, np.int32(nk), np.int32(nk_pad), *element_strides(v8)))
     grid = ((nq + var.block_m - 1) // var.block_m, hq, b)
     if wgmma_persistent(var):

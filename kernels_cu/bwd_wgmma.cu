@@ -482,8 +482,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
                     const int row = 64 * cw + 16 * wq + g + 8 * hf;
                     const u32 addr = sds + (i >> 3) * DS_PANEL + row * 128 + (((i & 7) ^ g) << 4) + 4 * t;
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds_frag[i >> 1][hf + 2 * (i & 1)])
-                                 : "memory");
+                    st_shared_b32(addr, ds_frag[i >> 1][hf + 2 * (i & 1)]);
                 }
             }
 

@@ -23,8 +23,9 @@
 //           O *= alpha             skipped when every alpha of the warp is 1
 //           O += P V_j             wgmma m64nDk16, A = P from registers (rounded to the element type),
 //                                  B = V_j from shared memory, MN-major (transpose bit)
-//       and at the end o = O / l, lse = m * scale + ln l (o = 0, lse = -inf for rows that see no key),
-//       written straight from registers.
+//       and at the end o = O / l, lse = m * scale + ln l (o = 0, lse = -inf for rows that see no key):
+//       lse straight from registers, o (FC_WG_O_STAGE, below) through shared memory and a TMA store, or
+//       straight from registers.
 // Schedule (FlashAttention-3's step 2; knobs FC_WG_* below, none changes a bit of the result):
 //   inside a consumer warpgroup, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued together and the
 //   softmax of tile j runs while P_{j-1} V_{j-1} is on the tensor cores (wait_group<1>); P_j is
@@ -44,7 +45,8 @@
 // accumulator and its element rounding, so the S registers become P V's A fragments by a copy; l
 // keeps the full fp32 row sum of the unrounded P, rounded to fp16 once per tile (fc_softmax_l).
 //
-// Kernel parameters: three CUtensorMap (128 bytes, by value) for q, k, v, then FC_FWD_PARAMS
+// Kernel parameters: four CUtensorMap (128 bytes, by value) for q, k, v and o (box (64, 64, 1, 1), read
+// only by FC_WG_O_STAGE 1 and 2), then FC_FWD_PARAMS
 // (the pointers and strides of q, k, v are not read: the tensor maps carry them), then Hq, B and
 // tile_counter (read only by FC_WG_PERSISTENT 2).
 // Grid: persistent, (any number of CTAs, 1, 1), e.g. min(tiles, SMs), every grid size writing the same
@@ -52,6 +54,7 @@
 // Block: FC_NUM_THREADS = 128 * (1 + FC_BLOCK_M / 64).
 // Dynamic shared memory (bytes), to be passed at launch and as FC_SMEM_FWD:
 //     1024 (alignment slack) + (FC_BLOCK_M + 2 * FC_KV_STAGES * FC_BLOCK_N) * FC_HEAD_DIM * 2
+//     + FC_BLOCK_M * FC_HEAD_DIM * 2  (only with FC_WG_O_STAGE 2: the o buffer)
 //     + 8 * (2 + 4 * FC_KV_STAGES)  (mbarriers) + 8  (the tile slot of FC_WG_PERSISTENT 2)
 // Supported: FC_DTYPE 1 or 2; FC_ACCUM_F16 only with FC_DTYPE 1; FC_HEAD_DIM in {64, 128, 256};
 // FC_BLOCK_M in {64, 128, 192}, FC_BLOCK_N in {64, 128}, and FlashAttention-3's wide key tiles: 176 at
@@ -98,6 +101,17 @@
 #ifndef FC_WG_PERSISTENT
 #error "fwd_wgmma: FC_WG_PERSISTENT (0 or 1) must be defined by the build layer"
 #endif
+//   FC_WG_O_STAGE   (set by the build layer, wgmma_o_stage) how o leaves the CTA. 1 and 2: each consumer
+//                   warpgroup writes its 64 rows of o into shared memory (HD / 64 panels of 64 rows x 128
+//                   bytes, 128-byte swizzle, conflict-free 4-byte stores), and one of its threads stores
+//                   them with TMA (whole 128-byte lines; rows past nq are not written): 1 into its own rows
+//                   of the Q buffer (one tile per CTA: Q is not read after the warpgroup's last S), 2 into
+//                   a buffer of its own (the tile loops, whose next Q loads during this tile's end);
+//                   measured on the H200 (reports/wgmma_notes.md). 0: straight from registers, 4-byte
+//                   stores of half 32-byte sectors (fp8, and loops whose tile leaves no room for a buffer).
+#ifndef FC_WG_O_STAGE
+#error "fwd_wgmma: FC_WG_O_STAGE (0, 1 or 2) must be defined by the build layer"
+#endif
 #ifndef FC_WG_EARLY_RESCALE
 #define FC_WG_EARLY_RESCALE 1
 #endif
@@ -132,6 +146,9 @@ static_assert(HD < 256 || (BM <= 128 && (BN == 64 || BN == 80 || FC_FP8)),
 static_assert((BN != 80 || HD == 256) && (BN != 176 || (HD == 128 && BM <= 128)),
               "fwd_wgmma: FC_BLOCK_N 80 runs at D=256, 176 at D=128 with FC_BLOCK_M <= 128");
 static_assert(STAGES >= 2, "fwd_wgmma: FC_KV_STAGES must be at least 2");
+static_assert(FC_WG_O_STAGE == 0 || (!FC_FP8 && (FC_WG_O_STAGE == 2 || !FC_WG_PERSISTENT)),
+              "fwd_wgmma: o goes through the Q buffer (FC_WG_O_STAGE 1) with one tile per CTA only, and "
+              "e4m3 variants write it from registers");
 static_assert(FC_NUM_THREADS == NTHR, "fwd_wgmma: FC_NUM_THREADS must be 128 * (1 + FC_BLOCK_M / 64)");
 #if FC_FP8
 static_assert((HD == 128 || HD == 256) && BN == 128 && !FC_ACCUM_F16,
@@ -154,12 +171,14 @@ constexpr int Q_PANEL = BM * 128, KV_PANEL = BN * 128;   // bytes of one panel
 constexpr int Q_BYTES = BM * HD * EB, KV_BYTES = BN * HD * EB;
 constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
+constexpr int OFF_O = OFF_V + STAGES * KV_BYTES;     // FC_WG_O_STAGE 2: o, laid out as the Q tile
+constexpr int O_PANEL = BM * 128;                    // bytes of one panel of o (64 columns)
+constexpr int OFF_BAR = OFF_O + (FC_WG_O_STAGE == 2 ? BM * HD * 2 : 0);
 constexpr int N_BARS = 2 + 4 * STAGES;     // q_full, q_empty, k_full[], k_empty[], v_full[], v_empty[]
 constexpr int OFF_SLOT = OFF_BAR + 8 * N_BARS;  // FC_WG_PERSISTENT 2: the next tile's index
 constexpr int SMEM_NEEDED = 1024 + OFF_SLOT + 8;
 static_assert(FC_SMEM_FWD == SMEM_NEEDED,
-              "shared memory (Q, K/V stages, mbarriers, tile slot) differs from FC_SMEM_FWD");
+              "shared memory (Q, K/V stages, o buffer, mbarriers, tile slot) differs from FC_SMEM_FWD");
 
 // Registers per thread after setmaxnreg: the producer keeps few, the consumers share the rest of the
 // registers the CTA was launched with (128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= NTHR x 65536 / NTHR
@@ -179,7 +198,8 @@ constexpr int CONSUMER_REGS = NCWG == 3 ? 160 : 240;
 
 extern "C" __global__ void __launch_bounds__(NTHR, 1)
     flash_fwd_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
-                    const __grid_constant__ FcTensorMap tm_v, FC_FWD_PARAMS, const int heads_q,
+                    const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_o,
+                    FC_FWD_PARAMS, const int heads_q,
                     const int batch, int *__restrict__ tile_counter FC_FP8_PARAMS) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
@@ -263,6 +283,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             tma_prefetch_map(&tm_q);
             tma_prefetch_map(&tm_k);
             tma_prefetch_map(&tm_v);
+            if (FC_WG_O_STAGE) tma_prefetch_map(&tm_o);
             int it = 0, tq = 0;  // K/V loads and Q loads so far
             auto load_q = [&](const Tile &tl) {
                 mbar_arrive_expect_tx(bar_q, Q_BYTES);
@@ -346,6 +367,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         const int lt = tid & 127, lane = tid & 31;
         const int g = lane >> 2, t = lane & 3;
         const u32 q_rows = sQ + 64 * cw * 128;       // this warpgroup's 64 rows of each Q panel
+        // FC_WG_O_STAGE 1, 2: this warpgroup's 64 rows of each o panel (in the Q buffer or its own)
+        const u32 o_rows = (FC_WG_O_STAGE == 1 ? sQ : base + OFF_O) + 64 * cw * 128;
         int it = 0, tq = 0;                          // K/V loads and Q loads consumed so far
 #if FC_WG_PERSISTENT == 2
         // (lane 0, which makes the warp's arrival on bar_q_empty, reads the slot for its warp)
@@ -645,8 +668,12 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             }
 #endif
 
-            // ---- epilogue: o = O / l (0 where l == 0), lse; straight from registers ----
+            // ---- epilogue: o = O / l (0 where l == 0), lse ----
             const long long row_base = ((long long)tl.b * heads_q + tl.h) * nq;  // (b, h, row 0) in o and lse
+            if (FC_WG_O_STAGE == 2) {  // the previous tile's TMA stores have read the o buffer
+                if (lt == 0) tma_wait_read();
+                named_bar_sync(3 + cw, 128);
+            }
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const float l = FC_ACCUM_F16 ? l_run[hf] : quad_sum(l_run[hf]);
@@ -662,6 +689,10 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 const float inv = (l == 0.f) ? 0.f : __frcp_rn(l * pre);
 #endif
                 const int row = row_g + 8 * hf;
+                auto o_pair = [&](int i) {
+                    return pack_elem2(acc_get(wg_tile(o_acc, i), 2 * hf) * pre * inv,
+                                      acc_get(wg_tile(o_acc, i), 2 * hf + 1) * pre * inv);
+                };
                 if (row < nq) {
 #if FC_FP8
                     if (t == 0) lse[row_base + row] = fc_softmax_lse(m_run[hf], l / p_scale, scale_log2);
@@ -670,15 +701,35 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #endif
                     elem_t *orow = o + (row_base + row) * HD + 2 * t;
 #pragma unroll
+                    for (int i = 0; !FC_WG_O_STAGE && i < HD / 8; ++i)
+                        *reinterpret_cast<u32 *>(orow + 8 * i) = o_pair(i);
+                }
+                if (FC_WG_O_STAGE) {
+                    // row r of the warpgroup's 64 (r % 8 = g): columns 8i + 2t, 8i + 2t + 1 in 16-byte
+                    // chunk (i % 8) ^ g of panel i / 8
+                    const u32 orow = o_rows + (16 * (lt >> 5) + 8 * hf + g) * 128 + 4 * t;
+#pragma unroll
                     for (int i = 0; i < HD / 8; ++i)
-                        *reinterpret_cast<u32 *>(orow + 8 * i) =
-                            pack_elem2(acc_get(wg_tile(o_acc, i), 2 * hf) * pre * inv,
-                                       acc_get(wg_tile(o_acc, i), 2 * hf + 1) * pre * inv);
+                        st_shared_b32(orow + (i >> 3) * O_PANEL + (((i & 7) ^ g) << 4), o_pair(i));
+                }
+            }
+            if (FC_WG_O_STAGE) {
+                // every thread's writes, then one thread's TMA stores (rows past nq are not written);
+                // with one tile per CTA it waits for their reads before the CTA's shared memory goes
+                fence_proxy_async();
+                named_bar_sync(3 + cw, 128);
+                if (lt == 0) {
+#pragma unroll
+                    for (int p = 0; p < HD / 64; ++p)
+                        tma_store_4d(&tm_o, o_rows + p * O_PANEL, 64 * p, tl.m0 + 64 * cw, tl.h, tl.b);
+                    tma_commit();
+                    if (FC_WG_O_STAGE == 1) tma_wait_read();
                 }
             }
             it += n_tiles;
             tq += FC_WG_PERSISTENT == 2 || n_tiles > 0;
         }  // tiles
+        if (FC_WG_O_STAGE == 2 && lt == 0) tma_wait_read();  // (the CTA's shared memory outlives the reads)
     }
 }
 

@@ -301,6 +301,16 @@ __device__ __forceinline__ void tma_reduce_add_4d(const FcTensorMap *map, u32 sr
         "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
 }
+// Write the box at src (shared memory, laid out as the map's box and swizzle) to the tensor at
+// coordinates (c0 .. c3); elements outside the tensor's extents are not written. Tracked like a
+// reduce-add by the issuing thread's bulk groups.
+__device__ __forceinline__ void tma_store_4d(const FcTensorMap *map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
+        " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<u64>(map)),
+        "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
 __device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until the shared memory of every committed group of this thread has been read (it may be reused).
 __device__ __forceinline__ void tma_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
@@ -317,6 +327,10 @@ __device__ __forceinline__ void tma_prefetch_map(const FcTensorMap *map) {
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Order this thread's generic-proxy global memory accesses with its later async-proxy (TMA) ones.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+// A 32-bit store to shared memory at a 32-bit shared-window address.
+__device__ __forceinline__ void st_shared_b32(u32 addr, u32 x) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(x) : "memory");
+}
 // Named barriers 1..15 (0 is __syncthreads): `threads` (a multiple of 32) take part.
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

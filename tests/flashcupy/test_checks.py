@@ -227,6 +227,29 @@ def test_default_tiles_of_the_wgmma_forward():
     assert tile(128, "fp32", False, 96) == (96, 176)         # not a block_m: the caller's check reports it
 
 
+def test_how_the_wgmma_forward_stores_o():
+    """FC_WG_O_STAGE (flashcupy/_build.py wgmma_o_stage, measured on the H200): o goes through the Q buffer
+    and a TMA store with one tile per CTA, through a buffer of its own in the tile loops where shared
+    memory has room (which the layout then counts), and straight from registers for e4m3 variants, the
+    static split at D=64 and loops on tiles that leave no room."""
+    from flashcupy._build import SMEM_LIMIT, Variant, wgmma_o_stage
+
+    def var(bm, bn, d, causal=False, schedule=None, **kw):
+        return Variant("fwd_wgmma", "f16", "fp32", bm, bn, d, causal, schedule=schedule, **kw)
+
+    assert wgmma_o_stage(var(128, 176, 128)) == 1
+    assert wgmma_o_stage(var(128, 80, 256, True)) == 1
+    assert wgmma_o_stage(var(128, 128, 128, True, "dynamic")) == 2
+    assert wgmma_o_stage(var(128, 128, 128, False, "static")) == 2
+    assert wgmma_o_stage(var(128, 128, 64, True)) == 2                 # D=64 causal: dynamic
+    assert wgmma_o_stage(var(192, 128, 64)) == 0                       # D=64: the static split
+    assert wgmma_o_stage(var(128, 176, 128, False, "static")) == 0     # no room for a buffer
+    assert wgmma_o_stage(var(128, 80, 256, False, "static")) == 0
+    assert wgmma_o_stage(var(128, 128, 128, fp8="single")) == 0
+    tile, loop = var(128, 128, 128, True), var(128, 128, 128, True, "dynamic")
+    assert loop.smem_bytes == tile.smem_bytes + 128 * 128 * 2 <= SMEM_LIMIT
+
+
 def test_default_tiles_and_schedules_that_depend_on_the_length():
     """The wgmma forward's choices per query length (flashcupy/_build.py, measured on the H200): D=64 with
     a causal mask takes 128-row tiles up to 1024 rows, 192 above; D=128 causal runs the dynamic tile
@@ -242,6 +265,8 @@ def test_default_tiles_and_schedules_that_depend_on_the_length():
     assert tile(64, "fp32", True, n=1025) == (192, 128)
     assert tile(64, "fp32", False, n=1024) == (192, 128)
     assert tile(64, "fp32", True, 192, n=1024) == (192, 128)   # a caller's block_m wins
+    assert tile(128, "fp32", False, n=1024) == (128, 128)      # its static split stores o by TMA
+    assert tile(128, "fp32", False, n=1025) == tile(128, "fp32", False) == (128, 176)
     assert wgmma_schedule(128, True, 2048) == "dynamic"
     assert wgmma_schedule(128, True, 2049) == wgmma_schedule(128, True) == "tile"
     assert wgmma_schedule(128, True, 1024, (128, 176)) == "tile"
