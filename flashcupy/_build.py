@@ -422,8 +422,8 @@ _FAMILIES = (
         # rescaling break and a causal mask ptxas spills 8 bytes. Reported, allowed; the others must not.
         no_spill=lambda v: v.fp8 is not None or not (v.block_m == 192 and v.head_dim == 128),
         limits=_wgmma_limits, arch="sm_90a",
-        extra_defines=lambda v: {"FC_WG_PERSISTENT": int(wgmma_persistent(v)), "FC_WG_O_STAGE": wgmma_o_stage(v),
-                                 **_fp8_defines(v)},
+        extra_defines=lambda v: {"FC_WG_PERSISTENT": int(wgmma_persistent(v)),
+                                 "FC_WG_O_STAGE": wgmma_o_stage(v), **_fp8_defines(v)},
         roles_of=lambda v: ("fwd", "v_transpose") if v.fp8 else ("fwd",),
     ),
     Family(
