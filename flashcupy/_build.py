@@ -20,7 +20,8 @@ from typing import Callable
 
 __all__ = [
     "ATOMIC_DQ_ROLES", "DETERMINISTIC_DQ_ROLES", "DTYPES", "FAMILIES", "Family", "ORDERED_DQ_ROLES",
-    "Variant", "compile_report", "covering_variants", "get_kernel", "ptx", "source_text",
+    "ROTATED_DQ_ROLES", "Variant", "bwd_wgmma_rotated", "compile_report", "covering_variants", "get_kernel",
+    "ptx", "source_text",
 ]
 
 # Element types by short name: the name used in variant keys -> (FC_DTYPE code, bytes).
@@ -45,7 +46,8 @@ class Family:
     ``kind`` is the ``kernel=`` name of the public API ("mma", "simt", ...) and ``direction`` "fwd" or
     "bwd"; ``roles`` maps each kernel's role to its name in the source: "fwd" for a forward family;
     "prep", "dkdv", "dq" (and, in bwd_mma and bwd_wgmma, "dkdvdq" and "dq_convert"; bwd_wgmma's ordered twin
-    "dkdvdq_ordered") for a backward one.
+    "dkdvdq_ordered" and, without a causal mask, its rotated atomic twin "dkdvdq_rotated") for a backward
+    one.
     ``threads``, ``smem_bytes`` and ``head_dim_pad`` restate the formulas written at the top of the
     source file (``smem_bytes(variant, role)``: a backward source holds several kernels);
     ``no_spill`` says for which variants the compile check treats spills as a failure.
@@ -139,6 +141,23 @@ def _bwd_mma_smem(v: "Variant", role: str) -> int:
 DETERMINISTIC_DQ_ROLES = ("dkdv", "dq")
 ATOMIC_DQ_ROLES = ("dkdvdq", "dq_convert")
 ORDERED_DQ_ROLES = ("dkdvdq_ordered", "dq_convert")
+ROTATED_DQ_ROLES = ("dkdvdq_rotated", "dq_convert")
+
+
+def bwd_wgmma_rotated(d: int, causal: bool, n: int | None = None) -> bool:
+    """Whether the wgmma backward's atomic path runs its rotated twin (ROTATED_DQ_ROLES) at head dim ``d``
+    for ``n`` query rows (None: any length): CTA kt starts at query tile kt * n_qt / n_kt instead of 0,
+    so that the CTAs of a head do not add into the same dQ rows at the same time. Without a causal mask
+    only (the causal order is FlashAttention-3's LPT). Measured (same process, fp16, B=4, H=32;
+    reports/wgmma_bwd_plan.md): D=128 1.013x / 1.018x / 1.031x / 1.019x at N = 1024 / 2048 / 4096 /
+    16384 (H200); D=64 1.053x / 1.003x / 0.989x / 0.962x at the same lengths (H200), 1.13x / 1.08x at
+    N = 1024 / 2048 (H100), so at D=64 up to 2048 query rows."""
+    return not causal and (d == 128 or (n is not None and n <= 2048))
+
+
+def _bwd_wgmma_roles(v: "Variant") -> tuple[str, ...]:
+    roles = FAMILIES["bwd_wgmma"].roles
+    return tuple(r for r in roles if not (v.causal and r == "dkdvdq_rotated"))
 
 
 def _bwd_mma_roles(v: "Variant") -> tuple[str, ...]:
@@ -280,7 +299,7 @@ WGMMA_BWD_HEAD_DIMS = (64, 128)
 def _bwd_wgmma_smem(v: "Variant", role: str) -> int:
     # 1024 bytes of alignment slack, K and V, the stages of Q, dO (2-byte elements) and of L, delta
     # (fp32), two dS^T tiles, the fp32 dQ tile and the mbarriers (kv_full; q_full, q_empty per stage)
-    if role not in ("dkdvdq", "dkdvdq_ordered"):
+    if role not in ("dkdvdq", "dkdvdq_rotated", "dkdvdq_ordered"):
         return 0
     bm, bn, d, st = v.block_m, v.block_n, v.head_dim, WGMMA_BWD_STAGES
     return (1024 + 2 * bn * d * 2 + st * (2 * bm * d * 2 + 8 * bm) + 2 * bn * bm * 2 + bm * d * 4
@@ -453,7 +472,9 @@ _FAMILIES = (
     Family(
         kind="wgmma", direction="bwd", source="bwd_wgmma.cu",
         roles={"prep": "flash_bwd_prep", "dkdvdq": "flash_bwd_dkdvdq_wgmma",
+               "dkdvdq_rotated": "flash_bwd_dkdvdq_rotated_wgmma",
                "dkdvdq_ordered": "flash_bwd_dkdvdq_ordered_wgmma", "dq_convert": "flash_bwd_dq_convert"},
+        roles_of=_bwd_wgmma_roles,
         # query tiles of 64 rows (or 128 at D=64); one consumer warpgroup per 64 keys of the key tile
         dtypes=("f16", "bf16"), block_m=(64, 128), block_n=(64, 128),
         # fp32 accumulators only: accum='fp16' runs on the mma family (_checks.py says so)

@@ -8,7 +8,15 @@ import threading
 
 import numpy as np
 
-from ._build import ATOMIC_DQ_ROLES, DETERMINISTIC_DQ_ROLES, ORDERED_DQ_ROLES, get_kernel, wgmma_persistent
+from ._build import (
+    ATOMIC_DQ_ROLES,
+    DETERMINISTIC_DQ_ROLES,
+    ORDERED_DQ_ROLES,
+    ROTATED_DQ_ROLES,
+    bwd_wgmma_rotated,
+    get_kernel,
+    wgmma_persistent,
+)
 from ._checks import Problem, numpy_dtype
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -284,7 +292,7 @@ class _BackwardPlan:
         do_s, q_s, k_s, v_s, o_s = strides
         self.aligned = all(_strides_aligned(shape, st) for shape, st in (
             (q_shape, do_s), (q_shape, q_s), (kv_shape, k_s), (kv_shape, v_s), (q_shape, o_s)))
-        roles = backward_roles(var, deterministic)
+        roles = backward_roles(var, deterministic, p.nq)
         self.prep = get_kernel(var, "prep")
         self.k_kv, self.k_q = (get_kernel(var, role) for role in roles)
         self.atomic = roles != DETERMINISTIC_DQ_ROLES  # an fp32 dQ buffer, converted at the end
@@ -303,11 +311,12 @@ class _BackwardPlan:
         self.conv_tail = (np.int64(n4), scale_log2)
         self.maps, self.boxes, self.sem_shape, self.sem_tail = None, None, None, ()
         if var.fam.kind == "wgmma":
-            # q, k, v, dout loaded and the fp32 dQ buffer reduced into by TMA (maps first, by value; the
-            # buffer's box is 32 fp32 columns, 128 bytes); deterministic: one counter per query tile and
-            # whether the key tiles start rotated (the ordered kernel's last two arguments)
+            # q, k, v, dout loaded, the fp32 dQ buffer reduced into and dk, dv stored by TMA (maps first,
+            # by value; the buffer's box is 32 fp32 columns, 128 bytes, dk's and dv's a consumer
+            # warpgroup's 64 keys); deterministic: one counter per query tile and whether the key tiles
+            # start rotated (the ordered kernel's last two arguments)
             self.maps = {}
-            self.boxes = (var.block_m, var.block_n, var.block_n, var.block_m, (var.block_m, 32))
+            self.boxes = (var.block_m, var.block_n, var.block_n, var.block_m, (var.block_m, 32), 64, 64)
             if deterministic:
                 n_qt, n_kt = (p.nq + var.block_m - 1) // var.block_m, self.kv_grid[0]
                 self.sem_shape = (p.batch, p.heads_q, n_qt)
@@ -370,7 +379,8 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
     dq, dk, dv = grads
     args = (q, k, v, do, lse, delta, dq, dk, dv) + plan.args
     if plan.maps is not None:  # wgmma: the maps; the ordered twin: the counters, whether rotated
-        maps = _tensor_maps(plan.maps, (q, k, v, do, dq_accum), plan.boxes, ("q", "k", "v", "do", "dq_accum"))
+        maps = _tensor_maps(plan.maps, (q, k, v, do, dq_accum, dk, dv), plan.boxes,
+                            ("q", "k", "v", "do", "dq_accum", "dk", "dv"))
         if plan.sem_shape is not None:
             args += (cupy.zeros(plan.sem_shape, dtype=cupy.int32),) + plan.sem_tail
         plan.k_kv(plan.kv_grid, maps + args)
@@ -384,22 +394,26 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
     return dq, dk, dv
 
 
-def backward_roles(var, deterministic: bool) -> tuple[str, str]:
-    """The roles of the two kernels a backward call of ``var`` launches after "prep", in order: the
-    atomic-dQ pair where the variant has it and determinism is not asked for, its ordered twin where
+def backward_roles(var, deterministic: bool, n: int | None = None) -> tuple[str, str]:
+    """The roles of the two kernels a backward call of ``var`` with ``n`` query rows (None: any length)
+    launches after "prep", in order: the atomic-dQ pair where the variant has it and determinism is not
+    asked for (in bwd_wgmma its rotated twin where ``bwd_wgmma_rotated`` says so), its ordered twin where
     determinism is asked for and the family has one (``Family.ordered_dq``), else dK/dV then dQ."""
     if var.fam.ordered_dq:
-        return ORDERED_DQ_ROLES if deterministic else ATOMIC_DQ_ROLES
+        if deterministic:
+            return ORDERED_DQ_ROLES
+        return ROTATED_DQ_ROLES if bwd_wgmma_rotated(var.head_dim, var.causal, n) else ATOMIC_DQ_ROLES
     if not deterministic and set(ATOMIC_DQ_ROLES) <= set(var.roles):
         return ATOMIC_DQ_ROLES
     return DETERMINISTIC_DQ_ROLES
 
 
-def launch_roles(var, deterministic: bool = False) -> tuple[str, ...]:
-    """The roles of every kernel a call of ``var`` launches, in order (``forward``, ``backward``)."""
+def launch_roles(var, deterministic: bool = False, n: int | None = None) -> tuple[str, ...]:
+    """The roles of every kernel a call of ``var`` with ``n`` query rows (None: any length) launches, in
+    order (``forward``, ``backward``)."""
     if var.fam.direction == "fwd":
         return ("fwd",)
-    return ("prep", *backward_roles(var, deterministic))
+    return ("prep", *backward_roles(var, deterministic, n))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@
 //                                             (cp.reduce.async.bulk.tensor; measured: the threads'
 //                                             red.global.add.v2.f32 cost 37% of the kernel's time at
 //                                             D = 128, N = 16384)
-//       and at the end dk = scale * dK and dv = dV (rows < nk), straight from registers.
+//       and at the end dk = scale * dK and dv = dV (rows < nk): FC_BWD_KV_STAGE 1 (below) through
+//       shared memory and TMA stores, 0 straight from registers.
 //   dS^T has two shared-memory buffers (query tile parity): a consumer writes tile i's only after
 //   every consumer passed barrier 1 of tile i - 1, so every dQ product of tile i - 2 has landed.
 //
@@ -53,9 +54,9 @@
 //       dq_rotate (set by the host when every key tile of a head can be resident at once and
 //       n_qt >= n_kt) CTA kt starts at query tile floor(kt n_qt / n_kt) and wraps around instead, so
 //       the CTAs of a head reach each tile at different steps and tile i's order is that of the steps
-//       (dK, dV sum the query tiles in the order of the steps too; the atomic path starts rotated at
-//       D = 128, ATOMIC_DQ_ROTATE, where its dK, dV then have the deterministic path's bits wherever the
-//       host rotates that one);
+//       (dK, dV sum the query tiles in the order of the steps too; the atomic path's rotated twin,
+//       flash_bwd_dkdvdq_rotated_wgmma, starts the same way, so its dK, dV have the deterministic path's
+//       bits wherever the host rotates that one; the host's rule: bwd_wgmma_rotated in _build.py);
 //   causal: descending from tile i's diagonal key tile kt_top (CTA kt starts at its own diagonal, so
 //       kt + 1 reaches tile i before kt does; the key tiles that see tile i are exactly 0 .. kt_top);
 //       ascending would make every CTA wait for key tile 0 to come down the diagonal (measured: 0.33x
@@ -71,7 +72,8 @@
 // Shared-memory operands are stacks of 128-byte panels (wgmma_common.cuh); dS^T is BN rows (keys) of
 // BM queries, BM / 64 panels, written with the same swizzle.
 //
-// Kernel parameters: five CUtensorMap (q, k, v, dout, and dq_accum: fp32 (B, Hq, nq, D), zeroed),
+// Kernel parameters: seven CUtensorMap (q, k, v, dout, dq_accum: fp32 (B, Hq, nq, D), zeroed, and dk, dv:
+// box (64, 64), read only by FC_BWD_KV_STAGE 1),
 // FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; dq is
 // not touched); flash_bwd_dkdvdq_ordered_wgmma also dq_sem and dq_rotate (0 or 1; read without a causal
 // mask).
@@ -98,16 +100,20 @@
 #define FC_BWD_EARLY_DV (FC_BLOCK_M == 64)
 #endif
 
+// FC_BWD_KV_STAGE 1 (KV_STAGE below says where it applies): each consumer warpgroup writes its 64 rows of dk and dv into its own rows of the K
+// and V tiles once every consumer is done with them (a named barrier after the last query tile), in the
+// tiles' 128-byte swizzle (conflict-free 4-byte stores), and one of its threads stores them by TMA (whole
+// 128-byte lines; rows past nk are not written); 0: straight from registers, 4 bytes of half a 32-byte
+// sector per lane and store. The same values either way. Measured: reports/wgmma_bwd_plan.md.
+#ifndef FC_BWD_KV_STAGE
+#define FC_BWD_KV_STAGE 1
+#endif
+
 constexpr int BM = FC_BLOCK_M;
 constexpr int BN = FC_BLOCK_N;
 constexpr int HD = FC_HEAD_DIM;
 constexpr int STAGES = FC_BWD_STAGES;
 constexpr bool EARLY_DV = FC_BWD_EARLY_DV;
-// The atomic path's dQ without a causal mask: 1, the key tiles start rotated as the deterministic path's
-// do with dq_rotate (the header). Measured on the H200 (same process, fp16, B=4, H=32): D = 128 1.013x /
-// 1.018x / 1.031x / 1.019x at N = 1024 / 2048 / 4096 / 16384; D = 64 1.053x at 1024, 1.003x at 2048, 0.989x
-// at 4096 and 0.962x at 16384, so it is on at D = 128 only.
-constexpr int ATOMIC_DQ_ROTATE = HD == 128;
 constexpr int NCWG = BN / 64;            // consumer warpgroups, 64 keys each
 constexpr int NTHR = 128 * (1 + NCWG);
 constexpr int NCTHR = 128 * NCWG;        // consumer threads
@@ -159,7 +165,9 @@ static_assert(128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= NTHR * (65536 / NT
 // (the writer warp arrives once the TMA unit has read the stage, the 128 threads wait before staging the
 // next share), each counting DQ_BAR_THREADS.
 constexpr int DQ_FULL = 2, DQ_EMPTY = DQ_FULL + NCWG, DQ_BAR_THREADS = 128 + 32;
-static_assert(DQ_EMPTY + NCWG <= 16, "named barriers");
+// FC_BWD_KV_STAGE 1: KV_OUT + c, consumer warpgroup c's 128 threads, once their dk, dv rows are written
+constexpr int KV_OUT = DQ_EMPTY + NCWG;
+static_assert(KV_OUT + NCWG <= 16, "named barriers");
 
 // A compile-time bool as a value (an argument of a generic lambda).
 template <bool B>
@@ -179,10 +187,14 @@ __device__ __forceinline__ void red_release_gpu_add(int *p, int v) {
 
 // The kernels' body; ORDERED: the deterministic path (dq_sem, dq_rotate read), a compile-time switch so
 // that the default path carries none of its bookkeeping (measured: 2-3% of the default path's time when
-// it was a run-time switch). The maps stay references to the kernels' __grid_constant__ parameters.
-template <bool ORDERED>
+// it was a run-time switch); ROTATE: the atomic path without a causal mask starts its key tiles rotated as
+// the deterministic path does with dq_rotate (the header), also compile-time (a run-time flag cost 2.3%
+// at D = 64 with rotation off, measured on the H200). The maps stay references to the kernels'
+// __grid_constant__ parameters.
+template <bool ORDERED, bool ROTATE>
 __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTensorMap &tm_k, const FcTensorMap &tm_v,
-                                            const FcTensorMap &tm_do, const FcTensorMap &tm_dq, FC_BWD_PARAMS,
+                                            const FcTensorMap &tm_do, const FcTensorMap &tm_dq,
+                                            const FcTensorMap &tm_dk, const FcTensorMap &tm_dv, FC_BWD_PARAMS,
                                             int *__restrict__ dq_sem, int dq_rotate) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
@@ -204,6 +216,10 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     // from key tile 0, the heaviest (it sees every query tile), so that the hardware's block scheduler
     // hands the heaviest tiles of all the section's heads out first.
     constexpr bool ordered = ORDERED;
+    // dk, dv through shared memory and TMA stores (FC_BWD_KV_STAGE) everywhere but on the atomic path at
+    // D = 64 without a causal mask and unrotated, where the register stores measured faster (4 KB rows of
+    // 128 bytes: a lane group's stores fill whole sectors; reports/wgmma_bwd_plan.md)
+    constexpr bool KV_STAGE = FC_BWD_KV_STAGE && (ORDERED || ROTATE || FC_CAUSAL || HD != 64);
 #if FC_CAUSAL
     int kt, hk, b;
     if (ordered) {
@@ -239,11 +255,11 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #if FC_CAUSAL
     const int rot = 0;
 #else
-    // dq_rotate (non-causal; the atomic path: ATOMIC_DQ_ROTATE): CTA kt starts at query tile
+    // dq_rotate (non-causal; the atomic path: ROTATE): CTA kt starts at query tile
     // rot = floor(kt n_qt / n_kt) and wraps around, so that a head's CTAs reach each query tile at
     // different steps (see the header)
     const int n_kt = gridDim.x;
-    const int rot = (ordered ? dq_rotate != 0 : ATOMIC_DQ_ROTATE) ? (int)((long long)kt * n_qt / n_kt) : 0;
+    const int rot = (ordered ? dq_rotate != 0 : ROTATE) ? (int)((long long)kt * n_qt / n_kt) : 0;
 #endif
     auto tile_of = [&](int it) {
         const int j = it % qt_per_head + rot;
@@ -272,6 +288,10 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 tma_prefetch_map(&tm_k);
                 tma_prefetch_map(&tm_v);
                 tma_prefetch_map(&tm_do);
+                if (KV_STAGE) {
+                    tma_prefetch_map(&tm_dk);
+                    tma_prefetch_map(&tm_dv);
+                }
                 mbar_arrive_expect_tx(bar_kv, 2 * KV_BYTES);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p) {
@@ -559,8 +579,39 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             mbar_arrive(q_empty(s));  // this thread is done with stage s
         }
 
-        // ---- epilogue: dk = scale * dK, dv = dV (rows < nk), straight from registers ----
+        // ---- epilogue: dk = scale * dK, dv = dV (rows < nk) ----
         const float scale = scale_log2 * FC_LN2;
+        if constexpr (KV_STAGE) {
+            // Every consumer's last products have read K (dQ reads all BN rows) and V: this warpgroup's
+            // rows of both tiles take its dk and dv, laid out as TMA loaded them (row r % 8 = g: columns
+            // 8i + 2t, 8i + 2t + 1 in 16-byte chunk (i % 8) ^ g of panel i / 8), then one thread stores
+            // them (rows past nk are not written) and waits for the reads before the CTA ends.
+            named_bar_sync(1, NCTHR);
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const u32 row = (16 * wq + g + 8 * hf) * 128 + 4 * t;
+#pragma unroll
+                for (int i = 0; i < HD / 8; ++i) {
+                    const u32 off = (i >> 3) * KV_PANEL + row + (((i & 7) ^ g) << 4);
+                    st_shared_b32(k_rows + off, pack_elem2(acc_get(wg_tile(dk_acc, i), 2 * hf) * scale,
+                                                           acc_get(wg_tile(dk_acc, i), 2 * hf + 1) * scale));
+                    st_shared_b32(v_rows + off, pack_elem2(acc_get(wg_tile(dv_acc, i), 2 * hf),
+                                                           acc_get(wg_tile(dv_acc, i), 2 * hf + 1)));
+                }
+            }
+            fence_proxy_async();
+            named_bar_sync(KV_OUT + cw, 128);
+            if ((tid & 127) == 0) {
+#pragma unroll
+                for (int p = 0; p < PANELS; ++p) {
+                    tma_store_4d(&tm_dk, k_rows + p * KV_PANEL, 64 * p, n0 + 64 * cw, hk, b);
+                    tma_store_4d(&tm_dv, v_rows + p * KV_PANEL, 64 * p, n0 + 64 * cw, hk, b);
+                }
+                tma_commit();
+                tma_wait_read();
+            }
+            return;
+        }
         const long long kb = ((long long)b * heads_kv + hk) * nk;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
@@ -583,14 +634,27 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 extern "C" __global__ void __launch_bounds__(NTHR, 1)
     flash_bwd_dkdvdq_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
                            const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
-                           const __grid_constant__ FcTensorMap tm_dq, FC_BWD_PARAMS) {
-    dkdvdq_body<false>(tm_q, tm_k, tm_v, tm_do, tm_dq, FC_BWD_ARGS, nullptr, 0);
+                           const __grid_constant__ FcTensorMap tm_dq, const __grid_constant__ FcTensorMap tm_dk,
+                           const __grid_constant__ FcTensorMap tm_dv, FC_BWD_PARAMS) {
+    dkdvdq_body<false, false>(tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, FC_BWD_ARGS, nullptr, 0);
 }
+
+#if !FC_CAUSAL
+// The atomic path with rotated key-tile starts (ROTATE): non-causal variants only.
+extern "C" __global__ void __launch_bounds__(NTHR, 1)
+    flash_bwd_dkdvdq_rotated_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
+                                   const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
+                                   const __grid_constant__ FcTensorMap tm_dq, const __grid_constant__ FcTensorMap tm_dk,
+                                   const __grid_constant__ FcTensorMap tm_dv, FC_BWD_PARAMS) {
+    dkdvdq_body<false, true>(tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, FC_BWD_ARGS, nullptr, 0);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NTHR, 1)
     flash_bwd_dkdvdq_ordered_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
                                    const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
-                                   const __grid_constant__ FcTensorMap tm_dq, FC_BWD_PARAMS, int *__restrict__ dq_sem,
+                                   const __grid_constant__ FcTensorMap tm_dq, const __grid_constant__ FcTensorMap tm_dk,
+                                   const __grid_constant__ FcTensorMap tm_dv, FC_BWD_PARAMS, int *__restrict__ dq_sem,
                                    int dq_rotate) {
-    dkdvdq_body<true>(tm_q, tm_k, tm_v, tm_do, tm_dq, FC_BWD_ARGS, dq_sem, dq_rotate);
+    dkdvdq_body<true, false>(tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, FC_BWD_ARGS, dq_sem, dq_rotate);
 }

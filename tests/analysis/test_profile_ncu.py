@@ -84,6 +84,7 @@ def test_providers_from_kernel_names(data):
     ("flash_fwd_mma", "flashcupy"), ("flash_bwd_dkdvdq_mma", "flashcupy"),
     ("flash_bwd_dq_convert", "flashcupy"), ("flash_bwd_prep", "flashcupy"), ("flash_fwd_wgmma", "flashcupy"),
     ("flash_bwd_dkdvdq_wgmma", "flashcupy"), ("flash_bwd_dkdvdq_ordered_wgmma", "flashcupy"),
+    ("flash_bwd_dkdvdq_rotated_wgmma", "flashcupy"),
     ("flash_bwd_dq_simt", "flashcupy"), (TORCH_BWD, "torch_flash"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, false>"
      "(Flash_fwd_params)", "torch_flash"),

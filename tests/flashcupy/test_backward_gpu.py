@@ -157,16 +157,17 @@ def test_backward_bitwise_deterministic(rng, combo):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("nq,nk", [(1029, 577), (130, 1029), (17000, 17000)], ids=lambda x: str(x))
-def test_wgmma_noncausal_deterministic_orders(rng, nq, nk, d):
+def test_wgmma_noncausal_deterministic_orders(rng, monkeypatch, nq, nk, d):
     """The non-causal deterministic wgmma backward orders a query tile's dQ additions by the step at which
     the key tiles reach it when they start rotated (n_qt >= n_kt and a head's key tiles fit on the SMs),
     by ascending key tile otherwise (the (130, 1029) and, on a GPU of at most 132 SMs, the
     (17000, 17000) case): both orders are bitwise repeatable and agree with the atomic path, whose key
-    tiles start rotated at D=128 and at query tile 0 at D=64 (dk, dv bit for bit where both paths run
-    the query tiles in the same order)."""
+    tiles start rotated where bwd_wgmma_rotated says so (D=128; D=64 up to 2048 query rows) and at query
+    tile 0 otherwise (dk, dv bit for bit where both paths run the query tiles in the same order)."""
     import cupy
 
     from flashcupy import _launch
+    from flashcupy._build import bwd_wgmma_rotated
 
     bh = (1, 1, 1) if nq > 4096 else (2, 4, 2)
     do, q, k, v = to_device(*do_qkv(rng, (*bh, nq, nk, d), "f16"))
@@ -180,10 +181,16 @@ def test_wgmma_noncausal_deterministic_orders(rng, nq, nk, d):
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
-    # the atomic path's order: rotated at D=128, ascending at D=64
-    fast = run_backward_poisoned(do, q, k, v, o, lse, kernel="wgmma")
+    # the atomic path's order: its rotated twin where bwd_wgmma_rotated says so, ascending otherwise
+    launched = []
+    real = _launch.get_kernel
+    monkeypatch.setattr(_launch, "get_kernel",
+                        lambda var, role=None: launched.append(role) or real(var, role))
+    fast = run_backward_poisoned(do, q, k, v, o, lse, kernel="wgmma")  # a new plan: its kernels looked up
+    rotated = bwd_wgmma_rotated(d, False, nq)
+    assert launched[1] == ("dkdvdq_rotated" if rotated else "dkdvdq")
     for name, a, b in zip(("dq", "dk", "dv"), fast, runs[0]):
-        if name != "dq" and int(plan.sem_tail[0]) == (d == 128):
+        if name != "dq" and int(plan.sem_tail[0]) == rotated:
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name}: the dQ paths differ"
         a, b = a.astype(cupy.float32), b.astype(cupy.float32)
         diff = float(cupy.abs(a - b).max())
