@@ -100,11 +100,12 @@
 #define FC_BWD_EARLY_DV (FC_BLOCK_M == 64)
 #endif
 
-// FC_BWD_KV_STAGE 1 (KV_STAGE below says where it applies): each consumer warpgroup writes its 64 rows of dk and dv into its own rows of the K
-// and V tiles once every consumer is done with them (a named barrier after the last query tile), in the
-// tiles' 128-byte swizzle (conflict-free 4-byte stores), and one of its threads stores them by TMA (whole
-// 128-byte lines; rows past nk are not written); 0: straight from registers, 4 bytes of half a 32-byte
-// sector per lane and store. The same values either way. Measured: reports/wgmma_bwd_plan.md.
+// FC_BWD_KV_STAGE 1 (KV_STAGE in the body says where it applies): each consumer warpgroup writes its 64
+// rows of dk and dv into its own rows of the K and V tiles once every consumer is done with them (a named
+// barrier after the last query tile), in the tiles' 128-byte swizzle (conflict-free 4-byte stores), and
+// one of its threads stores them by TMA (whole 128-byte lines; rows past nk are not written); 0: straight
+// from registers, 4 bytes of half a 32-byte sector per lane and store. The same values either way.
+// Measured: reports/wgmma_bwd_plan.md.
 #ifndef FC_BWD_KV_STAGE
 #define FC_BWD_KV_STAGE 1
 #endif
@@ -217,8 +218,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     // hands the heaviest tiles of all the section's heads out first.
     constexpr bool ordered = ORDERED;
     // dk, dv through shared memory and TMA stores (FC_BWD_KV_STAGE) everywhere but on the atomic path at
-    // D = 64 without a causal mask and unrotated, where the register stores measured faster (4 KB rows of
-    // 128 bytes: a lane group's stores fill whole sectors; reports/wgmma_bwd_plan.md)
+    // D = 64 without a causal mask and unrotated, where the register stores measured faster (rows of dk
+    // and dv of 128 bytes, whose register stores fill whole sectors, and CTAs in lock-step; a hypothesis,
+    // reports/wgmma_bwd_plan.md)
     constexpr bool KV_STAGE = FC_BWD_KV_STAGE && (ORDERED || ROTATE || FC_CAUSAL || HD != 64);
 #if FC_CAUSAL
     int kt, hk, b;
