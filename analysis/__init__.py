@@ -25,12 +25,13 @@ EXPERIMENTS = {
     "fp8": ("fp8", "run_fp8", "e4m3 attention: scales, outlier treatments, one- and two-level sums"),
     "bench": ("bench", "run_bench", "speed against naive CuPy and torch SDPA, same run"),
 }
-# Reports that other commands write into a report folder, listed in its index.md when they are there:
-# profile (Nsight Compute counters beside FlashAttention-2 and cuDNN: python -m analysis.profile_ncu) of the
-# default kernels (wgmma on the H200), and profile_mma, the same for the mma family (--name profile_mma).
-OTHER_REPORTS = ("profile", "profile_mma")
+# Reports that python -m analysis.profile_ncu writes into a report folder, listed in its index.md when they
+# are there: every <name>.json whose name starts with this (summarize: Nsight Compute counters beside
+# FlashAttention-2 and cuDNN, "profile" for the default kernels and "profile_mma" for the mma family;
+# sass: warp samples per SASS instruction, e.g. "profile_sass_d64").
+OTHER_REPORTS_PREFIX = "profile"
 
-__all__ = ["EXPERIMENTS", "OTHER_REPORTS", "run_experiment"]
+__all__ = ["EXPERIMENTS", "OTHER_REPORTS_PREFIX", "run_experiment"]
 
 
 def run_experiment(name, ctx):

@@ -8,7 +8,7 @@ import sys
 import time
 import traceback
 
-from . import EXPERIMENTS, OTHER_REPORTS, run_experiment
+from . import EXPERIMENTS, OTHER_REPORTS_PREFIX, run_experiment
 from .common import Context, log
 
 
@@ -24,13 +24,12 @@ def write_index(ctx, results, elapsed):
         fig = f"[{name}.png]({name}.png)" if "png" in paths else "none"
         finding = rep.finding.replace("|", "/")
         lines.append(f"| {name} | {finding} | [{name}.md]({name}.md) | {fig} | [{name}.json]({name}.json) |")
-    for name in OTHER_REPORTS:  # written by their own commands into the same folder
-        path = os.path.join(ctx.out, f"{name}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                finding = json.load(f)["finding"].replace("|", "/")
-            lines.append(f"| {name} | {finding} | [{name}.md]({name}.md) | none | "
-                         f"[{name}.json]({name}.json) |")
+    others = sorted(f[:-5] for f in os.listdir(ctx.out)
+                    if f.startswith(OTHER_REPORTS_PREFIX) and f.endswith(".json"))
+    for name in others:  # written by analysis.profile_ncu into the same folder
+        with open(os.path.join(ctx.out, f"{name}.json")) as f:
+            finding = json.load(f)["finding"].replace("|", "/")
+        lines.append(f"| {name} | {finding} | [{name}.md]({name}.md) | none | [{name}.json]({name}.json) |")
     lines.append("")
     for name, (paths, rep, err) in results.items():
         if not err and "png" in paths:

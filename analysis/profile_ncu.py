@@ -9,6 +9,16 @@ NVRTC compilation, cuDNN plan building and warm-up stay out of the report)::
     ncu --import $OUT/prof.ncu-rep --page raw --csv --print-units base > $OUT/prof.csv && \\
         python -m analysis.profile_ncu summarize $OUT/prof.csv --out reports --name profile
 
+Where a kernel's time goes inside it (warp-state samples per SASS instruction, same report)::
+
+    ncu --import $OUT/prof.ncu-rep --page source --csv --print-source sass \\
+        --kernel-name regex:dkdvdq_wgmma > $OUT/src_ours.csv
+    python -m analysis.profile_ncu sass $OUT/src_ours.csv [more.csv ...] --out reports --name profile_sass
+
+``sass`` groups each kernel's samples by opcode and by stretch of code between synchronization points
+(mbarrier waits, named barriers, wgmma waits: where warps wait on each other or on the tensor cores),
+each stretch named by the sync instruction that opens it and counted per execution of that instruction.
+
 ``run`` wraps each profiled call in an NVTX range ``<provider> <direction> <dtype> N<n> D<d> causal<0|1>``
 (provider flashcupy / torch_flash / torch_cudnn, direction fwd / bwd / bwd_det), pushed on the calling
 thread and also started process-wide, since torch's autograd launches backward kernels from its own
@@ -391,6 +401,146 @@ def compare_table(data, peer="torch_flash", short="FA2"):
     return ["", md_table(Table(f"Main kernel against {title} (ratios ours / {short})", cols, rows), g)]
 
 
+# ---------------------------------------------------------------------------------------------------
+# sass: ncu's source page (per SASS instruction) -> where each kernel's warp samples fall
+
+# instructions at which warps wait on each other or on asynchronous units: a stretch starts at each
+SYNC_RE = re.compile(r"^(SYNCS\.PHASECHK|BAR\.SYNC|BAR\.RED|WARPGROUP\.DEPBAR|DEPBAR|WARPSYNC|EXIT)")
+
+
+def read_source_csv(path):
+    """One kernel's ``--page source --csv --print-source sass`` export: (kernel name, rows), each row
+    {address, sass, opcode, samples, executed, stalls: {reason: samples}} in address order."""
+    with open(path, newline="") as f:
+        lines = list(csv.reader(f))
+    if len(lines) < 2 or not lines[0] or lines[0][0] != "Kernel Name":
+        raise ValueError(f"{path}: not an ncu source-page CSV (first row should name the kernel)")
+    kernel, header = lines[0][1], lines[1]
+    need = ("Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed")
+    missing = [c for c in need if c not in header]
+    if missing:
+        raise ValueError(f"{path}: columns {missing} missing (export with --print-source sass)")
+    idx = {c: header.index(c) for c in need}
+    stall_cols = [(i, c[len("stall_"):]) for i, c in enumerate(header)
+                  if c.startswith("stall_") and "(Not Issued)" not in c]
+    rows = []
+    for r in lines[2:]:
+        if len(r) < len(header):
+            continue
+        sass = r[idx["Source"]].strip()
+        words = sass.split()
+        if words and words[0].startswith("@"):  # a predicate
+            words = words[1:]
+        op = words[0] if words else ""
+        rows.append({"address": r[idx["Address"]], "sass": sass, "opcode": op.split(".")[0],
+                     "sync": op if SYNC_RE.match(op) else None,
+                     "samples": number(r[idx["Warp Stall Sampling (All Samples)"]]) or 0.0,
+                     "executed": number(r[idx["Instructions Executed"]]) or 0.0,
+                     "stalls": {name: number(r[i]) or 0.0 for i, name in stall_cols}})
+    return kernel, rows
+
+
+def _top(counter, total, k=3):
+    ranked = sorted(counter.items(), key=lambda kv: -kv[1])[:k]
+    return [[name, 100 * v / total] for name, v in ranked if v > 0]
+
+
+def sass_summary(path, top=15, min_region_pct=0.5):
+    """Samples of one kernel by stall reason, opcode, stretch after a sync point and instruction, in % of
+    all its warp samples (every warp of the CTA is sampled: producer warps included)."""
+    kernel, rows = read_source_csv(path)
+    total = sum(r["samples"] for r in rows)
+    if total <= 0:
+        raise ValueError(f"{path}: no warp samples (profile with the SourceCounters section)")
+    reasons, ops, op_exec, op_stalls = {}, {}, {}, {}
+    for r in rows:
+        for k, v in r["stalls"].items():
+            reasons[k] = reasons.get(k, 0.0) + v
+        o = r["opcode"]
+        ops[o] = ops.get(o, 0.0) + r["samples"]
+        op_exec[o] = op_exec.get(o, 0.0) + r["executed"]
+        st = op_stalls.setdefault(o, {})
+        for k, v in r["stalls"].items():
+            st[k] = st.get(k, 0.0) + v
+    regions, cur = [], None
+    for i, r in enumerate(rows):
+        if cur is None or r["sync"]:
+            cur = {"first": i, "opener": r["sass"] if r["sync"] else "(kernel entry)",
+                   "address": r["address"], "executed": r["executed"], "instructions": 0, "samples": 0.0,
+                   "stalls": {}}
+            regions.append(cur)
+        cur["instructions"] += 1
+        cur["samples"] += r["samples"]
+        for k, v in r["stalls"].items():
+            cur["stalls"][k] = cur["stalls"].get(k, 0.0) + v
+    out_regions = [{"first_instruction": g["first"], "address": g["address"], "opener": g["opener"],
+                    "executed": g["executed"], "instructions": g["instructions"],
+                    "pct": 100 * g["samples"] / total, "top_stalls": _top(g["stalls"], total)}
+                   for g in regions if 100 * g["samples"] / total >= min_region_pct]
+    by_op = sorted(ops, key=lambda o: -ops[o])
+    hot = sorted(range(len(rows)), key=lambda i: -rows[i]["samples"])[:top]
+    return {
+        "kernel": kernel, "source": os.path.basename(path), "instructions": len(rows), "samples": total,
+        "warp_instructions_executed": sum(r["executed"] for r in rows),
+        "stall_reasons": _top(reasons, total, k=len(reasons)),
+        "opcodes": [{"opcode": o, "pct": 100 * ops[o] / total, "executed": op_exec[o],
+                     "top_stalls": _top(op_stalls[o], total)} for o in by_op[:top]],
+        "regions": out_regions,
+        "hot": [{"index": i, "address": rows[i]["address"], "sass": rows[i]["sass"],
+                 "executed": rows[i]["executed"], "pct": 100 * rows[i]["samples"] / total,
+                 "top_stalls": _top(rows[i]["stalls"], total)} for i in hot if rows[i]["samples"] > 0],
+    }
+
+
+def _stalls_text(pairs):
+    return ", ".join(f"{n} {v:.1f}" for n, v in pairs) or "n/a"
+
+
+def write_sass_reports(kernels, out, name, device=None, commit=None):
+    """<out>/<name>.json and .md of ``sass_summary`` results (one per kernel); ``device`` and ``commit``
+    (default: this tree's) name where the profile was taken."""
+    os.makedirs(out, exist_ok=True)
+    paths = {k: os.path.join(out, f"{name}.{k}") for k in ("json", "md")}
+    finding = "; ".join(
+        f"`{short_name(k['kernel'], 40)}`: {_stalls_text(k['stall_reasons'][:3])} (% of warp samples), "
+        f"hottest instruction {k['hot'][0]['pct']:.1f}% ({_stalls_text(k['hot'][0]['top_stalls'][:1])})"
+        for k in kernels if k["hot"])
+    data = {"finding": finding, "device": device, "git_commit": commit or git_commit(), "kernels": kernels}
+    with open(paths["json"], "w") as f:
+        json.dump(data, f, indent=1)
+    md = ["# Nsight Compute: where the warp samples fall inside each kernel (per SASS instruction)", "",
+          f"**Finding:** {finding}", "",
+          "Warp-state samples of every warp (producer and writer warps included), in % of the kernel's "
+          "samples; the stall reason is the state a warp was sampled in (selected = issuing). A stretch "
+          "starts at each instruction where warps wait on each other or on an asynchronous unit "
+          "(mbarrier try-wait, named barrier, wgmma wait) and its samples fall mostly on the waits inside "
+          "it; 'executed' counts the warp-level executions of its first instruction (per tile and warp "
+          "inside a main loop). Stretches under 0.5% are left out."
+          + (f" Device: {device}." if device else "")
+          + (f" Profiled tree: git commit {data['git_commit']}." if data["git_commit"] else ""), ""]
+    for k in kernels:
+        md += [f"## `{short_name(k['kernel'], 90)}`", "",
+               f"{k['instructions']} SASS instructions, {g(k['samples'])} warp samples, "
+               f"{g(k['warp_instructions_executed'])} warp instructions executed "
+               f"(`{os.path.basename(k['source'])}`).",
+               "", "Stall reasons: " + _stalls_text(k["stall_reasons"][:10]) + ".", ""]
+        md.append(md_table(Table("By opcode", ["opcode", "% samples", "executed", "top stalls (% samples)"],
+                                 [[o["opcode"], o["pct"], o["executed"], _stalls_text(o["top_stalls"])]
+                                  for o in k["opcodes"]]), g))
+        md += ["", md_table(Table("By stretch after a sync point (address order)",
+                                  ["#", "opened by", "executed", "instructions", "% samples", "top stalls"],
+                                  [[str(r["first_instruction"]), f"`{r['opener'][:60]}`", r["executed"],
+                                    r["instructions"], r["pct"], _stalls_text(r["top_stalls"])]
+                                   for r in k["regions"]]), g)]
+        md += ["", md_table(Table("Hottest instructions",
+                                  ["#", "SASS", "executed", "% samples", "top stalls"],
+                                  [[str(h["index"]), f"`{h['sass'][:70]}`", h["executed"], h["pct"],
+                                    _stalls_text(h["top_stalls"])] for h in k["hot"]]), g), ""]
+    with open(paths["md"], "w") as f:
+        f.write("\n".join(md) + "\n")
+    return paths
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m analysis.profile_ncu", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -403,7 +553,17 @@ def main(argv=None):
     s.add_argument("csv")
     s.add_argument("--out", default="reports")
     s.add_argument("--name", default="profile")
+    q = sub.add_parser("sass", help="ncu source-page CSVs (one kernel each) -> <out>/<name>.json and .md")
+    q.add_argument("csv", nargs="+")
+    q.add_argument("--out", default="reports")
+    q.add_argument("--name", default="profile_sass")
+    q.add_argument("--device", default=None, help="the GPU the profile was taken on (for the Markdown)")
+    q.add_argument("--commit", default=None, help="the profiled tree's git commit (default: this tree's)")
     a = p.parse_args(argv)
+    if a.cmd == "sass":
+        paths = write_sass_reports([sass_summary(c) for c in a.csv], a.out, a.name, a.device, a.commit)
+        log(f"[profile_ncu] wrote {paths['md']} and {paths['json']}")
+        return 0
     if a.cmd == "run":
         cells = [(c[0], int(c[1]), int(c[2]), bool(int(c[3])))
                  for c in (x.strip().split(":") for x in a.cells.split(","))]

@@ -184,3 +184,100 @@ def test_main_kernel_beside_cudnn_and_fa2():
     assert "`flash_fwd_wgmma` / `cudnn_fprop` | 1.05 |" in cudnn
     assert "`flash_fwd_wgmma` / `flash_fwd` | 0.6 |" in fa2
     assert compare_table({"launches": data["launches"][:2]}, "torch_cudnn", "cuDNN") == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# sass: a synthetic ``ncu --page source --csv --print-source sass`` export
+
+SRC_HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)",
+              "Warp Stall Sampling (Not-issued Samples)", "Instructions Executed", "stall_barrier",
+              "stall_long_sb", "stall_wait", "stall_selected", "stall_barrier (Not Issued)"]
+# (sass, samples, executed, barrier, long_sb, wait, selected)
+SRC_ROWS = [("LDC R1, c[0x0][0x28]", 2, 100, 0, 0, 1, 1),
+            ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR12+0x30808], R18", 1, 6400, 0, 1, 0, 0),
+            ("@!P0  BRA 0x7fe9637d7c90", 30, 6400, 0, 30, 0, 0),
+            ("HGMMA.64x128x16.F32 R88, gdesc[UR16], RZ, !UPT", 7, 6400, 0, 0, 5, 2),
+            ("BAR.SYNC.DEFER_BLOCKING 0x1, 0x100", 1, 6400, 0, 0, 0, 1),
+            ("STS.64 [R5+0x28000], R18", 50, 6400, 49, 0, 0, 1),
+            ("MUFU.EX2 R109, R109", 9, 12800, 0, 0, 6, 3),
+            ("EXIT", 0, 100, 0, 0, 0, 0)]
+
+
+def _write_src(path, kernel="flash_bwd_dkdvdq_wgmma", rows=SRC_ROWS):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["Kernel Name", kernel, ""])
+        w.writerow(SRC_HEADER)
+        for i, (sass, n, ex, bar, lsb, wt, sel) in enumerate(rows):
+            w.writerow([hex(0x7000 + 16 * i), "      " + sass, n, n - sel, f"{ex:,}", bar, lsb, wt, sel, bar])
+    return path
+
+
+def test_sass_groups_samples_by_opcode_stretch_and_instruction(tmp_path):
+    from analysis.profile_ncu import sass_summary
+
+    s = sass_summary(_write_src(tmp_path / "src.csv"), top=3, min_region_pct=0.0)
+    total = sum(r[1] for r in SRC_ROWS)
+    assert s["kernel"] == "flash_bwd_dkdvdq_wgmma" and s["samples"] == total and s["instructions"] == 8
+    assert s["warp_instructions_executed"] == sum(r[2] for r in SRC_ROWS)  # "6,400" read as 6400
+    reasons = dict(s["stall_reasons"])
+    assert reasons["barrier"] == pytest.approx(100 * 49 / total) and "barrier (Not Issued)" not in reasons
+    ops = {o["opcode"]: o for o in s["opcodes"]}
+    assert list(ops)[:2] == ["STS", "BRA"]  # the predicate does not hide the branch's opcode
+    assert ops["STS"]["top_stalls"][0] == ["barrier", pytest.approx(100 * 49 / total)]
+    # stretches: the entry, then one per sync point (mbarrier wait, named barrier, exit)
+    regions = s["regions"]
+    assert [r["first_instruction"] for r in regions] == [0, 1, 4, 7]
+    assert [r["instructions"] for r in regions] == [1, 3, 3, 1]
+    assert regions[1]["pct"] == pytest.approx(100 * 38 / total) and regions[1]["executed"] == 6400
+    assert regions[2]["top_stalls"][0][0] == "barrier"
+    assert sum(r["pct"] for r in regions) == pytest.approx(100)
+    assert [h["index"] for h in s["hot"]] == [5, 2, 6]
+
+
+def test_sass_cli_writes_both_kernels_and_names_the_profiled_tree(tmp_path):
+    a = _write_src(tmp_path / "ours.csv")
+    b = _write_src(tmp_path / "peer.csv", kernel="cudnn_generated_fort_native_sdpa_sm90_flash_bprop",
+                   rows=SRC_ROWS[::-1])
+    assert main(["sass", str(a), str(b), "--out", str(tmp_path), "--name", "ps", "--device", "H100",
+                 "--commit", "abc1234"]) == 0
+    md = (tmp_path / "ps.md").read_text()
+    data = json.loads((tmp_path / "ps.json").read_text())
+    assert [k["kernel"] for k in data["kernels"]] == ["flash_bwd_dkdvdq_wgmma",
+                                                      "cudnn_generated_fort_native_sdpa_sm90_flash_bprop"]
+    assert data["git_commit"] == "abc1234" and "git commit abc1234" in md and "Device: H100" in md
+    assert md.count("**By stretch after a sync point") == 2 and "`STS.64 [R5+0x28000], R18`" in md
+    assert "**Finding:**" in md and "barrier" in data["finding"]
+
+
+def test_sass_rejects_other_exports(tmp_path):
+    from analysis.profile_ncu import sass_summary
+
+    p = tmp_path / "raw.csv"
+    p.write_text('"ID","Kernel Name"\n"0","x"\n')
+    with pytest.raises(ValueError, match="not an ncu source-page CSV"):
+        sass_summary(p)
+    q = tmp_path / "nosass.csv"
+    q.write_text('"Kernel Name","k"\n"Address","Source"\n"0x1","X"\n')
+    with pytest.raises(ValueError, match="missing"):
+        sass_summary(q)
+
+
+def test_index_lists_every_profile_report_of_its_folder(tmp_path):
+    """index.md lists the experiments' reports, then every profile*.json that profile_ncu wrote there
+    (summarize's and sass's), with their findings; other JSON files are not reports."""
+    from analysis.__main__ import rebuild_index
+
+    meta = {"backend": "cuda", "quick": False, "seed": 0, "elapsed_s": 12.0}
+    (tmp_path / "accum.json").write_text(json.dumps({"finding": "fp16 accumulators cost 2x", "meta": meta}))
+    (tmp_path / "accum.md").write_text("# accum\n")
+    _write_src(tmp_path / "src.csv")
+    assert main(["sass", str(tmp_path / "src.csv"), "--out", str(tmp_path), "--name", "profile_sass_x",
+                 "--commit", "abc1234"]) == 0
+    (tmp_path / "profile.json").write_text(json.dumps({"finding": "counters | beside cuDNN"}))
+    (tmp_path / "notes.json").write_text(json.dumps({"finding": "not a report"}))
+    text = open(rebuild_index(str(tmp_path))).read()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| experiment")]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["accum", "profile", "profile_sass_x"]
+    assert "counters / beside cuDNN" in rows[1] and "[profile_sass_x.md](profile_sass_x.md)" in rows[2]
+    assert "barrier" in rows[2] and "notes" not in text
