@@ -194,8 +194,8 @@ def _measure_flashcupy(c: _Cell, compile_rows: dict) -> None:
                                                                              kernel=kernel))
         if fam.kind == "wgmma" and c.d in FP8_HEAD_DIMS:
             _measure_fp8(c)
-        compile_rows[(prov, "fwd", c.dname, c.d, causal)] = (
-            _variant_report(fam_name, c.dname, "fp32", c.d, causal), False)
+        _note_compile(compile_rows, prov, "fwd", c, _variant_report(fam_name, c.dname, "fp32", c.d, causal),
+                      False)
         if f"bwd_{kernel}" not in FAMILIES:
             continue
         outs = [flashcupy.attention(s[0], s[1], s[2], causal=causal, kernel=kernel, return_lse=True)
@@ -209,9 +209,19 @@ def _measure_flashcupy(c: _Cell, compile_rows: dict) -> None:
                 c.res[(name, "bwd")] = c.timed(bwd, bsets, "bwd")
             except ValueError as e:
                 c.res[(name, "bwd")] = {"error": str(e)[:100]}
-            compile_rows[(name, "bwd", c.dname, c.d, causal)] = (
-                _variant_report(f"bwd_{kernel}", c.dname, "fp32", c.d, causal), det)
+            _note_compile(compile_rows, name, "bwd", c,
+                          _variant_report(f"bwd_{kernel}", c.dname, "fp32", c.d, causal), det)
         del outs, bsets
+
+
+def _note_compile(compile_rows, prov, direction, c, vr, det):
+    """One compile-report row per provider, direction, dtype, D, mask and set of kernels launched (the
+    wgmma backward's atomic path launches its rotated twin up to some lengths), with the lengths N it
+    covers."""
+    v = vr[0]
+    roles = launch_roles(v, det, c.n) if v is not None else ()
+    row = compile_rows.setdefault((prov, direction, c.dname, c.d, c.causal, roles), (vr, det, []))
+    row[2].append(c.n)
 
 
 FP8_HEAD_DIMS = (128, 256)   # the fp8 wgmma forward's head dims (two-level accumulation at D=128 only)
@@ -326,13 +336,14 @@ def _variant_report(family, dname, accum, d, causal):
         return None, {"key": f"{family}.{dname}", "error": f"{type(e).__name__}: {str(e)[:120]}"}
 
 
-def _summarize_report(v, rep, deterministic):
-    """key, kernels launched, registers, shared memory, spill bytes ('/'-joined per launched kernel)."""
+def _summarize_report(v, rep, deterministic, n=None):
+    """key, kernels launched for n query rows, registers, shared memory, spill bytes ('/'-joined per
+    launched kernel)."""
     if rep is None:
         return ["n/a"] * 5
     if "error" in rep:
         return [rep["key"], rep["error"], None, None, None]
-    names = [v.kernel_name(role) for role in launch_roles(v, deterministic)]
+    names = [v.kernel_name(role) for role in launch_roles(v, deterministic, n)]
     kernels = [rep["kernels"][n] for n in names]
     regs = "/".join(str(k["registers"]) for k in kernels)
     smem = "/".join(str(k["smem_static"] + k["smem_dynamic"]) for k in kernels)
@@ -367,9 +378,10 @@ def _tables(raw, compile_rows, peers) -> tuple[list, list, list, list]:
         table_rows.append([r["dtype"], r["N"], r["D"], r["causal"], r["direction"]] + [tf[p] for p in MINE]
                           + [tf[p] for p in peers] + [ratio(tf, OURS, p) for p in peers]
                           + [ratio(tf, HOPPER, p) for p in hopper_peers])
-    comp = [[prov, direction, dname, d, causal] + _summarize_report(v, rep, det)
+    comp = [[prov, direction, dname, d, causal, ", ".join(str(n) for n in sorted(set(ns)))]
+            + _summarize_report(v, rep, det, ns[0])
             + [None if rep is None or "error" in rep else rep.get("nvrtc_compile_s")]
-            for (prov, direction, dname, d, causal), ((v, rep), det) in compile_rows.items()]
+            for (prov, direction, dname, d, causal, _), ((v, rep), det, ns) in compile_rows.items()]
     first = {}
     for r in raw:
         for p, v in r.items():
@@ -643,7 +655,7 @@ def run_bench(ctx: Context, cells=None) -> Report:
                         "separately (compile or CuPy's disk cache + load + one run)"}
     tables = [Table("TFLOP/s per cell and ratios flashcupy mma / peer", columns, table_rows),
               Table("Per variant (default tiles, fp32 accumulators): compile report",
-                    ["provider", "direction", "dtype", "D", "causal", "variant key", "kernels launched",
+                    ["provider", "direction", "dtype", "D", "causal", "N", "variant key", "kernels launched",
                      "registers per thread", "shared memory bytes", "spill bytes", "NVRTC compile s"], comp),
               Table("First call (compile or cache + load + run), largest over cells",
                     ["provider", "direction", "seconds"], first_rows)]

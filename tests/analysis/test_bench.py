@@ -1,0 +1,32 @@
+"""analysis.bench's compile-report rows (CPU only): one row per set of kernels a provider launches, with
+the lengths that launch it (the wgmma backward's atomic path runs its rotated twin up to 2048 query rows
+at D=64 without a causal mask)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from analysis import bench
+from flashcupy._build import Variant, bwd_wgmma_rotated
+
+
+def test_compile_rows_follow_the_kernels_each_length_launches():
+    v = Variant("bwd_wgmma", "f16", "fp32", 128, 128, 64, False)
+    kernels = {v.kernel_name(r): {"registers": 168, "smem_static": 0, "smem_dynamic": 1000 + i,
+                                  "spill_stores": 0, "spill_loads": 0} for i, r in enumerate(v.roles)}
+    report = (v, {"key": v.key, "kernels": kernels, "nvrtc_compile_s": 1.0})
+    rows = {}
+    lengths = (1024, 2048, 4096, 16384)
+    for n in lengths:
+        cell = SimpleNamespace(dname="f16", n=n, d=64, causal=False)
+        for name, det in (("flashcupy wgmma", False), ("flashcupy wgmma det", True)):
+            bench._note_compile(rows, name, "bwd", cell, report, det)
+    _, _, comp, _ = bench._tables([], rows, [])
+    atomic = sorted((r[5], r[7]) for r in comp if r[0] == "flashcupy wgmma")
+    rotated = ", ".join(str(n) for n in lengths if bwd_wgmma_rotated(64, False, n))
+    plain = ", ".join(str(n) for n in lengths if not bwd_wgmma_rotated(64, False, n))
+    want = [(rotated, "bwd_prep/bwd_dkdvdq_rotated_wgmma/bwd_dq_convert"),
+            (plain, "bwd_prep/bwd_dkdvdq_wgmma/bwd_dq_convert")]
+    assert atomic == sorted(w for w in want if w[0]) and len(atomic) == 2  # the rule splits these lengths
+    det = [r for r in comp if r[0] == "flashcupy wgmma det"]
+    assert len(det) == 1 and det[0][5] == "1024, 2048, 4096, 16384"
+    assert det[0][7] == "bwd_prep/bwd_dkdvdq_ordered_wgmma/bwd_dq_convert"
