@@ -344,7 +344,7 @@ def _summarize_report(v, rep, deterministic, n=None):
     if "error" in rep:
         return [rep["key"], rep["error"], None, None, None]
     names = [v.kernel_name(role) for role in launch_roles(v, deterministic, n)]
-    kernels = [rep["kernels"][n] for n in names]
+    kernels = [rep["kernels"][name] for name in names]
     regs = "/".join(str(k["registers"]) for k in kernels)
     smem = "/".join(str(k["smem_static"] + k["smem_dynamic"]) for k in kernels)
     spills = sum(k["spill_stores"] + k["spill_loads"] for k in kernels)
