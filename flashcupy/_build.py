@@ -10,6 +10,8 @@ NVRTC library and the CUDA headers (the ``nvidia-cuda-nvrtc`` and ``nvidia-cuda-
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib.resources
@@ -19,9 +21,10 @@ import threading
 from typing import Callable
 
 __all__ = [
-    "ATOMIC_DQ_ROLES", "DETERMINISTIC_DQ_ROLES", "DTYPES", "FAMILIES", "Family", "ORDERED_DQ_ROLES",
-    "ROTATED_DQ_ROLES", "Variant", "bwd_wgmma_rotated", "compile_report", "covering_variants", "get_kernel",
-    "ptx", "source_text",
+    "ATOMIC_DQ_ROLES", "Build", "DETERMINISTIC_DQ_ROLES", "DTYPES", "FAMILIES", "Family",
+    "ORDERED_DQ_ROLES", "ROTATED_DQ_ROLES", "Variant", "bwd_wgmma_rotated", "compile_report",
+    "covering_variants", "current_build", "get_kernel", "kernel_build", "ptx", "source_text",
+    "variant_source",
 ]
 
 # Element types by short name: the name used in variant keys -> (FC_DTYPE code, bytes).
@@ -506,6 +509,78 @@ _FAMILIES = (
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
 
 
+_DEFINE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """How a variant's module is compiled beyond what its knobs say: for experiments on the kernels
+    themselves (``python -m analysis.ab`` times and compares builds in one process).
+
+    ``defines`` (name, value) pairs are passed after the variant's own -D options and replace them;
+    ``kernels_dir`` is a folder that holds the family's source and every header it includes, compiled
+    in place of the package's kernels_cu/. The host side of a call stays the package's: each kernel is
+    launched with the dynamic shared memory its module was compiled for (its FC_SMEM_<ROLE>, which a
+    define may replace), and a switch that changes anything else the host does needs host code that
+    reads it from ``KernelHandle.defines``.
+    """
+
+    defines: tuple[tuple[str, int], ...] = ()
+    kernels_dir: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.defines, tuple):
+            raise TypeError(f"defines must be a tuple of (name, int) pairs, got "
+                            f"{type(self.defines).__name__}")
+        for pair in self.defines:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise TypeError(f"defines must be (name, int) pairs, got {pair!r}")
+            name, value = pair
+            if not isinstance(name, str) or not _DEFINE_NAME.fullmatch(name):
+                raise ValueError(f"a define's name must be a C identifier, got {name!r}")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"define {name} must have an int value, got {value!r}")
+        if len({name for name, _ in self.defines}) != len(self.defines):
+            raise ValueError(f"each define may appear once, got {self.defines}")
+        if self.kernels_dir is not None:
+            if not isinstance(self.kernels_dir, str) or not os.path.isdir(self.kernels_dir):
+                raise ValueError(f"kernels_dir must be an existing folder, got {self.kernels_dir!r}")
+            object.__setattr__(self, "kernels_dir", os.path.abspath(self.kernels_dir))
+        object.__setattr__(self, "defines", tuple(sorted(self.defines)))
+
+    @property
+    def label(self) -> str:
+        """What a variant key gains: +NAME=value per define, @folder for a kernels folder."""
+        parts = [f"+{n}={v}" for n, v in self.defines]
+        if self.kernels_dir:
+            parts.append("@" + self.kernels_dir)
+        return "".join(parts)
+
+
+_BUILD: contextvars.ContextVar[Build | None] = contextvars.ContextVar("flashcupy_build", default=None)
+
+
+# current_build(): the Build that variants made now take (``kernel_build``), or None (the package's own).
+# The ContextVar's own method, with no Python frame: the memoized checks of every call read it.
+current_build = _BUILD.get
+
+
+@contextlib.contextmanager
+def kernel_build(defines: dict[str, int] | None = None, kernels_dir: str | None = None):
+    """Inside this block every variant made, so every call of flashcupy, compiles with these extra
+    ``defines`` and from ``kernels_dir`` (see ``Build``); its modules, plans and memoized checks are
+    their own, apart from the package's. Blocks do not nest into a merge: the inner one replaces the
+    outer. With neither argument the block runs the package's own kernels."""
+    if defines is not None and not isinstance(defines, dict):
+        raise TypeError(f"defines must be a dict of name -> int, got {type(defines).__name__}")
+    build = Build(tuple((defines or {}).items()), kernels_dir)
+    token = _BUILD.set(build if build != Build() else None)
+    try:
+        yield build
+    finally:
+        _BUILD.reset(token)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One compile-time specialization of a family. ``key`` names it everywhere."""
@@ -525,8 +600,15 @@ class Variant:
     # fwd_wgmma only: how the CTAs walk the tiles (SCHEDULES); None, or the value equal to it, is the
     # default for any length, wgmma_schedule(head_dim, causal)
     schedule: str | None = None
+    # compiled otherwise than the package does (experiments on the kernels; see Build). None: the
+    # Build of the enclosing kernel_build block, if any
+    build: Build | None = None
 
     def __post_init__(self):
+        if self.build is None:
+            object.__setattr__(self, "build", _BUILD.get())
+        elif not isinstance(self.build, Build):
+            raise TypeError(f"build must be a Build or None, got {type(self.build).__name__}")
         fam = FAMILIES.get(self.family)
         if fam is None:
             raise ValueError(f"unknown kernel family {self.family!r}; known: {sorted(FAMILIES)}")
@@ -601,14 +683,15 @@ class Variant:
             parts.append(f"e4m3_{self.fp8}" + ("_kkey" if self.fp8_kscale == "key" else ""))
         if self.schedule:
             parts.append(self.schedule)
-        return ".".join(parts)
+        return ".".join(parts) + (self.build.label if self.build else "")
 
     def __str__(self) -> str:
         return self.key
 
     def defines(self) -> dict[str, int]:
         """The -D options: the knobs, and each kernel's dynamic shared memory (FC_SMEM_<ROLE>) with the
-        device limit (FC_SMEM_LIMIT), against which the kernels check their own layouts at compile time."""
+        device limit (FC_SMEM_LIMIT), against which the kernels check their own layouts at compile time;
+        last, the defines of the variant's Build, which replace any of these."""
         return {
             "FC_DTYPE": DTYPES[self.dtype][0],
             "FC_ACCUM_F16": int(self.accum == "fp16"),
@@ -623,6 +706,7 @@ class Variant:
             **{f"FC_SMEM_{role.upper()}": self.smem_for(role) for role in self.roles},
             **self.fam.extra_defines(self),
             "FC_SMEM_LIMIT": SMEM_LIMIT,
+            **dict(self.build.defines if self.build else ()),
         }
 
     def fits(self, smem_limit: int = SMEM_LIMIT) -> bool:
@@ -637,11 +721,25 @@ def _kernels_dir() -> str:
     return str(importlib.resources.files("kernels_cu"))
 
 
+def source_text(filename: str, kernels_dir: str | None = None) -> str:
+    """A kernel source (of kernels_cu/, or of ``kernels_dir``) with a ``#line`` prefix so NVRTC errors
+    name the real file and line."""
+    if kernels_dir is None:
+        return _package_source(filename)
+    with open(os.path.join(kernels_dir, filename)) as f:  # read each time: an experiment edits it
+        return f'#line 1 "{os.path.join(kernels_dir, filename)}"\n' + f.read()
+
+
 @functools.lru_cache(maxsize=None)
-def source_text(filename: str) -> str:
-    """A kernel source with a ``#line`` prefix so NVRTC errors name the real file and line."""
+def _package_source(filename: str) -> str:
     text = importlib.resources.files("kernels_cu").joinpath(filename).read_text()
     return f'#line 1 "kernels_cu/{filename}"\n' + text
+
+
+def variant_source(v: Variant) -> str:
+    """The source text a variant compiles: its family's, from its Build's folder if it names one."""
+    folder = v.build.kernels_dir if v.build else None
+    return source_text(v.fam.source) if folder is None else source_text(v.fam.source, folder)
 
 
 @functools.lru_cache(maxsize=None)
@@ -669,10 +767,10 @@ def _cuda_include_dir() -> str | None:
     return None
 
 
-def nvrtc_options(defines: dict[str, int]) -> tuple[str, ...]:
-    """NVRTC options for a source of kernels_cu/ compiled with these -D knobs (the architecture is added
-    by the caller)."""
-    opts = ["-std=c++17", f"-I{_kernels_dir()}"]
+def nvrtc_options(defines: dict[str, int], kernels_dir: str | None = None) -> tuple[str, ...]:
+    """NVRTC options for a source of kernels_cu/ (or of ``kernels_dir``, whose headers then replace the
+    package's) compiled with these -D knobs (the architecture is added by the caller)."""
+    opts = ["-std=c++17", f"-I{kernels_dir or _kernels_dir()}"]
     inc = _cuda_include_dir()
     if inc:
         opts.append(f"-I{inc}")
@@ -682,7 +780,7 @@ def nvrtc_options(defines: dict[str, int]) -> tuple[str, ...]:
 
 def compile_options(v: Variant) -> tuple[str, ...]:
     """NVRTC options for a variant (the architecture is added by the caller)."""
-    return nvrtc_options(v.defines())
+    return nvrtc_options(v.defines(), v.build.kernels_dir if v.build else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -690,14 +788,16 @@ def compile_options(v: Variant) -> tuple[str, ...]:
 
 
 class KernelHandle:
-    """A compiled kernel with its launch geometry."""
+    """A compiled kernel with its launch geometry, and ``defines``: the -D values its module was
+    compiled with (host code that must follow a compile-time switch reads it here)."""
 
-    def __init__(self, variant: Variant, role: str, function, smem_bytes: int):
+    def __init__(self, variant: Variant, role: str, function, smem_bytes: int, defines: dict[str, int]):
         self.variant = variant
         self.role = role
         self.name = variant.kernel_name(role)
         self.function = function
         self.smem_bytes = smem_bytes
+        self.defines = defines
         self.threads = variant.threads
         self.block = (self.threads,)
 
@@ -730,20 +830,23 @@ def _build_module(v: Variant, device_id: int):
 
     dev = cupy.cuda.Device(device_id)
     limit = dev.attributes.get("MaxSharedMemoryPerBlockOptin", _DEFAULT_SMEM_LIMIT)
-    if v.smem_bytes > limit:
-        raise ValueError(f"{v.key} needs {v.smem_bytes} bytes of shared memory per block; this device "
-                         f"allows {limit}. Choose smaller block_m/block_n.")
+    defines = v.defines()
+    # each kernel's dynamic shared memory as compiled: the variant's, unless its Build replaced it
+    smem_of = {role: defines[f"FC_SMEM_{role.upper()}"] for role in v.roles}
+    if max(smem_of.values()) > limit:
+        raise ValueError(f"{v.key} needs {max(smem_of.values())} bytes of shared memory per block; this "
+                         f"device allows {limit}. Choose smaller block_m/block_n.")
     # The architecture: CuPy appends the device's own -arch; a family that names one (wgmma: sm_90a)
     # passes it here, and an explicit -arch overrides CuPy's.
     arch = (f"-arch={v.fam.arch}",) if v.fam.arch else ()
-    module = cupy.RawModule(code=source_text(v.fam.source), options=compile_options(v) + arch)
+    module = cupy.RawModule(code=variant_source(v), options=compile_options(v) + arch)
     handles = {}
     for role in v.roles:
         fn = module.get_function(v.kernel_name(role))
-        smem = v.smem_for(role)
+        smem = smem_of[role]
         if smem > _DEFAULT_SMEM_LIMIT:
             fn.max_dynamic_shared_size_bytes = smem
-        handles[role] = KernelHandle(v, role, fn, smem)
+        handles[role] = KernelHandle(v, role, fn, smem, defines)
     return handles
 
 
@@ -783,7 +886,7 @@ def _nvrtc_log(variant: Variant, arch: str) -> str:
     """NVRTC's log of one variant, with ptxas's -v resource report."""
     from cupy_backends.cuda.libs import nvrtc
 
-    prog = nvrtc.createProgram(source_text(variant.fam.source), variant.fam.source, [], [])
+    prog = nvrtc.createProgram(variant_source(variant), variant.fam.source, [], [])
     opts = list(compile_options(variant)) + [f"-arch={arch}", *RAWMODULE_OPTIONS, "--ptxas-options=-v"]
     try:
         try:
@@ -818,7 +921,7 @@ def ptx(variant: Variant, arch: str | None = None) -> str:
     the cubin bytes of CuPy's NVRTC binding can come back truncated, and NVRTC's log can be empty."""
     from cupy_backends.cuda.libs import nvrtc
 
-    prog = nvrtc.createProgram(source_text(variant.fam.source), variant.fam.source, [], [])
+    prog = nvrtc.createProgram(variant_source(variant), variant.fam.source, [], [])
     arch = arch or variant.fam.arch or CHECK_ARCH
     opts = list(compile_options(variant)) + [f"-arch={arch}", *RAWMODULE_OPTIONS]
     try:
@@ -887,6 +990,7 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
         fresh = _nvrtc_log_fresh_process(variant, arch)
         log = fresh if "Function properties for" in fresh else (_toolkit_ptxas_log(variant, arch) or log)
     # ptxas reports each entry function in turn; a backward source holds several. Per kernel:
+    defines = variant.defines()
     rep = {"key": variant.key, "threads": variant.threads, "kernels": {}}
     for role in variant.roles:
         name = variant.kernel_name(role)
@@ -901,7 +1005,7 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
         for field, rx in _PTXAS_LINE.items():
             m = rx.search(section)
             krep[field] = int(m.group(1)) if m else 0
-        krep["smem_dynamic"] = variant.smem_for(role)
+        krep["smem_dynamic"] = defines[f"FC_SMEM_{role.upper()}"]
         rep["kernels"][name] = krep
     # ptxas warnings, and the "Potential Performance Loss" notes (C75xx, printed as info lines) that
     # silently serialize wgmma (C7515, C7513, C7511) or ignore setmaxnreg (C7508)

@@ -20,6 +20,7 @@ from ._build import (
     WGMMA_BWD_HEAD_DIMS,
     WGMMA_HEAD_DIMS,
     Variant,
+    current_build,
     default_tile,
     wgmma_schedule,
 )
@@ -324,12 +325,12 @@ def _array_key(x):
 
 def _memoized(check, arrays: tuple, knobs: tuple, kwargs: dict) -> Problem:
     """``check(*arrays, **kwargs)``, remembered under what the checks read: every array's type, shape,
-    strides, dtype and device, and every knob's value *and type* (so ``causal=1`` is still refused after
-    ``causal=True`` passed). The checks are a function of exactly these, so a remembered Problem is the
-    one a fresh check would return; a call that raises is not remembered. The GPU's compute capability
-    enters through the device id."""
+    strides, dtype and device, every knob's value *and type* (so ``causal=1`` is still refused after
+    ``causal=True`` passed), and the enclosing ``kernel_build`` (its variants are others). The checks
+    are a function of exactly these, so a remembered Problem is the one a fresh check would return; a
+    call that raises is not remembered. The GPU's compute capability enters through the device id."""
     try:
-        key = (check, *map(_array_key, arrays), knobs, tuple(map(type, knobs)))
+        key = (check, current_build() or (), *map(_array_key, arrays), knobs, tuple(map(type, knobs)))
         problem = _MEMO.get(key)
     except TypeError:  # an unhashable knob: the checks will say what is allowed
         return check(*arrays, **kwargs)

@@ -106,7 +106,7 @@ def test_compile_error_names_file_and_line(tmp_path, monkeypatch):
 
     fam = FAMILIES["fwd_simt"]
     broken = source_text(fam.source) + "\nthis is not C++;\n"
-    monkeypatch.setattr(_build, "source_text", lambda name: broken)
+    monkeypatch.setattr(_build, "source_text", lambda name, kernels_dir=None: broken)
     v = covering_variants("fwd_simt")[0]
     with pytest.raises(_build.CompileError, match=r"kernels_cu/fwd_simt\.cu\(\d+\)"):
         compile_report(v)

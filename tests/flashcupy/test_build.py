@@ -1,0 +1,112 @@
+"""The build layer's experiment hook (CPU: NVRTC needs no GPU): ``kernel_build`` gives the variants made
+inside it a Build, whose defines replace the variant's own and whose folder replaces kernels_cu/; the
+modules, memoized checks and keys of such variants are their own."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from flashcupy import _build, _checks
+from flashcupy._build import Build, Variant, compile_report, current_build, kernel_build
+
+
+def _simt():
+    return Variant("fwd_simt", "f16", "fp32", 64, 64, 64)
+
+
+def test_variants_made_inside_a_build_carry_it_and_are_other_variants():
+    plain = _simt()
+    assert plain.build is None and current_build() is None
+    with kernel_build({"FC_AB_PROBE": 3}) as b:
+        inside = _simt()
+        assert current_build() == b
+    assert current_build() is None
+    assert inside.build == Build((("FC_AB_PROBE", 3),))
+    assert inside != plain and hash(inside) != hash(plain)
+    assert inside.key == plain.key + "+FC_AB_PROBE=3"
+    assert inside.defines() == {**plain.defines(), "FC_AB_PROBE": 3}
+    # a define of the variant's own is replaced, not repeated
+    with kernel_build({"FC_SMEM_FWD": 12345}):
+        smem = _simt()
+    assert smem.defines()["FC_SMEM_FWD"] == 12345
+    assert sum(o.startswith("-DFC_SMEM_FWD=") for o in _build.compile_options(smem)) == 1
+    # an empty block is the package's own build
+    with kernel_build():
+        assert _simt() == plain
+
+
+def test_build_rejects_what_is_not_a_define():
+    with pytest.raises(ValueError, match="C identifier"):
+        Build((("1X", 1),))
+    with pytest.raises(TypeError, match="int value"):
+        Build((("FC_X", 1.5),))
+    with pytest.raises(TypeError, match="int value"):
+        Build((("FC_X", True),))
+    with pytest.raises(ValueError, match="once"):
+        Build((("FC_X", 1), ("FC_X", 2)))
+    with pytest.raises(ValueError, match="existing folder"):
+        Build((), "/no/such/folder")
+    with pytest.raises(TypeError, match="dict"):
+        with kernel_build([("FC_X", 1)]):
+            pass
+    with pytest.raises(TypeError, match="Build"):
+        Variant("fwd_simt", "f16", "fp32", 64, 64, 64, build="FC_X=1")
+
+
+def test_memoized_checks_follow_the_build():
+    """A call inside a build gets that build's variant even when the same call ran outside before."""
+    q = np.ones((1, 1, 8, 64), np.float16)
+    kw = dict(causal=False, scale=None, block_m=None, block_n=None, accum="fp32", kernel="simt", ablate=None)
+    outside = _checks.forward_problem(q, q, q, **kw)
+    with kernel_build({"FC_AB_PROBE": 1}):
+        inside = _checks.forward_problem(q, q, q, **kw)
+    assert outside.variant.build is None
+    assert inside.variant.build == Build((("FC_AB_PROBE", 1),))
+    assert _checks.forward_problem(q, q, q, **kw) is outside
+
+
+def test_modules_are_memoized_per_build(monkeypatch):
+    built = []
+    monkeypatch.setattr(_build, "_MODULES", {})
+    monkeypatch.setattr(_build, "_build_module", lambda v, dev: built.append(v.key) or {"fwd": v.key})
+    plain = _simt()
+    with kernel_build({"FC_AB_PROBE": 1}):
+        probe = _simt()
+    for v in (plain, probe, plain, probe):
+        _build._module_on_device(v, 0)
+    assert built == [plain.key, probe.key]
+
+
+def test_defines_reach_the_compiler():
+    """A define replaced by the build is what NVRTC compiles: the forward kernels assert at compile time
+    that their layout needs exactly FC_SMEM_FWD bytes, so a wrong FC_SMEM_FWD must fail there; the right
+    value compiles, and the report's key names the build."""
+    real = _simt().smem_for("fwd")
+    with kernel_build({"FC_SMEM_FWD": real + 16}):
+        wrong = _simt()
+    with pytest.raises(_build.CompileError, match="differs from FC_SMEM_FWD"):
+        compile_report(wrong)
+    with kernel_build({"FC_SMEM_FWD": real}):
+        right = _simt()
+    rep = compile_report(right)
+    assert rep["kernels"]["flash_fwd_simt"]["smem_dynamic"] == real
+    assert rep["key"].endswith(f"+FC_SMEM_FWD={real}")
+
+
+def test_a_kernels_folder_replaces_the_package_sources(tmp_path):
+    """The family's source and its headers come from the build's folder: an #error planted in the
+    folder's copy of a header is what NVRTC reports, with the folder's path."""
+    folder = tmp_path / "kernels"
+    shutil.copytree(_build._kernels_dir(), folder, ignore=shutil.ignore_patterns("__pycache__"))
+    same = compile_report(Variant("fwd_simt", "f16", "fp32", 64, 64, 64,
+                                  build=Build((), str(folder))))
+    assert same["registers"] == compile_report(_simt())["registers"]
+    header = folder / "flash_common.cuh"
+    header.write_text("#error planted by the test\n" + header.read_text())
+    with kernel_build(kernels_dir=str(folder)):
+        v = _simt()
+    assert v.key.endswith("@" + str(folder))
+    with pytest.raises(_build.CompileError, match="planted by the test"):
+        compile_report(v)
