@@ -1,0 +1,424 @@
+"""A/B of kernel builds: the same calls timed under several builds of the kernels in one process, on the
+same inputs, in alternating rounds, with their outputs compared bit for bit and their ptxas reports side
+by side. For a kernel writer's question "is this change faster, and does it keep the bits?".
+
+An *arm* is a build of the kernels (``flashcupy._build.Build``): extra ``-D`` values, which replace the
+variant's own (a compile-time switch of the source, or FC_BLOCK_M=...), and/or a folder that holds a
+changed copy of kernels_cu/. The first arm is the baseline; every ratio is an arm's best round over the
+baseline's best round. Arms are written ``NAME``, ``NAME:FC_X=1,FC_Y=2``, ``NAME@FOLDER`` or
+``NAME@FOLDER:FC_X=1``; on the device, a folder must travel with the tree (an ignored folder named in the
+run's carry, e.g. ``git archive <rev> kernels_cu | tar -x -C scratch/base``)::
+
+    python -m analysis.ab --arm base --arm tma:FC_BWD_LD_TMA=1 --cells f16:4096:64:0,f16:4096:128:1 \\
+        --directions bwd,bwd_det --peer cudnn --out $OUT/ab --name ld_tma
+
+Timing is ``bench``'s (CUDA events behind a GPU-holding kernel, median of repeated calls over input sets
+that exceed the L2 cache; see analysis.bench). The outputs (fwd: o and the LSE; bwd: dq, dk, dv) of each
+arm on the first input set are compared with the baseline's: "equal" is bitwise; otherwise the largest
+difference relative to the largest magnitude of the baseline's output. An output that differs between
+two runs of the baseline itself (the atomic dQ path adds in any order) is marked "varies". The backward
+runs on one forward's o and LSE, made by the package's own kernels, so every arm sees the same inputs.
+
+The host side is the package's in every arm: a switch that changes what the host launches must be read
+by the host from ``KernelHandle.defines`` (shared memory per kernel follows the module's FC_SMEM_<ROLE>
+by itself).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import sdpa
+from .common import Context, Table, jsonable, log, md_table, metadata
+
+DIRECTIONS = ("fwd", "bwd", "bwd_det")
+
+
+# ---------------------------------------------------------------------------------------------------
+# arms and cells from the command line
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    name: str
+    defines: tuple[tuple[str, int], ...] = ()
+    kernels_dir: str | None = None
+
+    def describe(self) -> str:
+        parts = [f"{n}={v}" for n, v in self.defines]
+        if self.kernels_dir:
+            parts.append(f"kernels from {self.kernels_dir}")
+        return ", ".join(parts) or "the package's kernels"
+
+
+def parse_arm(spec: str) -> Arm:
+    """``NAME[@FOLDER][:NAME=INT,...]`` -> Arm; ValueError saying what is allowed."""
+    head, _, defs = spec.partition(":")
+    name, _, folder = head.partition("@")
+    if not name or not name.replace("-", "_").replace(".", "_").isidentifier():
+        raise ValueError(f"--arm {spec!r}: the arm needs a name of letters, digits, '_', '-' or '.' before "
+                         f"any '@FOLDER' or ':DEFINES'")
+    if "@" in head and not folder:
+        raise ValueError(f"--arm {spec!r}: '@' must be followed by a folder holding kernels_cu's files")
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"--arm {spec!r}: {folder!r} is not a folder")
+    defines = []
+    for item in filter(None, (x.strip() for x in defs.split(","))) if defs else ():
+        key, eq, value = item.partition("=")
+        try:
+            defines.append((key.strip(), int(value, 0)))
+        except ValueError:
+            raise ValueError(f"--arm {spec!r}: each define must be NAME=INT, got {item!r}") from None
+        if not eq:
+            raise ValueError(f"--arm {spec!r}: each define must be NAME=INT, got {item!r}")
+    if ":" in spec and not defines:
+        raise ValueError(f"--arm {spec!r}: ':' must be followed by NAME=INT[,NAME=INT...]")
+    from flashcupy._build import Build
+
+    build = Build(tuple(defines), folder or None)  # checks the names and values
+    return Arm(name, build.defines, build.kernels_dir)
+
+
+def parse_arms(specs) -> list[Arm]:
+    arms = [parse_arm(s) for s in specs]
+    if len(arms) < 2:
+        raise ValueError(f"give at least two --arm (the first is the baseline), got {len(arms)}")
+    names = [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names must differ, got {names}")
+    return arms
+
+
+def parse_cells(text: str) -> list[tuple[str, int, int, bool]]:
+    """``dtype:N:D:causal,...`` (causal 0 or 1) -> [(dtype, N, D, causal)]."""
+    from flashcupy._build import DTYPES
+
+    cells = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        parts = item.split(":")
+        try:
+            dname, n, d, causal = parts[0], int(parts[1]), int(parts[2]), int(parts[3])
+            if len(parts) != 4:
+                raise IndexError
+        except (IndexError, ValueError):
+            raise ValueError(f"--cells: each cell is dtype:N:D:causal, e.g. f16:4096:128:0; "
+                             f"got {item!r}") from None
+        if dname not in DTYPES or n < 1 or d < 1 or causal not in (0, 1):
+            raise ValueError(f"--cells {item!r}: dtype one of {sorted(DTYPES)}, N and D >= 1, causal 0 or 1")
+        cells.append((dname, n, d, bool(causal)))
+    if not cells:
+        raise ValueError("--cells: no cell given")
+    return cells
+
+
+def parse_directions(text: str) -> list[str]:
+    dirs = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [d for d in dirs if d not in DIRECTIONS]
+    if bad or not dirs:
+        raise ValueError(f"--directions: a comma-separated subset of {DIRECTIONS}, got {text!r}")
+    return dirs
+
+
+# ---------------------------------------------------------------------------------------------------
+# comparing outputs
+
+
+def compare(base_outs, outs, varies) -> str:
+    """'equal' when every output is bitwise equal to the baseline's; else per output that is not: name
+    and max |difference| / max |baseline| (outputs the baseline itself does not repeat: 'varies')."""
+    parts = []
+    for name in base_outs:
+        b, x = np.asarray(base_outs[name]), np.asarray(outs[name])
+        if b.shape != x.shape:
+            parts.append(f"{name}: shape {x.shape} against {b.shape}")
+            continue
+        if np.array_equal(b.view(np.uint8), x.view(np.uint8)):
+            continue
+        b64, x64 = b.astype(np.float64), x.astype(np.float64)
+        finite = np.isfinite(b64) & np.isfinite(x64)
+        if not np.array_equal(np.isfinite(b64), np.isfinite(x64)):
+            parts.append(f"{name}: non-finite values differ")
+            continue
+        scale = float(np.max(np.abs(b64[finite]))) if finite.any() else 1.0
+        rel = float(np.max(np.abs(x64[finite] - b64[finite]))) / (scale or 1.0)
+        parts.append(f"{name}: {rel:.3g}" + (" (varies)" if name in varies else ""))
+    return "; ".join(parts) or "equal"
+
+
+def repeat_varies(first, second) -> set:
+    """The names of the outputs that differ between two runs of the same build."""
+    def bits(x):
+        return np.asarray(x).view(np.uint8)
+
+    return {name for name in first if not np.array_equal(bits(first[name]), bits(second[name]))}
+
+
+# ---------------------------------------------------------------------------------------------------
+# one cell on the device
+
+
+class _CellRun:
+    """One (dtype, N, D, causal) cell: its input sets (bench's), the package's forward of each for the
+    backward, and the calls of every direction."""
+
+    def __init__(self, ctx: Context, timer, cell, b: int, h: int, kernel: str, l2: int):
+        import flashcupy
+
+        from .bench import _Cell
+
+        self.c = _Cell(ctx, timer, cell, b, h, l2)
+        self.kernel, self.causal = kernel, cell[3]
+        # o and LSE from the package's own kernels: every arm's backward sees the same inputs
+        outs = [flashcupy.attention(s[0], s[1], s[2], causal=self.causal, kernel=kernel, return_lse=True)
+                for s in self.c.sets]
+        self.bsets = [(*s, *o) for s, o in zip(self.c.sets, outs)]
+
+    def call(self, direction):
+        """(fn over one input set returning {name: output}, the input sets)."""
+        import flashcupy
+
+        causal, kernel = self.causal, self.kernel
+        if direction == "fwd":
+            def fn(s):
+                o, lse = flashcupy.attention(s[0], s[1], s[2], causal=causal, kernel=kernel, return_lse=True)
+                return {"o": o, "lse": lse}
+            return fn, self.c.sets
+        det = direction == "bwd_det"
+
+        def fn(s):
+            dq, dk, dv = flashcupy.attention_backward(s[3], s[0], s[1], s[2], s[4], s[5], causal=causal,
+                                                      kernel=kernel, deterministic=det)
+            return {"dq": dq, "dk": dk, "dv": dv}
+        return fn, self.bsets
+
+    def variant_row(self, direction) -> list:
+        """[key, kernels launched, registers, smem, spill bytes] of the variant the call runs (bench's
+        compile-report summary), in the current build."""
+        from flashcupy._checks import backward_problem, forward_problem
+
+        from .bench import _summarize_report
+
+        s = self.bsets[0]
+        knobs = dict(causal=self.causal, scale=None, block_m=None, block_n=None, accum="fp32",
+                     kernel=self.kernel)
+        if direction == "fwd":
+            p = forward_problem(s[0], s[1], s[2], ablate=None, **knobs)
+        else:
+            p = backward_problem(s[3], s[0], s[1], s[2], s[4], s[5], deterministic=direction == "bwd_det",
+                                 **knobs)
+        try:
+            rep = _compile_report(p.variant)
+        except Exception as e:
+            return [p.variant.key, f"{type(e).__name__}: {str(e)[:80]}", None, None, None]
+        return _summarize_report(p.variant, rep, direction == "bwd_det", p.nq)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_report(variant):
+    """compile_report, once per variant (a build's variant is its own; bwd and bwd_det share one)."""
+    from flashcupy._build import compile_report
+
+    return compile_report(variant)
+
+
+def _host(outs) -> dict:
+    import cupy
+
+    return {k: cupy.asnumpy(v) for k, v in outs.items()}
+
+
+def measure(ctx: Context, arms, cells, directions, *, b: int, h: int, kernel: str, rounds: int,
+            peer: str | None, budget_s: float, compile_reports: bool) -> list[dict]:
+    """A row per (cell, direction): per arm its TFLOP/s in each round, the bits against the baseline and
+    (compile_reports) its ptxas summary; the peer's TFLOP/s per round where one is asked for."""
+    import cupy
+
+    from flashcupy._build import kernel_build
+
+    from .bench import Timer
+
+    timer = Timer(ctx, budget_s=budget_s, min_reps=5, max_reps=50)
+    l2 = cupy.cuda.Device().attributes.get("L2CacheSize", 50 * 2 ** 20)
+    torch = None
+    if peer:
+        try:
+            torch = sdpa.load_torch()
+        except Exception as e:
+            log(f"[ab] peer {peer} skipped: {type(e).__name__}: {e}")
+    rows = []
+    for cell in cells:
+        run = _CellRun(ctx, timer, cell, b, h, kernel, l2)
+        for direction in directions:
+            fn, sets = run.call(direction)
+            row = {"dtype": cell[0], "N": cell[1], "D": cell[2], "causal": cell[3], "direction": direction,
+                   "arms": {a.name: {"tflops": []} for a in arms}}
+            tdir = "fwd" if direction == "fwd" else "bwd"
+            # bits and compile reports first (each arm's module is built here, outside the timing)
+            base_outs = None
+            for arm in arms:
+                with kernel_build(dict(arm.defines), arm.kernels_dir):
+                    outs = _host(fn(sets[0]))
+                    if base_outs is None:
+                        base_outs, varies = outs, repeat_varies(outs, _host(fn(sets[0])))
+                        row["varies"] = sorted(varies)
+                    row["arms"][arm.name]["bits"] = compare(base_outs, outs, varies)
+                    if compile_reports:
+                        row["arms"][arm.name]["compile"] = run.variant_row(direction)
+            peer_fn = _peer_call(torch, peer, run, direction) if torch is not None else None
+            if peer_fn is not None:
+                row["peer"] = {"name": peer, "tflops": []}
+            for r in range(rounds):
+                for arm in arms:
+                    with kernel_build(dict(arm.defines), arm.kernels_dir):
+                        res = run.c.timed(fn, sets, tdir)
+                    row["arms"][arm.name]["tflops"].append(res["tflops"])
+                if peer_fn is not None:
+                    row["peer"]["tflops"].append(run.c.timed(peer_fn[0], peer_fn[1], tdir)["tflops"])
+            log(f"[ab] {cell} {direction}: " + ", ".join(
+                f"{a}: {max(v['tflops']):.1f}" for a, v in row["arms"].items()) + " TFLOP/s")
+            rows.append(row)
+        del run
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def _peer_call(torch, peer, run: _CellRun, direction):
+    """(fn, input sets) of torch SDPA's ``peer`` backend for this direction (its backward on a graph
+    built once per set), or None where it does not run."""
+    p = sdpa.Sdpa(torch, peer, run.causal)
+    tsets = [sdpa.to_torch(torch, s) for s in run.c.sets]
+    try:
+        if direction == "fwd":
+            p.forward(*tsets[0][:3])
+            return (lambda s: p.forward(s[0], s[1], s[2])), tsets
+        gsets = [p.graph(*s) for s in tsets]
+        p.backward(gsets[0])
+        return p.backward, gsets
+    except Exception as e:
+        log(f"[ab] peer {peer} {direction} skipped: {type(e).__name__}: {str(e)[:100]}")
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# report
+
+
+def table(rows, arms) -> Table:
+    """Columns: the cell, each arm's rounds and its best / the baseline's best, its bits, the peer."""
+    base = arms[0].name
+    with_peer = any("peer" in r for r in rows)
+    with_compile = any("compile" in a for r in rows for a in r["arms"].values())
+    cols = ["dtype", "N", "D", "causal", "direction"]
+    for a in arms:
+        cols.append(f"{a.name} TFLOP/s")
+        if a.name != base:
+            cols += [f"{a.name} / {base}", f"{a.name} bits"]
+    if with_peer:
+        peer = next(r["peer"]["name"] for r in rows if "peer" in r)
+        cols += [f"{peer} TFLOP/s", f"{base} / {peer}"] + [f"{a.name} / {peer}" for a in arms[1:]]
+    if with_compile:
+        cols += [f"{a.name} regs (spill bytes)" for a in arms]
+    out = []
+    for r in rows:
+        best = {name: max(v["tflops"]) for name, v in r["arms"].items()}
+        line = [r["dtype"], r["N"], r["D"], "yes" if r["causal"] else "no", r["direction"]]
+        for a in arms:
+            line.append(", ".join(f"{t:.1f}" for t in r["arms"][a.name]["tflops"]))
+            if a.name != base:
+                line += [f"{best[a.name] / best[base]:.3f}", r["arms"][a.name]["bits"]]
+        if with_peer:
+            if "peer" in r:
+                pb = max(r["peer"]["tflops"])
+                line.append(", ".join(f"{t:.1f}" for t in r["peer"]["tflops"]))
+                line += [f"{best[a.name] / pb:.3f}" for a in arms]
+            else:
+                line += ["n/a"] * (1 + len(arms))
+        if with_compile:
+            for a in arms:
+                c = r["arms"][a.name].get("compile")
+                line.append(f"{c[2]} ({c[4]})" if c else "n/a")
+        out.append(line)
+    return Table("TFLOP/s per round, best round over best round, bits against the baseline", cols, out)
+
+
+def render(meta: dict, arms, rows, args: dict) -> str:
+    base = arms[0].name
+    lines = [f"# A/B: {', '.join(a.name for a in arms[1:])} against {base}", ""]
+    lines += ["## Arms", ""] + [f"- **{a.name}**{' (baseline)' if a.name == base else ''}: {a.describe()}"
+                                for a in arms]
+    cells = ", ".join(f"{c[0]}:{c[1]}:{c[2]}:{int(c[3])}" for c in args["cells"])
+    lines += ["", "## Setup", "",
+              f"- cells (dtype:N:D:causal): {cells}; B={args['b']}, H={args['h']}; "
+              f"kernel={args['kernel']!r}; directions {', '.join(args['directions'])}",
+              f"- rounds: {args['rounds']}, the arms in turn within each round; each number is the median of "
+              f"repeated calls (about {args['budget_s']} s of calls, 5 to 50) behind a GPU-holding kernel, "
+              "over input sets that exceed the L2 cache (analysis.bench's timer); ratios are best round over "
+              "best round",
+              "- bits: each arm's outputs on the first input set against the baseline's; 'equal' is bitwise, "
+              "else max |difference| / max |baseline| per output; '(varies)': the baseline's own repeat "
+              "differs there",
+              f"- device: {meta.get('device')}; git commit: {meta.get('git_commit')}; "
+              f"seed {meta.get('seed')}", ""]
+    lines += ["## Results", "", md_table(table(rows, arms)), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis.ab", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME[@FOLDER][:FC_X=1,...]",
+                    help="a build of the kernels; the first is the baseline (at least two)")
+    ap.add_argument("--cells", default="f16:4096:128:0", help="dtype:N:D:causal,... (default %(default)s)")
+    ap.add_argument("--directions", default="fwd",
+                    help=f"comma-separated, of {DIRECTIONS} (default %(default)s)")
+    ap.add_argument("--kernel", default="wgmma", help="the kernel= of every call (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--b", type=int, default=4)
+    ap.add_argument("--h", type=int, default=32)
+    ap.add_argument("--budget", type=float, default=0.3, help="seconds of calls per measurement")
+    ap.add_argument("--peer", choices=sorted(sdpa.BACKENDS), default=None,
+                    help="a torch SDPA backend timed in the same rounds")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the ptxas reports of the arms")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join("reports", "ab"))
+    ap.add_argument("--name", default="ab")
+    a = ap.parse_args(argv)
+    try:
+        arms, cells, directions = parse_arms(a.arm), parse_cells(a.cells), parse_directions(a.directions)
+        for name, val, lo in (("--rounds", a.rounds, 1), ("--b", a.b, 1), ("--h", a.h, 1)):
+            if val < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {val}")
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
+    from .common import cuda_available
+
+    if not cuda_available():
+        ap.error("analysis.ab times compiled kernels: it needs a CUDA device "
+                 "(cupy.cuda.is_available() is False)")
+    ctx = Context.make("cuda", seed=a.seed, out=a.out)
+    t0 = time.perf_counter()
+    rows = measure(ctx, arms, cells, directions, b=a.b, h=a.h, kernel=a.kernel, rounds=a.rounds, peer=a.peer,
+                   budget_s=a.budget, compile_reports=not a.no_compile)
+    meta = {**metadata(ctx), "wall_time_s": time.perf_counter() - t0,
+            "command": "python -m analysis.ab " + " ".join(sys.argv[1:] if argv is None else argv)}
+    args = {"cells": cells, "b": a.b, "h": a.h, "kernel": a.kernel, "directions": directions,
+            "rounds": a.rounds, "budget_s": a.budget}
+    md = render(meta, arms, rows, args)
+    with open(os.path.join(a.out, f"{a.name}.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
+        json.dump(jsonable({"meta": meta, "arms": [dataclasses.asdict(x) for x in arms], "args": args,
+                            "rows": rows}), f, indent=1)
+    print(md_table(table(rows, arms)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

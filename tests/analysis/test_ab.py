@@ -1,0 +1,128 @@
+"""analysis.ab without a GPU: arms, cells and directions from the command line, the bitwise comparison,
+and the table and Markdown of synthetic rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from analysis import ab
+from tests.conftest import GPU_SKIP_REASON
+
+
+def test_arms_parse_names_folders_and_defines(tmp_path):
+    assert ab.parse_arm("base") == ab.Arm("base")
+    tma = ab.parse_arm("tma:FC_BWD_LD_TMA=1, FC_X=0x10")
+    assert tma.name == "tma" and tma.defines == (("FC_BWD_LD_TMA", 1), ("FC_X", 16))
+    old = ab.parse_arm(f"old@{tmp_path}:FC_X=2")
+    assert old.kernels_dir == str(tmp_path) and old.defines == (("FC_X", 2),)
+    assert "FC_X=2" in old.describe() and str(tmp_path) in old.describe()
+    assert ab.parse_arm("base").describe() == "the package's kernels"
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("", "name"), (":FC_X=1", "name"), ("a b", "name"), ("x@", "folder"), ("x@/no/such/dir", "not a folder"),
+    ("x:", "NAME=INT"), ("x:FC_X", "NAME=INT"), ("x:FC_X=one", "NAME=INT"), ("x:1FC=1", "C identifier"),
+    ("x:FC_X=1,FC_X=2", "once"),
+])
+def test_bad_arms_are_refused_with_what_is_allowed(spec, match):
+    with pytest.raises(ValueError, match=match):
+        ab.parse_arm(spec)
+
+
+def test_arms_need_two_distinct_names():
+    with pytest.raises(ValueError, match="at least two"):
+        ab.parse_arms(["base"])
+    with pytest.raises(ValueError, match="differ"):
+        ab.parse_arms(["a", "a:FC_X=1"])
+    assert [a.name for a in ab.parse_arms(["a", "b:FC_X=1"])] == ["a", "b"]
+
+
+def test_cells_and_directions():
+    assert ab.parse_cells("f16:4096:128:0, bf16:1024:64:1") == [("f16", 4096, 128, False),
+                                                                ("bf16", 1024, 64, True)]
+    for bad in ("f16:4096:128", "f16:4096:128:2", "f8:4096:128:0", "f16:x:128:0", "f16:4096:128:0:1", ""):
+        with pytest.raises(ValueError, match="--cells"):
+            ab.parse_cells(bad)
+    assert ab.parse_directions("bwd, bwd_det") == ["bwd", "bwd_det"]
+    for bad in ("", "back", "fwd,dq"):
+        with pytest.raises(ValueError, match="--directions"):
+            ab.parse_directions(bad)
+
+
+def test_compare_is_bitwise_and_sizes_a_difference(rng):
+    o = rng.standard_normal((2, 3, 5, 8)).astype(np.float16)
+    lse = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    base = {"o": o, "lse": lse}
+    assert ab.compare(base, {"o": o.copy(), "lse": lse.copy()}, set()) == "equal"
+    # one ulp in one element of o is reported, sized against the largest |o|
+    o2 = o.copy()
+    o2.view(np.uint16)[0, 0, 0, 0] += 1
+    text = ab.compare(base, {"o": o2, "lse": lse}, set())
+    assert text.startswith("o: ") and "lse" not in text
+    rel = float(text.split(": ")[1])
+    expect = abs(float(o2[0, 0, 0, 0]) - float(o[0, 0, 0, 0])) / float(np.abs(o.astype(np.float64)).max())
+    assert rel == pytest.approx(expect, rel=0.01)
+    # -0.0 against +0.0 is a different bit pattern
+    z = np.zeros(4, np.float32)
+    assert ab.compare({"x": z}, {"x": -z}, set()) == "x: 0"
+    # an output the baseline does not repeat is marked
+    assert ab.compare(base, {"o": o2, "lse": lse}, {"o"}).endswith("(varies)")
+    nan = lse.copy()
+    nan[0, 0, 0] = np.nan
+    assert ab.compare(base, {"o": o, "lse": nan}, set()) == "lse: non-finite values differ"
+    assert ab.repeat_varies(base, {"o": o2, "lse": lse}) == {"o"}
+    assert ab.repeat_varies(base, base) == set()
+
+
+def _rows():
+    arms = [ab.Arm("base"), ab.Arm("tma", (("FC_BWD_LD_TMA", 1),))]
+    rows = [{"dtype": "f16", "N": 4096, "D": 64, "causal": False, "direction": "bwd", "varies": ["dq"],
+             "arms": {"base": {"tflops": [400.0, 410.0], "bits": "equal",
+                               "compile": ["k", "prep/dkdvdq/conv", "28/168/17", "1/2/3", 0]},
+                      "tma": {"tflops": [430.5, 420.0], "bits": "dq: 1e-07 (varies)",
+                              "compile": ["k+FC_BWD_LD_TMA=1", "prep/dkdvdq/conv", "28/168/17", "1/2/3", 0]}},
+             "peer": {"name": "cudnn", "tflops": [450.0, 455.0]}},
+            {"dtype": "bf16", "N": 1024, "D": 128, "causal": True, "direction": "fwd", "varies": [],
+             "arms": {"base": {"tflops": [300.0]}, "tma": {"tflops": [299.0], "bits": "equal"}}}]
+    return arms, rows
+
+
+def test_table_ratios_are_best_round_over_best_round():
+    arms, rows = _rows()
+    t = ab.table(rows, arms)
+    first = dict(zip(t.columns, t.rows[0]))
+    assert first["base TFLOP/s"] == "400.0, 410.0" and first["tma TFLOP/s"] == "430.5, 420.0"
+    assert first["tma / base"] == f"{430.5 / 410.0:.3f}"
+    assert first["tma bits"] == "dq: 1e-07 (varies)"
+    assert first["cudnn TFLOP/s"] == "450.0, 455.0"
+    assert first["base / cudnn"] == f"{410 / 455:.3f}" and first["tma / cudnn"] == f"{430.5 / 455:.3f}"
+    assert first["tma regs (spill bytes)"] == "28/168/17 (0)"
+    second = dict(zip(t.columns, t.rows[1]))
+    assert second["tma / base"] == f"{299 / 300:.3f}" and second["causal"] == "yes"
+    assert second["cudnn TFLOP/s"] == "n/a" and second["base regs (spill bytes)"] == "n/a"
+
+
+def test_render_names_arms_setup_and_results():
+    arms, rows = _rows()
+    args = {"cells": [("f16", 4096, 64, False)], "b": 4, "h": 32, "kernel": "wgmma", "directions": ["bwd"],
+            "rounds": 2, "budget_s": 0.3}
+    md = ab.render({"device": "NVIDIA H200", "git_commit": "abc", "seed": 0}, arms, rows, args)
+    assert md.startswith("# A/B: tma against base")
+    assert "**base** (baseline): the package's kernels" in md and "**tma**: FC_BWD_LD_TMA=1" in md
+    assert "f16:4096:64:0" in md and "NVIDIA H200" in md and "| tma / base |" in md
+
+
+@pytest.mark.skipif(GPU_SKIP_REASON is None, reason="checks the message given where there is no GPU")
+def test_main_refuses_to_run_without_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        ab.main(["--arm", "a", "--arm", "b:FC_X=1"])
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_main_refuses_bad_arguments_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        ab.main(["--arm", "a"])
+    assert "at least two" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["--arm", "a", "--arm", "b", "--rounds", "0"])
+    assert "--rounds must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,55 @@
+"""analysis.ab on the GPU: each arm runs its own build (a define that changes nothing keeps the bits, one
+that breaks the algorithm is reported as a difference), the reports name each arm's variant, and the
+modules carry the defines they were compiled with."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _run(tmp_path, kernel, directions, *extra):
+    from analysis import ab
+
+    argv = ["--arm", "base", "--arm", "noop:FC_AB_NOOP=1", "--arm", "norescale:FC_ABLATE_RESCALING=1",
+            "--cells", "f16:256:64:0", "--directions", directions, "--kernel", kernel, "--rounds", "2",
+            "--b", "1", "--h", "2", "--budget", "0.02", "--out", str(tmp_path), "--name", "t", *extra]
+    assert ab.main(argv) == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert (tmp_path / "t.md").read_text().startswith("# A/B: noop, norescale against base")
+    return {r["direction"]: r for r in data["rows"]}
+
+
+def test_ab_arms_run_their_own_builds(tmp_path):
+    from flashcupy import _build
+
+    rows = _run(tmp_path, "mma", "fwd,bwd_det")
+    for row in rows.values():
+        for arm in ("base", "noop", "norescale"):
+            assert len(row["arms"][arm]["tflops"]) == 2 and min(row["arms"][arm]["tflops"]) > 0
+        assert row["arms"]["noop"]["bits"] == "equal"
+        assert row["arms"]["noop"]["compile"][0].endswith("+FC_AB_NOOP=1")
+        assert not row["arms"]["base"]["compile"][0].count("+")
+    # 256 keys are several key tiles: without rescaling o is wrong, and the tool says so
+    assert rows["fwd"]["arms"]["norescale"]["bits"].startswith("o: ")
+    assert rows["bwd_det"]["varies"] == []  # the deterministic backward repeats itself
+    builds = [v.build for v, _ in _build._MODULES if v.build is not None]
+    assert _build.Build((("FC_ABLATE_RESCALING", 1),)) in builds
+    noop = next(v for v, _ in _build._MODULES if v.build == _build.Build((("FC_AB_NOOP", 1),)))
+    assert _build.get_kernel(noop).defines["FC_AB_NOOP"] == 1
+
+
+def test_ab_on_the_hopper_family(tmp_path):
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma family needs compute capability 9.0")
+    rows = _run(tmp_path, "wgmma", "fwd,bwd", "--no-compile")
+    assert rows["fwd"]["arms"]["noop"]["bits"] == "equal"
+    assert rows["fwd"]["arms"]["norescale"]["bits"] != "equal"
+    # dk and dv are one CTA's sums in a fixed order: equal whatever dq's atomic order did
+    bits = rows["bwd"]["arms"]["noop"]["bits"]
+    assert bits == "equal" or (bits.startswith("dq: ") and "dk" not in bits and "dv" not in bits)
+    assert "compile" not in rows["bwd"]["arms"]["base"]
