@@ -19,6 +19,10 @@ Where a kernel's time goes inside it (warp-state samples per SASS instruction, s
 (mbarrier waits, named barriers, wgmma waits: where warps wait on each other or on the tensor cores),
 each stretch named by the sync instruction that opens it and counted per execution of that instruction.
 
+``run --arm NAME:FC_X=1`` profiles flashcupy's calls in that build of the kernels (``analysis.ab``'s
+arms: -D values that replace the variant's own, and/or a changed copy of kernels_cu/), so a change can
+be profiled before and after in one tree.
+
 ``run`` wraps each profiled call in an NVTX range ``<provider> <direction> <dtype> N<n> D<d> causal<0|1>``
 (provider flashcupy / torch_flash / torch_cudnn, direction fwd / bwd / bwd_det), pushed on the calling
 thread and also started process-wide, since torch's autograd launches backward kernels from its own
@@ -549,6 +553,8 @@ def main(argv=None):
     r.add_argument("--b", type=int, default=4)
     r.add_argument("--h", type=int, default=32)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--arm", default=None, metavar="NAME[@FOLDER][:FC_X=1,...]",
+                   help="run flashcupy's calls in this build of the kernels (as analysis.ab's --arm)")
     s = sub.add_parser("summarize", help="ncu raw-page CSV -> <out>/<name>.json and .md")
     s.add_argument("csv")
     s.add_argument("--out", default="reports")
@@ -565,9 +571,16 @@ def main(argv=None):
         log(f"[profile_ncu] wrote {paths['md']} and {paths['json']}")
         return 0
     if a.cmd == "run":
-        cells = [(c[0], int(c[1]), int(c[2]), bool(int(c[3])))
-                 for c in (x.strip().split(":") for x in a.cells.split(","))]
-        run(cells, a.b, a.h, a.seed)
+        from flashcupy._build import kernel_build
+
+        from .ab import parse_arm, parse_cells
+
+        try:
+            cells, arm = parse_cells(a.cells), parse_arm(a.arm) if a.arm else None
+        except ValueError as e:
+            r.error(str(e))
+        with kernel_build(dict(arm.defines), arm.kernels_dir) if arm else contextlib.nullcontext():
+            run(cells, a.b, a.h, a.seed)
     else:
         data = summarize_csv(a.csv)
         data["git_commit"] = git_commit()

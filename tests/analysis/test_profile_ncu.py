@@ -281,3 +281,11 @@ def test_index_lists_every_profile_report_of_its_folder(tmp_path):
     assert [r.split(" | ")[0][2:] for r in rows] == ["accum", "profile", "profile_sass_x"]
     assert "counters / beside cuDNN" in rows[1] and "[profile_sass_x.md](profile_sass_x.md)" in rows[2]
     assert "barrier" in rows[2] and "notes" not in text
+
+
+@pytest.mark.parametrize("argv, match", [(["--cells", "f16:4096"], "dtype:N:D:causal"),
+                                         (["--arm", "x:FC_X"], "NAME=INT")])
+def test_run_refuses_bad_cells_and_arms_before_profiling(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        main(["run", *argv])
+    assert match in capsys.readouterr().err
