@@ -3,14 +3,21 @@ same inputs, in alternating rounds, with their outputs compared bit for bit and 
 by side. For a kernel writer's question "is this change faster, and does it keep the bits?".
 
 An *arm* is a build of the kernels (``flashcupy._build.Build``): extra ``-D`` values, which replace the
-variant's own (a compile-time switch of the source, or FC_BLOCK_M=...), and/or a folder that holds a
-changed copy of kernels_cu/. The first arm is the baseline; every ratio is an arm's best round over the
-baseline's best round. Arms are written ``NAME``, ``NAME:FC_X=1,FC_Y=2``, ``NAME@FOLDER`` or
-``NAME@FOLDER:FC_X=1``; on the device, a folder must travel with the tree (an ignored folder named in the
-run's carry, e.g. ``git archive <rev> kernels_cu | tar -x -C scratch/base``)::
+variant's own (a compile-time switch of the source such as FC_WG_PINGPONG), and/or a folder that holds a
+changed copy of kernels_cu/. The tile and the other knobs the host also reads (block_m, block_n, head
+dim, dtype, the causal mask) are not arms: the host would launch the variant's grid for another kernel;
+compare those through the call's own arguments. The first arm is the baseline; every ratio is an arm's
+best round over the baseline's best round; round r runs the arms in turn starting from arm r (mod the
+number of arms), so no arm always runs first. Arms are written ``NAME``, ``NAME:FC_X=1,FC_Y=2``,
+``NAME@FOLDER`` or ``NAME@FOLDER:FC_X=1``; on the device, a folder must travel with the tree (an ignored
+folder named in the run's carry: ``git archive <rev> kernels_cu | tar -x -C scratch/base`` makes
+``scratch/base/kernels_cu``, the arm ``old@scratch/base/kernels_cu``)::
 
-    python -m analysis.ab --arm base --arm tma:FC_BWD_LD_TMA=1 --cells f16:4096:64:0,f16:4096:128:1 \\
-        --directions bwd,bwd_det --peer cudnn --out $OUT/ab --name ld_tma
+    python -m analysis.ab --arm base --arm nopingpong:FC_WG_PINGPONG=0 \\
+        --cells f16:4096:64:0,f16:4096:128:1 --directions fwd --peer cudnn --out $OUT/ab --name pingpong
+
+A define that no file of the arm's kernels folder mentions is named in the report (a typo builds the
+baseline's code).
 
 Timing is ``bench``'s (CUDA events behind a GPU-holding kernel, median of repeated calls over input sets
 that exceed the L2 cache; see analysis.bench). The outputs (fwd: o and the LSE; bwd: dq, dk, dv) of each
@@ -52,10 +59,24 @@ class Arm:
     kernels_dir: str | None = None
 
     def describe(self) -> str:
-        parts = [f"{n}={v}" for n, v in self.defines]
+        unread = set(self.unread_defines())
+        parts = [f"{n}={v}" + (" (read by no file of its kernels)" if n in unread else "")
+                 for n, v in self.defines]
         if self.kernels_dir:
             parts.append(f"kernels from {self.kernels_dir}")
         return ", ".join(parts) or "the package's kernels"
+
+    def unread_defines(self) -> list[str]:
+        """The arm's defines that no file of its kernels folder (default kernels_cu/) mentions."""
+        from flashcupy._build import _kernels_dir
+
+        folder = self.kernels_dir or _kernels_dir()
+        text = ""
+        for name in sorted(os.listdir(folder)):
+            if name.endswith((".cu", ".cuh", ".h")):
+                with open(os.path.join(folder, name)) as f:
+                    text += f.read()
+        return [n for n, _ in self.defines if n not in text]
 
 
 def parse_arm(spec: str) -> Arm:
@@ -88,6 +109,9 @@ def parse_arm(spec: str) -> Arm:
 
 def parse_arms(specs) -> list[Arm]:
     arms = [parse_arm(s) for s in specs]
+    for a in arms:
+        for name in a.unread_defines():
+            log(f"[ab] arm {a.name}: no file of its kernels reads {name}; it builds the same code without it")
     if len(arms) < 2:
         raise ValueError(f"give at least two --arm (the first is the baseline), got {len(arms)}")
     names = [a.name for a in arms]
@@ -275,7 +299,7 @@ def measure(ctx: Context, arms, cells, directions, *, b: int, h: int, kernel: st
             if peer_fn is not None:
                 row["peer"] = {"name": peer, "tflops": []}
             for r in range(rounds):
-                for arm in arms:
+                for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
                     with kernel_build(dict(arm.defines), arm.kernels_dir):
                         res = run.c.timed(fn, sets, tdir)
                     row["arms"][arm.name]["tflops"].append(res["tflops"])

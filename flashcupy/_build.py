@@ -567,10 +567,12 @@ current_build = _BUILD.get
 
 @contextlib.contextmanager
 def kernel_build(defines: dict[str, int] | None = None, kernels_dir: str | None = None):
-    """Inside this block every variant made, so every call of flashcupy, compiles with these extra
-    ``defines`` and from ``kernels_dir`` (see ``Build``); its modules, plans and memoized checks are
-    their own, apart from the package's. Blocks do not nest into a merge: the inner one replaces the
-    outer. With neither argument the block runs the package's own kernels."""
+    """Inside this block every variant made, so every call of flashcupy made from this thread (the
+    block is a ContextVar: threads started elsewhere, such as torch autograd's backward thread, run the
+    package's kernels), compiles with these extra ``defines`` and from ``kernels_dir`` (see ``Build``);
+    its modules, plans and memoized checks are their own, apart from the package's. Blocks do not nest
+    into a merge: the inner one replaces the outer. With neither argument the block runs the package's
+    own kernels."""
     if defines is not None and not isinstance(defines, dict):
         raise TypeError(f"defines must be a dict of name -> int, got {type(defines).__name__}")
     build = Build(tuple((defines or {}).items()), kernels_dir)
@@ -609,6 +611,8 @@ class Variant:
             object.__setattr__(self, "build", _BUILD.get())
         elif not isinstance(self.build, Build):
             raise TypeError(f"build must be a Build or None, got {type(self.build).__name__}")
+        elif self.build == Build():  # the package's own: one key, one module
+            object.__setattr__(self, "build", None)
         fam = FAMILIES.get(self.family)
         if fam is None:
             raise ValueError(f"unknown kernel family {self.family!r}; known: {sorted(FAMILIES)}")
@@ -723,17 +727,33 @@ def _kernels_dir() -> str:
 
 def source_text(filename: str, kernels_dir: str | None = None) -> str:
     """A kernel source (of kernels_cu/, or of ``kernels_dir``) with a ``#line`` prefix so NVRTC errors
-    name the real file and line."""
+    name the real file and line, after a comment with a digest of the folder's headers: CuPy's on-disk
+    kernel cache is keyed by the source text and the options, not by the files it includes, so without
+    it a changed header would load the cubin compiled before the change."""
     if kernels_dir is None:
         return _package_source(filename)
-    with open(os.path.join(kernels_dir, filename)) as f:  # read each time: an experiment edits it
-        return f'#line 1 "{os.path.join(kernels_dir, filename)}"\n' + f.read()
+    # read each time: an experiment edits the folder between calls
+    path = os.path.join(kernels_dir, filename)
+    with open(path) as f:
+        text = f.read()
+    return f'// headers {_headers_digest(kernels_dir)}\n#line 1 "{path}"\n{text}'
+
+
+def _headers_digest(folder: str) -> str:
+    import hashlib
+
+    h = hashlib.sha1()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".cuh", ".h")):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=None)
 def _package_source(filename: str) -> str:
     text = importlib.resources.files("kernels_cu").joinpath(filename).read_text()
-    return f'#line 1 "kernels_cu/{filename}"\n' + text
+    return f'// headers {_headers_digest(_kernels_dir())}\n#line 1 "kernels_cu/{filename}"\n' + text
 
 
 def variant_source(v: Variant) -> str:

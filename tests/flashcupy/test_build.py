@@ -110,3 +110,67 @@ def test_a_kernels_folder_replaces_the_package_sources(tmp_path):
     assert v.key.endswith("@" + str(folder))
     with pytest.raises(_build.CompileError, match="planted by the test"):
         compile_report(v)
+
+
+def test_an_edited_header_changes_the_source_text(tmp_path):
+    """CuPy's disk cache is keyed by the source text, not by the headers it includes: the text carries a
+    digest of the folder's headers, so an edited header is a new text (and a new cubin)."""
+    folder = tmp_path / "kernels"
+    shutil.copytree(_build._kernels_dir(), folder, ignore=shutil.ignore_patterns("__pycache__"))
+    v = _simt()
+    with kernel_build(kernels_dir=str(folder)):
+        moved = _simt()
+    before = _build.variant_source(moved)
+    assert before.split("\n", 1)[1].startswith(f'#line 1 "{folder}')
+    assert before.split("\n", 1)[0] == _build.variant_source(v).split("\n", 1)[0]  # same headers
+    header = folder / "flash_common.cuh"
+    header.write_text(header.read_text() + "\n// an edit\n")
+    after = _build.variant_source(moved)
+    assert after != before and after.split("\n", 1)[1] == before.split("\n", 1)[1]
+
+
+def test_an_empty_build_is_the_package_build():
+    assert Variant("fwd_simt", "f16", "fp32", 64, 64, 64, build=Build()) == _simt()
+
+
+def test_module_build_launches_each_kernel_with_its_compiled_shared_memory(monkeypatch):
+    """_build_module's Python, with CuPy's device and module faked (no GPU here): the source and options
+    handed to RawModule are the variant's, and each kernel's handle carries the module's defines and the
+    FC_SMEM_<ROLE> it was compiled for (the variant's own, or a build's replacement)."""
+    import cupy
+
+    calls = []
+
+    class FakeFunction:
+        max_dynamic_shared_size_bytes = 0
+
+    class FakeModule:
+        def __init__(self, code, options):
+            calls.append((code, options))
+
+        def get_function(self, name):
+            return FakeFunction()
+
+    class FakeDevice:
+        def __init__(self, device_id):
+            self.attributes = {"MaxSharedMemoryPerBlockOptin": _build.SMEM_LIMIT}
+
+    monkeypatch.setattr(cupy, "RawModule", FakeModule)
+    monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
+    v = Variant("bwd_wgmma", "f16", "fp32", 64, 128, 128, causal=True)
+    handles = _build._build_module(v, 0)
+    code, options = calls[-1]
+    assert code == _build.variant_source(v) and options == _build.compile_options(v) + ("-arch=sm_90a",)
+    assert set(handles) == set(v.roles)
+    for role, h in handles.items():
+        assert h.smem_bytes == v.smem_for(role) and h.defines == v.defines() and h.name == v.kernel_name(role)
+        big = h.smem_bytes > 48 * 1024
+        assert h.function.max_dynamic_shared_size_bytes == (h.smem_bytes if big else 0)
+    role = v.roles[-1]
+    with kernel_build({f"FC_SMEM_{role.upper()}": 1024}):
+        w = Variant("bwd_wgmma", "f16", "fp32", 64, 128, 128, causal=True)
+    assert _build._build_module(w, 0)[role].smem_bytes == 1024
+    with kernel_build({f"FC_SMEM_{role.upper()}": _build.SMEM_LIMIT + 1}):
+        huge = Variant("bwd_wgmma", "f16", "fp32", 64, 128, 128, causal=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        _build._build_module(huge, 0)
