@@ -199,8 +199,8 @@ def _wgmma_smem_tiles(v: "Variant") -> int:
     # 1024 bytes of alignment slack, the Q tile and WGMMA_KV_STAGES K and V tiles (2-byte elements, 1 byte
     # with fp8), the mbarriers (q_full, q_empty; k_full, k_empty, v_full, v_empty per stage) and 8 bytes
     # for the next tile's index
-    return (1024 + (v.block_m + 2 * WGMMA_KV_STAGES * v.block_n) * v.head_dim * (1 if v.fp8 else 2)
-            + 8 * (2 + 4 * WGMMA_KV_STAGES) + 8)
+    st = v.switch("FC_KV_STAGES", WGMMA_KV_STAGES)
+    return 1024 + (v.block_m + 2 * st * v.block_n) * v.head_dim * (1 if v.fp8 else 2) + 8 * (2 + 4 * st) + 8
 
 
 def wgmma_o_stage(v: "Variant") -> int:
@@ -213,14 +213,14 @@ def wgmma_o_stage(v: "Variant") -> int:
     +3.2% at D=64 causal N = 1024 / 4096. Register stores stay for e4m3 variants, loops on tiles that
     leave no room (128 x 176, D=256 with 128 rows), and the static split at D=64, where the TMA store
     measured 0.98x (a 128-byte row of o per lane group there: the register stores fill whole sectors)."""
-    if v.fp8:
-        return 0
     persistent = wgmma_persistent(v)
-    if not persistent:
-        return 1
-    if persistent == 1 and v.head_dim == 64:
-        return 0
-    return 2 if _wgmma_smem_tiles(v) + v.block_m * v.head_dim * 2 <= SMEM_LIMIT else 0
+    if v.fp8 or (persistent == 1 and v.head_dim == 64):
+        stage = 0
+    elif not persistent:
+        stage = 1
+    else:
+        stage = 2 if _wgmma_smem_tiles(v) + v.block_m * v.head_dim * 2 <= SMEM_LIMIT else 0
+    return v.switch("FC_WG_O_STAGE", stage)
 
 
 def _wgmma_smem(v: "Variant", role: str) -> int:
@@ -304,7 +304,7 @@ def _bwd_wgmma_smem(v: "Variant", role: str) -> int:
     # (fp32), two dS^T tiles, the fp32 dQ tile and the mbarriers (kv_full; q_full, q_empty per stage)
     if role not in ("dkdvdq", "dkdvdq_rotated", "dkdvdq_ordered"):
         return 0
-    bm, bn, d, st = v.block_m, v.block_n, v.head_dim, WGMMA_BWD_STAGES
+    bm, bn, d, st = v.block_m, v.block_n, v.head_dim, v.switch("FC_BWD_STAGES", WGMMA_BWD_STAGES)
     return (1024 + 2 * bn * d * 2 + st * (2 * bm * d * 2 + 8 * bm) + 2 * bn * bm * 2 + bm * d * 4
             + 8 * (1 + 2 * st))
 
@@ -368,7 +368,7 @@ def wgmma_schedule(d: int, causal: bool, n: int | None = None, tile: tuple[int, 
 def wgmma_persistent(v: "Variant") -> int:
     """FC_WG_PERSISTENT of a fwd_wgmma variant: 0 one tile per CTA, 1 a static split over one CTA per SM,
     2 the dynamic scheduler (its ``schedule``; None: ``wgmma_schedule`` for any length)."""
-    return SCHEDULES.index(v.schedule or wgmma_schedule(v.head_dim, v.causal))
+    return v.switch("FC_WG_PERSISTENT", SCHEDULES.index(v.schedule or wgmma_schedule(v.head_dim, v.causal)))
 
 
 def _wgmma_defaults(dtype: str, d: int, accum: str, causal: bool, n: int | None = None) -> tuple[int, int]:
@@ -712,6 +712,15 @@ class Variant:
             "FC_SMEM_LIMIT": SMEM_LIMIT,
             **dict(self.build.defines if self.build else ()),
         }
+
+    def switch(self, name: str, default: int) -> int:
+        """A compile-time switch that the host follows too (a shared-memory layout, a grid): the value
+        the variant's Build sets, else ``default``, the package's. Each formula of the host that depends
+        on a switch reads it here, so a build may change the switch alone."""
+        for n, value in self.build.defines if self.build else ():
+            if n == name:
+                return value
+        return default
 
     def fits(self, smem_limit: int = SMEM_LIMIT) -> bool:
         return self.smem_bytes <= smem_limit

@@ -174,3 +174,22 @@ def test_module_build_launches_each_kernel_with_its_compiled_shared_memory(monke
         huge = Variant("bwd_wgmma", "f16", "fp32", 64, 128, 128, causal=True)
     with pytest.raises(ValueError, match="shared memory"):
         _build._build_module(huge, 0)
+
+
+@pytest.mark.parametrize("family, knobs, switch, value", [
+    ("bwd_wgmma", dict(block_m=64, block_n=128, head_dim=128), "FC_BWD_STAGES", 3),
+    ("fwd_wgmma", dict(block_m=128, block_n=64, head_dim=64), "FC_KV_STAGES", 3),
+    ("fwd_wgmma", dict(block_m=128, block_n=128, head_dim=128, schedule="static"), "FC_WG_O_STAGE", 0),
+])
+def test_a_layout_switch_changed_alone_is_followed_by_the_host(family, knobs, switch, value):
+    """Switches that change a kernel's shared memory are read by the host's formulas through
+    Variant.switch: a build that sets one alone compiles (the kernels assert their layout against
+    FC_SMEM_<ROLE> at compile time) and is launched with its own shared memory."""
+    plain = Variant(family, "f16", "fp32", **knobs)
+    with kernel_build({switch: value}):
+        v = Variant(family, "f16", "fp32", **knobs)
+    assert v.switch(switch, -1) == value and plain.switch(switch, -1) == -1
+    role = v.roles[0] if family == "fwd_wgmma" else "dkdvdq"
+    assert v.smem_for(role) != plain.smem_for(role)
+    rep = compile_report(v)
+    assert rep["spill_stores"] == 0 and rep["smem_dynamic"] == v.smem_for(role)
