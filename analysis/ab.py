@@ -16,8 +16,9 @@ folder named in the run's carry: ``git archive <rev> kernels_cu | tar -x -C scra
     python -m analysis.ab --arm base --arm nopingpong:FC_WG_PINGPONG=0 \\
         --cells f16:4096:64:0,f16:4096:128:1 --directions fwd --peer cudnn --out $OUT/ab --name pingpong
 
-A define that no file of the arm's kernels folder mentions is named in the report (a typo builds the
-baseline's code).
+A define that no file of the arm's kernels folder mentions is named in the report: a typo builds the
+baseline's code (or a switch only the host reads, Variant.switch, as when an older kernels folder lacks
+it).
 
 Timing is ``bench``'s (CUDA events behind a GPU-holding kernel, median of repeated calls over input sets
 that exceed the L2 cache; see analysis.bench). The outputs (fwd: o and the LSE; bwd: dq, dk, dv) of each
@@ -59,9 +60,8 @@ class Arm:
     kernels_dir: str | None = None
 
     def describe(self) -> str:
-        unread = set(self.unread_defines())
-        parts = [f"{n}={v}" + (" (read by no file of its kernels)" if n in unread else "")
-                 for n, v in self.defines]
+        unread, note = set(self.unread_defines()), " (read by no file of its kernels; only the host's may)"
+        parts = [f"{n}={v}" + (note if n in unread else "") for n, v in self.defines]
         if self.kernels_dir:
             parts.append(f"kernels from {self.kernels_dir}")
         return ", ".join(parts) or "the package's kernels"
@@ -111,7 +111,7 @@ def parse_arms(specs) -> list[Arm]:
     arms = [parse_arm(s) for s in specs]
     for a in arms:
         for name in a.unread_defines():
-            log(f"[ab] arm {a.name}: no file of its kernels reads {name}; it builds the same code without it")
+            log(f"[ab] arm {a.name}: no file of its kernels reads {name} (only the host's formulas may)")
     if len(arms) < 2:
         raise ValueError(f"give at least two --arm (the first is the baseline), got {len(arms)}")
     names = [a.name for a in arms]

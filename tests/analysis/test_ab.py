@@ -132,7 +132,7 @@ def test_a_define_no_kernel_reads_is_named(tmp_path):
     """A typo in a define builds the baseline's code: the arm says so."""
     arm = ab.parse_arm("typo:FC_WG_PINGPONK=0,FC_WG_PINGPONG=0")
     assert arm.unread_defines() == ["FC_WG_PINGPONK"]
-    assert "FC_WG_PINGPONK=0 (read by no file of its kernels)" in arm.describe()
+    assert "FC_WG_PINGPONK=0 (read by no file of its kernels;" in arm.describe()
     assert "FC_WG_PINGPONG=0 (" not in arm.describe()
     (tmp_path / "k.cu").write_text("#if FC_ONLY_HERE\n#endif\n")
     assert ab.parse_arm(f"x@{tmp_path}:FC_ONLY_HERE=1").unread_defines() == []
