@@ -258,15 +258,29 @@ def _host(outs) -> dict:
     return {k: cupy.asnumpy(v) for k, v in outs.items()}
 
 
+def _build_errors():
+    """What a build that cannot run this cell raises (it is recorded for that arm and cell, and the run
+    goes on): the checks' and the build layer's refusals (a layout past the device's shared memory) and
+    NVRTC's errors. A CUDA error at run time is not among them: it leaves the context unusable."""
+    from cupy.cuda.compiler import CompileException
+
+    from flashcupy._build import CompileError
+
+    return (ValueError, TypeError, CompileError, CompileException)
+
+
 def measure(ctx: Context, arms, cells, directions, *, b: int, h: int, kernel: str, rounds: int,
-            peer: str | None, budget_s: float, compile_reports: bool) -> list[dict]:
+            peer: str | None, budget_s: float, compile_reports: bool, on_row=None) -> list[dict]:
     """A row per (cell, direction): per arm its TFLOP/s in each round, the bits against the baseline and
-    (compile_reports) its ptxas summary; the peer's TFLOP/s per round where one is asked for."""
+    (compile_reports) its ptxas summary, or the error that kept it from running; the peer's TFLOP/s per
+    round where one is asked for. ``on_row(rows)`` after each row (the report so far)."""
     import cupy
 
     from flashcupy._build import kernel_build
 
     from .bench import Timer
+
+    errors = _build_errors()
 
     timer = Timer(ctx, budget_s=budget_s, min_reps=5, max_reps=50)
     l2 = cupy.cuda.Device().attributes.get("L2CacheSize", 50 * 2 ** 20)
@@ -285,29 +299,39 @@ def measure(ctx: Context, arms, cells, directions, *, b: int, h: int, kernel: st
                    "arms": {a.name: {"tflops": []} for a in arms}}
             tdir = "fwd" if direction == "fwd" else "bwd"
             # bits and compile reports first (each arm's module is built here, outside the timing)
-            base_outs = None
-            for arm in arms:
+            base_outs, varies = None, set()
+            for i, arm in enumerate(arms):
+                res = row["arms"][arm.name]
                 with kernel_build(dict(arm.defines), arm.kernels_dir):
-                    outs = _host(fn(sets[0]))
-                    if base_outs is None:
+                    try:
+                        outs = _host(fn(sets[0]))
+                    except errors as e:
+                        res["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+                        log(f"[ab] {cell} {direction} arm {arm.name}: {res['error']}")
+                        continue
+                    if i == 0:
                         base_outs, varies = outs, repeat_varies(outs, _host(fn(sets[0])))
                         row["varies"] = sorted(varies)
-                    row["arms"][arm.name]["bits"] = compare(base_outs, outs, varies)
+                    res["bits"] = compare(base_outs, outs, varies) if base_outs is not None else "n/a"
                     if compile_reports:
-                        row["arms"][arm.name]["compile"] = run.variant_row(direction)
+                        res["compile"] = run.variant_row(direction)
             peer_fn = _peer_call(torch, peer, run, direction) if torch is not None else None
             if peer_fn is not None:
                 row["peer"] = {"name": peer, "tflops": []}
             for r in range(rounds):
                 for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+                    if "error" in row["arms"][arm.name]:
+                        continue
                     with kernel_build(dict(arm.defines), arm.kernels_dir):
                         res = run.c.timed(fn, sets, tdir)
                     row["arms"][arm.name]["tflops"].append(res["tflops"])
                 if peer_fn is not None:
                     row["peer"]["tflops"].append(run.c.timed(peer_fn[0], peer_fn[1], tdir)["tflops"])
             log(f"[ab] {cell} {direction}: " + ", ".join(
-                f"{a}: {max(v['tflops']):.1f}" for a, v in row["arms"].items()) + " TFLOP/s")
+                f"{a}: {max(v['tflops']):.1f}" for a, v in row["arms"].items() if v["tflops"]) + " TFLOP/s")
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
         del run
         cupy.get_default_memory_pool().free_all_blocks()
     return rows
@@ -349,19 +373,24 @@ def table(rows, arms) -> Table:
         cols += [f"{peer} TFLOP/s", f"{base} / {peer}"] + [f"{a.name} / {peer}" for a in arms[1:]]
     if with_compile:
         cols += [f"{a.name} regs (spill bytes)" for a in arms]
+    def ratio(x, y):
+        return f"{x / y:.3f}" if x and y else "n/a"
+
     out = []
     for r in rows:
-        best = {name: max(v["tflops"]) for name, v in r["arms"].items()}
+        best = {name: max(v["tflops"], default=None) for name, v in r["arms"].items()}
         line = [r["dtype"], r["N"], r["D"], "yes" if r["causal"] else "no", r["direction"]]
         for a in arms:
-            line.append(", ".join(f"{t:.1f}" for t in r["arms"][a.name]["tflops"]))
+            res = r["arms"][a.name]
+            rounds = ", ".join(f"{t:.1f}" for t in res["tflops"])
+            line.append("error: " + res["error"] if "error" in res else rounds)
             if a.name != base:
-                line += [f"{best[a.name] / best[base]:.3f}", r["arms"][a.name]["bits"]]
+                line += [ratio(best[a.name], best[base]), res.get("bits", "n/a")]
         if with_peer:
             if "peer" in r:
                 pb = max(r["peer"]["tflops"])
                 line.append(", ".join(f"{t:.1f}" for t in r["peer"]["tflops"]))
-                line += [f"{best[a.name] / pb:.3f}" for a in arms]
+                line += [ratio(best[a.name], pb) for a in arms]
             else:
                 line += ["n/a"] * (1 + len(arms))
         if with_compile:
@@ -428,18 +457,24 @@ def main(argv=None) -> int:
                  "(cupy.cuda.is_available() is False)")
     ctx = Context.make("cuda", seed=a.seed, out=a.out)
     t0 = time.perf_counter()
-    rows = measure(ctx, arms, cells, directions, b=a.b, h=a.h, kernel=a.kernel, rounds=a.rounds, peer=a.peer,
-                   budget_s=a.budget, compile_reports=not a.no_compile)
-    meta = {**metadata(ctx), "wall_time_s": time.perf_counter() - t0,
-            "command": "python -m analysis.ab " + " ".join(sys.argv[1:] if argv is None else argv)}
     args = {"cells": cells, "b": a.b, "h": a.h, "kernel": a.kernel, "directions": directions,
             "rounds": a.rounds, "budget_s": a.budget}
-    md = render(meta, arms, rows, args)
-    with open(os.path.join(a.out, f"{a.name}.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
-        json.dump(jsonable({"meta": meta, "arms": [dataclasses.asdict(x) for x in arms], "args": args,
-                            "rows": rows}), f, indent=1)
+    command = "python -m analysis.ab " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def write(rows, done=False):
+        """The report of the rows so far (each row rewrites it: a run cut short keeps what it measured)."""
+        meta = {**metadata(ctx), "wall_time_s": time.perf_counter() - t0, "command": command,
+                "complete": done}
+        with open(os.path.join(a.out, f"{a.name}.md"), "w") as f:
+            tail = "" if done else "\n(incomplete: the run goes on, or was cut short)\n"
+            f.write(render(meta, arms, rows, args) + tail)
+        with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
+            json.dump(jsonable({"meta": meta, "arms": [dataclasses.asdict(x) for x in arms], "args": args,
+                                "rows": rows}), f, indent=1)
+
+    rows = measure(ctx, arms, cells, directions, b=a.b, h=a.h, kernel=a.kernel, rounds=a.rounds, peer=a.peer,
+                   budget_s=a.budget, compile_reports=not a.no_compile, on_row=write)
+    write(rows, done=True)
     print(md_table(table(rows, arms)))
     return 0
 

@@ -2,6 +2,8 @@
 and the table and Markdown of synthetic rows."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -136,3 +138,63 @@ def test_a_define_no_kernel_reads_is_named(tmp_path):
     assert "FC_WG_PINGPONG=0 (" not in arm.describe()
     (tmp_path / "k.cu").write_text("#if FC_ONLY_HERE\n#endif\n")
     assert ab.parse_arm(f"x@{tmp_path}:FC_ONLY_HERE=1").unread_defines() == []
+
+
+def test_measure_records_an_arm_that_cannot_build_and_rotates_the_first_arm(monkeypatch):
+    """measure() with the device faked (no GPU here): an arm whose build is refused is recorded for the
+    cell and left out of the timing, the others run in every round with the first arm rotating, each
+    row is handed to on_row, and the bits compare each arm with the baseline."""
+    import cupy
+
+    from flashcupy._build import current_build
+
+    order, seen = [], []
+
+    def defines():
+        b = current_build()
+        return dict(b.defines) if b else {}
+
+    class FakeCell:
+        def timed(self, fn, sets, direction):
+            order.append(defines().get("FC_ARM", 0))
+            return {"tflops": 100.0 + order[-1]}
+
+    class FakeRun:
+        def __init__(self, ctx, timer, cell, b, h, kernel, l2):
+            self.c, self.cell = FakeCell(), cell
+
+        def call(self, direction):
+            def fn(s):
+                if defines().get("FC_BAD"):
+                    raise ValueError("needs 300000 bytes of shared memory")
+                return {"o": np.full(4, 1.0 + defines().get("FC_ARM", 0) % 2, np.float32)}
+            return fn, [None]
+
+        def variant_row(self, direction):
+            return ["key", "k", "168", "1000", 0]
+
+    class FakeDevice:
+        attributes = {"L2CacheSize": 50 << 20}
+
+    monkeypatch.setattr(ab, "_CellRun", FakeRun)
+    monkeypatch.setattr(ab, "_host", lambda outs: outs)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: FakeDevice())
+    pool = SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setattr(cupy, "get_default_memory_pool", lambda: pool)
+    arms = [ab.Arm("a", (("FC_ARM", 0),)), ab.Arm("b", (("FC_ARM", 2),)), ab.Arm("c", (("FC_ARM", 1),)),
+            ab.Arm("bad", (("FC_BAD", 1),))]
+    ctx = SimpleNamespace(backend="cuda", sync=lambda: None)
+    rows = ab.measure(ctx, arms, [("f16", 256, 64, False)], ["fwd", "bwd"], b=1, h=1, kernel="wgmma",
+                      rounds=3, peer=None, budget_s=0.01, compile_reports=True,
+                      on_row=lambda r: seen.append(len(r)))
+    assert seen == [1, 2] and len(rows) == 2
+    row = rows[0]["arms"]
+    assert row["bad"]["tflops"] == [] and row["bad"]["error"].startswith("ValueError: needs 300000 bytes")
+    assert row["a"]["tflops"] == [100.0] * 3 and row["b"]["tflops"] == [102.0] * 3
+    assert row["b"]["bits"] == "equal" and row["c"]["bits"].startswith("o: ")
+    assert row["c"]["compile"] == ["key", "k", "168", "1000", 0]
+    assert order[:9] == [0, 2, 1, 2, 1, 0, 1, 0, 2]  # round r starts at arm r (the refused arm skipped)
+    t = ab.table(rows, arms)
+    first = dict(zip(t.columns, t.rows[0]))
+    assert first["bad TFLOP/s"].startswith("error: ValueError") and first["bad / a"] == "n/a"
+    assert first["b / a"] == "1.020" and first["bad regs (spill bytes)"] == "n/a"
