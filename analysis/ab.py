@@ -401,6 +401,38 @@ def table(rows, arms) -> Table:
     return Table("TFLOP/s per round, best round over best round, bits against the baseline", cols, out)
 
 
+def figure(rows, arms):
+    """Grouped bars per (cell, direction): each arm's best round over the baseline's (and over the peer's
+    where one ran), with the parity line; None without rows to draw."""
+    import numpy as np
+
+    from .common import new_figure
+
+    others = arms[1:]
+    cells = [r for r in rows if r["arms"][arms[0].name]["tflops"]]
+    if not cells or not others:
+        return None
+    fig, (ax,) = new_figure(width=max(6.0, 0.9 * len(cells) + 2.0), height=4.0)
+    x, width = np.arange(len(cells)), 0.8 / len(others)
+    top = 1.0
+    for i, a in enumerate(others):
+        ys = [max(r["arms"][a.name]["tflops"], default=np.nan) / max(r["arms"][arms[0].name]["tflops"])
+              for r in cells]
+        top = max([top] + [y for y in ys if y == y])
+        ax.bar(x + (i - (len(others) - 1) / 2) * width, ys, width, label=f"{a.name} / {arms[0].name}")
+    ax.axhline(1.0, color="k", lw=1, ls="--")
+    lo = min([1.0] + [h.get_height() for c in ax.containers for h in c if h.get_height() == h.get_height()])
+    ax.set_ylim(max(0.0, lo - 0.1 * (top - lo + 0.05)), top + 0.1 * (top - lo + 0.05))
+    labels = [f"{r['dtype']} N={r['N']} D={r['D']}{' causal' if r['causal'] else ''}\n{r['direction']}"
+              for r in cells]
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("best round / baseline's best round")
+    ax.set_title(f"A/B against {arms[0].name} (> 1: faster)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def render(meta: dict, arms, rows, args: dict) -> str:
     base = arms[0].name
     lines = [f"# A/B: {', '.join(a.name for a in arms[1:])} against {base}", ""]
@@ -419,7 +451,8 @@ def render(meta: dict, arms, rows, args: dict) -> str:
               "differs there",
               f"- device: {meta.get('device')}; git commit: {meta.get('git_commit')}; "
               f"seed {meta.get('seed')}", ""]
-    lines += ["## Results", "", md_table(table(rows, arms)), ""]
+    lines += ["## Results", "", md_table(table(rows, arms)), "",
+              f"![ratios of each arm to the baseline]({args.get('name', 'ab')}.png)", ""]
     return "\n".join(lines)
 
 
@@ -458,7 +491,7 @@ def main(argv=None) -> int:
     ctx = Context.make("cuda", seed=a.seed, out=a.out)
     t0 = time.perf_counter()
     args = {"cells": cells, "b": a.b, "h": a.h, "kernel": a.kernel, "directions": directions,
-            "rounds": a.rounds, "budget_s": a.budget}
+            "rounds": a.rounds, "budget_s": a.budget, "name": a.name}
     command = "python -m analysis.ab " + " ".join(sys.argv[1:] if argv is None else argv)
 
     def write(rows, done=False):
@@ -475,6 +508,9 @@ def main(argv=None) -> int:
     rows = measure(ctx, arms, cells, directions, b=a.b, h=a.h, kernel=a.kernel, rounds=a.rounds, peer=a.peer,
                    budget_s=a.budget, compile_reports=not a.no_compile, on_row=write)
     write(rows, done=True)
+    fig = figure(rows, arms)
+    if fig is not None:
+        fig.savefig(os.path.join(a.out, f"{a.name}.png"), dpi=120)
     print(md_table(table(rows, arms)))
     return 0
 

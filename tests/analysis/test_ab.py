@@ -198,3 +198,15 @@ def test_measure_records_an_arm_that_cannot_build_and_rotates_the_first_arm(monk
     first = dict(zip(t.columns, t.rows[0]))
     assert first["bad TFLOP/s"].startswith("error: ValueError") and first["bad / a"] == "n/a"
     assert first["b / a"] == "1.020" and first["bad regs (spill bytes)"] == "n/a"
+
+
+def test_figure_draws_each_arm_against_the_baseline(tmp_path):
+    arms, rows = _rows()
+    rows[1]["arms"]["tma"] = {"tflops": [], "error": "ValueError: refused"}  # an arm a cell could not build
+    fig = ab.figure(rows, arms)
+    (ax,) = fig.axes
+    heights = [b.get_height() for c in ax.containers for b in c]
+    assert heights[0] == pytest.approx(430.5 / 410.0) and heights[1] != heights[1]  # NaN for the refusal
+    fig.savefig(tmp_path / "ab.png")
+    assert (tmp_path / "ab.png").stat().st_size > 1000
+    assert ab.figure([], arms) is None
