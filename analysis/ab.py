@@ -396,7 +396,7 @@ def table(rows, arms) -> Table:
         if with_compile:
             for a in arms:
                 c = r["arms"][a.name].get("compile")
-                line.append(f"{c[2]} ({c[4]})" if c else "n/a")
+                line.append("n/a" if not c else c[1] if c[2] is None else f"{c[2]} ({c[4]})")  # c[1]: why
         out.append(line)
     return Table("TFLOP/s per round, best round over best round, bits against the baseline", cols, out)
 

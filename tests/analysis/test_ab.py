@@ -102,6 +102,9 @@ def test_table_ratios_are_best_round_over_best_round():
     second = dict(zip(t.columns, t.rows[1]))
     assert second["tma / base"] == f"{299 / 300:.3f}" and second["causal"] == "yes"
     assert second["cudnn TFLOP/s"] == "n/a" and second["base regs (spill bytes)"] == "n/a"
+    rows[1]["arms"]["tma"]["compile"] = ["k", "CompileError: no ptxas report", None, None, None]
+    assert dict(zip(t.columns, ab.table(rows, arms).rows[1]))["tma regs (spill bytes)"] == (
+        "CompileError: no ptxas report")
 
 
 def test_render_names_arms_setup_and_results():
