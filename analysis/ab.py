@@ -28,8 +28,12 @@ two runs of the baseline itself (the atomic dQ path adds in any order) is marked
 runs on one forward's o and LSE, made by the package's own kernels, so every arm sees the same inputs.
 
 The host side is the package's in every arm: a switch that changes what the host launches must be read
-by the host from ``KernelHandle.defines`` (shared memory per kernel follows the module's FC_SMEM_<ROLE>
-by itself).
+by the host (``Variant.switch`` for its formulas, ``KernelHandle.defines`` for a module's values; shared
+memory per kernel follows the module's FC_SMEM_<ROLE> by itself). An arm that a cell cannot build (a
+layout past the device's shared memory, a compile error) is recorded for that cell and the run goes on.
+
+Writes <out>/<name>.md and .json (rewritten after each cell and direction, so a run cut short keeps its
+rows) and <name>.png: each arm's best round over the baseline's, per cell.
 """
 from __future__ import annotations
 
