@@ -70,6 +70,12 @@ class Arm:
             parts.append(f"kernels from {self.kernels_dir}")
         return ", ".join(parts) or "the package's kernels"
 
+    def build(self):
+        """The context in which flashcupy's calls run this arm's build (flashcupy._build.kernel_build)."""
+        from flashcupy._build import kernel_build
+
+        return kernel_build(dict(self.defines), self.kernels_dir)
+
     def unread_defines(self) -> list[str]:
         """The arm's defines that no file of its kernels folder (default kernels_cu/) mentions."""
         from flashcupy._build import _kernels_dir
@@ -280,8 +286,6 @@ def measure(ctx: Context, arms, cells, directions, *, b: int, h: int, kernel: st
     round where one is asked for. ``on_row(rows)`` after each row (the report so far)."""
     import cupy
 
-    from flashcupy._build import kernel_build
-
     from .bench import Timer
 
     errors = _build_errors()
@@ -306,7 +310,7 @@ def measure(ctx: Context, arms, cells, directions, *, b: int, h: int, kernel: st
             base_outs, varies = None, set()
             for i, arm in enumerate(arms):
                 res = row["arms"][arm.name]
-                with kernel_build(dict(arm.defines), arm.kernels_dir):
+                with arm.build():
                     try:
                         outs = _host(fn(sets[0]))
                     except errors as e:
@@ -326,7 +330,7 @@ def measure(ctx: Context, arms, cells, directions, *, b: int, h: int, kernel: st
                 for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
                     if "error" in row["arms"][arm.name]:
                         continue
-                    with kernel_build(dict(arm.defines), arm.kernels_dir):
+                    with arm.build():
                         res = run.c.timed(fn, sets, tdir)
                     row["arms"][arm.name]["tflops"].append(res["tflops"])
                 if peer_fn is not None:

@@ -571,15 +571,13 @@ def main(argv=None):
         log(f"[profile_ncu] wrote {paths['md']} and {paths['json']}")
         return 0
     if a.cmd == "run":
-        from flashcupy._build import kernel_build
-
         from .ab import parse_arm, parse_cells
 
         try:
             cells, arm = parse_cells(a.cells), parse_arm(a.arm) if a.arm else None
         except ValueError as e:
             r.error(str(e))
-        with kernel_build(dict(arm.defines), arm.kernels_dir) if arm else contextlib.nullcontext():
+        with arm.build() if arm else contextlib.nullcontext():
             run(cells, a.b, a.h, a.seed)
     else:
         data = summarize_csv(a.csv)
