@@ -297,6 +297,10 @@ def _wgmma_limits(v: "Variant") -> str | None:
 # bwd_wgmma.cu: Q, dO (with L and delta) stream through this many buffers (its FC_BWD_STAGES default).
 WGMMA_BWD_STAGES = 2
 WGMMA_BWD_HEAD_DIMS = (64, 128)
+# bwd_wgmma.cu's FC_BWD_LD_TMA: L and delta reach the producer's stage by one bulk TMA copy a tile from
+# flash_bwd_prep's tiled buffer (1) or by the producer lanes' loads of lse and delta (0); the host launches
+# prep accordingly (_launch.py reads the variant's define).
+WGMMA_BWD_LD_TMA = 1
 
 
 def _bwd_wgmma_smem(v: "Variant", role: str) -> int:
@@ -490,6 +494,7 @@ _FAMILIES = (
         default_blocks=lambda dtype, d, accum, causal, n=None: (128, 128) if d == 64 else (64, 128),
         no_spill=lambda v: True,
         limits=_bwd_wgmma_limits, arch="sm_90a",
+        extra_defines=lambda v: {"FC_BWD_LD_TMA": WGMMA_BWD_LD_TMA},
         # one kernel forms dQ both ways: its additions in any order, or in key-tile order (deterministic)
         ordered_dq=True,
     ),

@@ -283,7 +283,7 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
 class _BackwardPlan:
     __slots__ = ("aligned", "prep", "prep_grid", "prep_tail", "k_kv", "k_q", "kv_grid", "q_grid", "args",
                  "atomic", "conv_grid", "conv_tail", "q_shape", "kv_shape", "rows_shape", "maps", "boxes",
-                 "sem_shape", "sem_tail")
+                 "sem_shape", "sem_tail", "ld_size")
 
     def __init__(self, p: Problem, deterministic: bool, strides: tuple, itemsize: int):
         var = p.variant
@@ -298,8 +298,14 @@ class _BackwardPlan:
         self.atomic = roles != DETERMINISTIC_DQ_ROLES  # an fp32 dQ buffer, converted at the end
         self.q_shape, self.kv_shape, self.rows_shape = q_shape, kv_shape, q_shape[:3]
         rows = p.batch * p.heads_q * p.nq
-        self.prep_grid = ((8 * rows + var.threads - 1) // var.threads,)
-        self.prep_tail = (np.int64(rows), np.int32(p.heads_q), np.int32(p.nq),
+        # wgmma: prep writes L (log2 units) and delta tiled by query tile and padded to whole tiles, which
+        # the producer copies into its stage with one bulk copy a tile (FC_BWD_PREP_TILE in bwd_prep.cuh)
+        n_qt = (p.nq + var.block_m - 1) // var.block_m
+        tiled = bool(self.prep.defines.get("FC_BWD_LD_TMA", 0))  # as the module was compiled
+        self.ld_size = p.batch * p.heads_q * n_qt * 2 * var.block_m if tiled else 0
+        prep_rows = p.batch * p.heads_q * n_qt * var.block_m if tiled else rows
+        self.prep_grid = ((8 * prep_rows + var.threads - 1) // var.threads,)
+        self.prep_tail = (np.int64(prep_rows), np.int32(p.heads_q), np.int32(p.nq),
                           *_element_strides(do_s, itemsize), *_element_strides(o_s, itemsize))
         scale_log2 = np.float32(p.scale * _LOG2E)
         self.args = (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
@@ -335,7 +341,8 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
     """dq, dk, dv of the variant of ``p`` on the current CuPy stream of the GPU that holds the arrays.
 
     First flash_bwd_prep computes delta_i = rowsum(dO_i * O_i) in fp32 (O(N) memory) and zeroes the
-    atomic path's fp32 dQ buffer. Then:
+    atomic path's fp32 dQ buffer (wgmma: it also writes L_i = lse_i log2 e, and lays L and delta out by
+    query tile, padded, for the producer's bulk copies). Then:
 
     * ``deterministic=True``, or fp16 accumulators, or a family without the atomic kernel: the dK/dV
       kernel (key-tile outer) and the dQ kernel (query-tile outer), neither with atomics: bitwise
@@ -345,8 +352,8 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
       a conversion kernel scales and rounds it into dq. The order of the additions varies between
       runs, so dq may differ in the last bits from run to run.
 
-    ``dlse`` (the LSE's gradient) is subtracted from delta after the prep kernel. ``grads`` may hold
-    preallocated (dq, dk, dv) (poisoned by tests).
+    ``dlse`` (the LSE's gradient) is subtracted from delta after the prep kernel (wgmma: inside it).
+    ``grads`` may hold preallocated (dq, dk, dv) (poisoned by tests).
     """
     import cupy
 
@@ -368,11 +375,17 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
             _BACKWARD_PLANS[key] = plan
     if not lse.flags.c_contiguous:
         lse = cupy.ascontiguousarray(lse)
-    delta = cupy.empty(plan.rows_shape, dtype=cupy.float32)
     dq_accum = cupy.empty(plan.q_shape, dtype=cupy.float32) if plan.atomic else None
-    plan.prep(plan.prep_grid, (do, o, delta, np.uint64(0) if dq_accum is None else dq_accum) + plan.prep_tail)
-    if dlse is not None:
-        delta -= dlse
+    accum_arg = np.uint64(0) if dq_accum is None else dq_accum
+    if plan.ld_size:  # wgmma: L and delta (minus dlse) tiled for the producer's bulk copies
+        delta = cupy.empty(plan.ld_size, dtype=cupy.float32)
+        dlse_arg = np.uint64(0) if dlse is None else cupy.ascontiguousarray(dlse)
+        plan.prep(plan.prep_grid, (do, o, delta, accum_arg) + plan.prep_tail + (lse, dlse_arg))
+    else:
+        delta = cupy.empty(plan.rows_shape, dtype=cupy.float32)
+        plan.prep(plan.prep_grid, (do, o, delta, accum_arg) + plan.prep_tail)
+        if dlse is not None:
+            delta -= dlse
     if grads is None:
         grads = (cupy.empty(plan.q_shape, dtype=q.dtype), cupy.empty(plan.kv_shape, dtype=q.dtype),
                  cupy.empty(plan.kv_shape, dtype=q.dtype))

@@ -1,8 +1,9 @@
-// bwd_prep.cuh: the backward's preprocessing kernel, shared by bwd_mma.cu and bwd_simt.cu.
+// bwd_prep.cuh: the backward's preprocessing kernel, shared by bwd_mma.cu, bwd_simt.cu and bwd_wgmma.cu.
 //
 //   flash_bwd_prep  delta_r = sum_d dO[r, d] * O[r, d]   (fp32 products and sums) for every query row
-//                   r = (b, h, i) of the rows = B * Hq * nq rows, and, when dq_accum is not null, the
-//                   zeroing of dq_accum row r (the fp32 buffer the atomic-dQ path adds into).
+//                   r = (b, h, i) of the rows = B * Hq * nq rows (FC_BWD_PREP_TILE: rows padded to whole
+//                   tiles, and L_r beside delta_r, below), and, when dq_accum is not null, the zeroing of
+//                   dq_accum row r (the fp32 buffer the atomic-dQ path adds into).
 //   flash_bwd_dq_convert  dq = scale * dq_accum, rounded to the element type (16-bit types): the last
 //                   step of the atomic-dQ paths (bwd_mma.cu, bwd_wgmma.cu).
 // One pass over dO and O (16-byte loads; rows need 16-byte aligned starts) instead of fp32 copies,
@@ -10,20 +11,51 @@
 // partial sums meet by shuffles within the warp. Grid: ceil(8 * rows / blockDim.x) blocks.
 #pragma once
 
+//
+// FC_BWD_PREP_TILE = T > 0 (bwd_wgmma.cu: its query tile): the rows are the B * Hq heads' query rows
+// padded to whole tiles of T (rows = B * Hq * ceil(nq / T) * T), and `delta` is a tiled buffer that the
+// backward kernel's producer copies a tile at a time into its stage with one bulk TMA copy: per head and
+// query tile, T values of L = lse * log2 e (+inf where lse = -inf and on padding rows: P = 0), then T of
+// delta (minus dlse where given; 0 on padding rows). lse and dlse are read there only.
+#ifndef FC_BWD_PREP_TILE
+#define FC_BWD_PREP_TILE 0
+#endif
+
 extern "C" __global__ void flash_bwd_prep(const elem_t *__restrict__ dout, const elem_t *__restrict__ o,
                                           float *__restrict__ delta, float *__restrict__ dq_accum,
                                           const long long rows, const int heads, const int nq,
                                           const long long do_sb, const long long do_sh, const long long do_sn,
-                                          const long long o_sb, const long long o_sh, const long long o_sn) {
+                                          const long long o_sb, const long long o_sh, const long long o_sn
+#if FC_BWD_PREP_TILE
+                                          , const float *__restrict__ lse, const float *__restrict__ dlse
+#endif
+) {
     constexpr int G = 8;                                // threads per row (divides the warp size)
     constexpr int EPC = 16 / (int)sizeof(elem_t);      // elements per 16-byte chunk
     constexpr int CHUNKS = FC_HEAD_DIM / EPC;
-    const long long r = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / G;
+    const long long rp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / G;
     const int c0 = threadIdx.x % G;
+#if FC_BWD_PREP_TILE
+    // this thread's row i of head bh = b * heads + h, padded to whole tiles, and its index r in (B, Hq, nq)
+    constexpr int T = FC_BWD_PREP_TILE;
+    const int row_len = (nq + T - 1) / T * T;
+    const long long bh = rp / row_len;
+    const int ip = (int)(rp - bh * row_len);
+    const long long r = bh * nq + ip;
+    const bool real = rp < rows && ip < nq;
+#else
+    const long long r = rp;
+    const bool real = r < rows;
+#endif
     float acc = 0.f;
-    if (r < rows) {
+    if (real) {
+#if FC_BWD_PREP_TILE
+        const int i = ip, h = (int)(bh % heads);
+        const long long b = bh / heads;
+#else
         const int i = (int)(r % nq), h = (int)((r / nq) % heads);
         const long long b = r / nq / heads;
+#endif
         const elem_t *dp = dout + b * do_sb + h * do_sh + i * do_sn;
         const elem_t *op = o + b * o_sb + h * o_sh + i * o_sn;
         for (int c = c0; c < CHUNKS; c += G) {
@@ -40,7 +72,15 @@ extern "C" __global__ void flash_bwd_prep(const elem_t *__restrict__ dout, const
     }
 #pragma unroll
     for (int s = G / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-    if (r < rows && c0 == 0) delta[r] = acc;
+#if FC_BWD_PREP_TILE
+    if (rp < rows && c0 == 0) {
+        float *tile = delta + (bh * (row_len / T) + ip / T) * 2 * T;  // this row's tile: T of L, T of delta
+        tile[ip % T] = real ? fc_lse_log2(lse[r]) : INFINITY;
+        tile[T + ip % T] = real ? (dlse != nullptr ? acc - dlse[r] : acc) : 0.f;
+    }
+#else
+    if (real && c0 == 0) delta[r] = acc;
+#endif
 }
 
 #if FC_DTYPE != 0

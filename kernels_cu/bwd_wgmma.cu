@@ -12,11 +12,11 @@
 // hk and loops over the `group` query heads that share it and over their query tiles of BM = 64 rows,
 // or 128 at D = 64 (twice the products per tile for the same per-tile waits and barriers) (causal: from
 // the first tile that sees key n0). Its warpgroups (128 threads each):
-//   warpgroup 0, the producer: gives registers back (setmaxnreg.dec); its warp 0 loads K and V once and,
-//       per query tile, Q and dO by TMA and the tile's L and delta (plain loads, 2 rows a lane) into a
-//       ring of FC_BWD_STAGES buffers in shared memory, each guarded by a "full" mbarrier (an arrival
-//       per producer lane; lane 0 adds the TMA transaction bytes) and an "empty" one (an arrival per
-//       consumer thread: each one's loads of L and delta are then ordered before the next stores).
+//   warpgroup 0, the producer: gives registers back (setmaxnreg.dec); one thread of its warp 0 loads K and
+//       V once and, per query tile, Q and dO by TMA and the tile's L and delta (flash_bwd_prep's tiled
+//       buffer, FC_BWD_PREP_TILE in bwd_prep.cuh) by one bulk copy into a ring of FC_BWD_STAGES buffers
+//       in shared memory, each guarded by a "full" mbarrier (that thread's arrival with the transaction
+//       bytes) and an "empty" one (an arrival per consumer thread, after its last read of the stage).
 //       Its warp 1, the dQ writer (FlashAttention-3's): per query tile, once each consumer has staged
 //       its dQ share in shared memory (named barriers DQ_FULL / DQ_EMPTY), it adds the shares into the
 //       fp32 buffer by TMA reduce-adds, and on the deterministic path waits for the tile's turn and
@@ -74,9 +74,9 @@
 //
 // Kernel parameters: seven CUtensorMap (q, k, v, dout, dq_accum: fp32 (B, Hq, nq, D), zeroed, and dk, dv:
 // box (64, 64), read only by FC_BWD_KV_STAGE 1),
-// FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; dq is
-// not touched); flash_bwd_dkdvdq_ordered_wgmma also dq_sem and dq_rotate (0 or 1; read without a causal
-// mask).
+// FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; with
+// FC_BWD_LD_TMA 1 lse is not read and delta is flash_bwd_prep's tiled buffer of L and delta; dq is not
+// touched); flash_bwd_dkdvdq_ordered_wgmma also dq_sem and dq_rotate (0 or 1; read without a causal mask).
 // Grid: (ceil(nk / BN), Hkv, B). Block: FC_NUM_THREADS = 128 * (1 + BN / 64).
 // Dynamic shared memory (bytes), FC_SMEM_DKDVDQ:
 //     1024 (alignment slack) + 2 BN D 2 (K, V) + STAGES (2 BM D 2 + 8 BM) (Q, dO, L, delta)
@@ -86,6 +86,15 @@
 
 #include "flash_common.cuh"
 #include "wgmma_common.cuh"
+// FC_BWD_LD_TMA 1: flash_bwd_prep writes L (log2 units) and delta laid out by query tile and padded
+// (FC_BWD_PREP_TILE), and the producer copies a tile of both with one bulk TMA copy; 0: the producer
+// warp's lanes load them from lse and delta (B, Hq, nq), a row at a time. The same values either way.
+// The host launches prep by the value the module was compiled with (flashcupy/_launch.py), so the build
+// layer always passes it.
+#ifndef FC_BWD_LD_TMA
+#error "bwd_wgmma: FC_BWD_LD_TMA must be defined by the build layer (flashcupy/_build.py)"
+#endif
+#define FC_BWD_PREP_TILE (FC_BWD_LD_TMA ? FC_BLOCK_M : 0)
 #include "bwd_prep.cuh"
 
 #ifndef FC_BWD_STAGES
@@ -271,10 +280,11 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     if (tid == 0) {
         mbar_init(bar_kv, 1);
         for (int s = 0; s < STAGES; ++s) {
-            // Every thread that touches a stage's L and delta (plain shared-memory stores and loads)
-            // arrives itself, so that each access is ordered by its own release / acquire: the 32
-            // producer lanes (lane 0 also adds the TMA bytes) and every consumer thread.
-            mbar_init(q_full(s), 32);
+            // full: the producer's arrival with the transaction bytes of Q, dO, L and delta (FC_BWD_LD_TMA 0:
+            // an arrival per producer lane, each after its stores of L and delta, lane 0 adding the bytes
+            // of Q and dO); empty: every consumer thread once done with the stage (its plain loads of L and
+            // delta included)
+            mbar_init(q_full(s), FC_BWD_LD_TMA ? 1 : 32);
             mbar_init(q_empty(s), NCTHR);
         }
         mbar_init_fence();
@@ -285,7 +295,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         // ------------------------------------------------------------------ producer ----------
         setmaxnreg_dec<PRODUCER_REGS>();
         if (tid < 32 && n_it > 0) {
-            if (lane == 0) {
+            if (lane == 0) {  // ---- warp 0, lane 0: the loads ----
                 tma_prefetch_map(&tm_q);
                 tma_prefetch_map(&tm_k);
                 tma_prefetch_map(&tm_v);
@@ -300,6 +310,26 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     tma_load_4d(sK + p * KV_PANEL, &tm_k, bar_kv, 64 * p, n0, hk, b);
                     tma_load_4d(sV + p * KV_PANEL, &tm_v, bar_kv, 64 * p, n0, hk, b);
                 }
+#if FC_BWD_LD_TMA
+                for (int it = 0; it < n_it; ++it) {
+                    const int s = it % STAGES;
+                    const int hq = head_of(it), qt = tile_of(it);
+                    // stage s was last used by tile it - STAGES: wait until every consumer warp released it
+                    if (it >= STAGES) mbar_wait(q_empty(s), (u32)(((it / STAGES) & 1) ^ 1));
+                    // Q and dO by TMA, and the tile's L and delta (flash_bwd_prep's tiled buffer: BM values
+                    // of L in log2 units, +inf past nq and for rows that see no key, so that P = 0; then BM
+                    // of delta, 0 past nq) by one bulk copy, all on the stage's "full" barrier
+                    mbar_arrive_expect_tx(q_full(s), 2 * Q_BYTES + 2 * BM * 4);
+#pragma unroll
+                    for (int p = 0; p < PANELS; ++p) {
+                        tma_load_4d(s_q(s) + p * Q_PANEL, &tm_q, q_full(s), 64 * p, qt * BM, hq, b);
+                        tma_load_4d(s_do(s) + p * Q_PANEL, &tm_do, q_full(s), 64 * p, qt * BM, hq, b);
+                    }
+                    bulk_load(base + OFF_LD + s * 2 * BM * 4, delta + (((long long)b * heads_q + hq) * n_qt + qt) * 2 * BM,
+                              2 * BM * 4, q_full(s));
+                }
+            }
+#else
             }
             for (int it = 0; it < n_it; ++it) {
                 const int s = it % STAGES;
@@ -326,6 +356,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 }
                 mbar_arrive(q_full(s));  // releases this lane's stores
             }
+#endif
         } else if (tid < 64 && n_it > 0) {
             // ---- the dQ writer warp (FlashAttention-3's): per tile, once consumer c has staged its dQ
             //      share, lane 0 adds it into the fp32 buffer by TMA reduce-adds (rows past nq are skipped

@@ -311,6 +311,13 @@ __device__ __forceinline__ void tma_store_4d(const FcTensorMap *map, u32 src, in
         "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
 }
+// A contiguous global -> shared copy by the TMA unit (no tensor map), completing on `bar` with `bytes`
+// transaction bytes: 16-byte aligned addresses, bytes a multiple of 16.
+__device__ __forceinline__ void bulk_load(u32 dst, const void *src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
 __device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until the shared memory of every committed group of this thread has been read (it may be reused).
 __device__ __forceinline__ void tma_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }

@@ -223,6 +223,38 @@ def test_wgmma_backward_query_tiles_of_128_give_the_bits_of_64(rng, causal, nq, 
     _check(tuple(x.get() for x in (do, q, k, v)), wide, "f16", "fp32", causal, f"wgmma bm=128 {nq}x{nk}")
 
 
+@pytest.mark.parametrize("causal,nq,nk,d", [(False, 203, 333, 64), (True, 333, 203, 128),
+                                             (True, 1029, 1029, 64), (False, 1029, 577, 128)],
+                         ids=lambda x: str(x))
+def test_wgmma_backward_l_delta_by_bulk_copy_give_the_bits_of_lane_loads(rng, causal, nq, nk, d):
+    """bwd_wgmma's FC_BWD_LD_TMA: L and delta (minus dlse) laid out by query tile in flash_bwd_prep and
+    copied by the TMA unit (1) reach the consumers as the same fp32 values as the producer lanes' loads
+    (0), with ragged tiles, GQA and dlse: dq, dk, dv bit for bit on the deterministic path, dk, dv on the
+    atomic one; and the host launches prep as each module was compiled."""
+    import cupy
+
+    from flashcupy import _launch
+    from flashcupy._build import kernel_build
+
+    do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, nq, nk, d), "f16"))
+    o, lse = _fwd(q, k, v, causal, "wgmma", "fp32")
+    dlse = cupy.asarray(rng.standard_normal(lse.shape).astype(np.float32) * 0.1)
+    runs = {}
+    for flag in (0, 1):
+        known = set(_launch._BACKWARD_PLANS)  # equal builds of earlier cases share the cache
+        with kernel_build({"FC_BWD_LD_TMA": flag}) as build:
+            runs[flag] = [flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel="wgmma",
+                                                       deterministic=det, dlse=dlse) for det in (False, True)]
+        plans = [pl for key, pl in _launch._BACKWARD_PLANS.items()
+                 if key not in known and key[0].variant.build == build]
+        assert len(plans) == 2 and all(bool(pl.ld_size) == bool(flag) for pl in plans)
+    for det in (0, 1):
+        for name, a, b in zip(("dq", "dk", "dv"), runs[1][det], runs[0][det]):
+            if det or name != "dq":
+                assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} det={det}"
+        assert float(cupy.abs(runs[1][det][0].astype(cupy.float32)).max()) > 0
+
+
 @pytest.mark.parametrize("combo", [("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"),
                                    ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("simt", "f32", "fp32"),
                                    ("simt", "bf16", "fp16")], ids=combo_id)
