@@ -32,6 +32,10 @@ by the host (``Variant.switch`` for its formulas, ``KernelHandle.defines`` for a
 memory per kernel follows the module's FC_SMEM_<ROLE> by itself). An arm that a cell cannot build (a
 layout past the device's shared memory, a compile error) is recorded for that cell and the run goes on.
 
+``--clocks`` samples the SM clock, power and temperature while each measurement runs (analysis.clocks,
+nvidia-smi) and adds a table of each arm's and the peer's best round beside them, with work per clock
+cycle: where two kernels trade places at the wall clock, it says whether cycles or the clock moved.
+
 Writes <out>/<name>.md and .json (rewritten after each cell and direction, so a run cut short keeps its
 rows) and <name>.png: each arm's best round over the baseline's, per cell.
 """
@@ -47,7 +51,7 @@ import time
 
 import numpy as np
 
-from . import sdpa
+from . import clocks, sdpa
 from .common import Context, Table, jsonable, log, md_table, metadata
 
 DIRECTIONS = ("fwd", "bwd", "bwd_det")
@@ -280,10 +284,12 @@ def _build_errors():
 
 
 def measure(ctx: Context, arms, cells, directions, *, b: int, h: int, kernel: str, rounds: int,
-            peer: str | None, budget_s: float, compile_reports: bool, on_row=None) -> list[dict]:
+            peer: str | None, budget_s: float, compile_reports: bool, on_row=None,
+            sampler=None) -> list[dict]:
     """A row per (cell, direction): per arm its TFLOP/s in each round, the bits against the baseline and
     (compile_reports) its ptxas summary, or the error that kept it from running; the peer's TFLOP/s per
-    round where one is asked for. ``on_row(rows)`` after each row (the report so far)."""
+    round where one is asked for; with a ``clocks.Sampler``, beside each round's TFLOP/s the SM clock,
+    power and temperature while it ran ("clocks"). ``on_row(rows)`` after each row (the report so far)."""
     import cupy
 
     from .bench import Timer
@@ -326,15 +332,26 @@ def measure(ctx: Context, arms, cells, directions, *, b: int, h: int, kernel: st
             peer_fn = _peer_call(torch, peer, run, direction) if torch is not None else None
             if peer_fn is not None:
                 row["peer"] = {"name": peer, "tflops": []}
+            spans = []  # (result dict, start, end) of each timed measurement, for the sampler
+
+            def timed(res, f, inputs, cell=run.c, tdir=tdir):
+                t0 = time.time()
+                res["tflops"].append(cell.timed(f, inputs, tdir)["tflops"])
+                spans.append((res, t0, time.time()))
+
             for r in range(rounds):
                 for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
                     if "error" in row["arms"][arm.name]:
                         continue
                     with arm.build():
-                        res = run.c.timed(fn, sets, tdir)
-                    row["arms"][arm.name]["tflops"].append(res["tflops"])
+                        timed(row["arms"][arm.name], fn, sets)
                 if peer_fn is not None:
-                    row["peer"]["tflops"].append(run.c.timed(peer_fn[0], peer_fn[1], tdir)["tflops"])
+                    timed(row["peer"], *peer_fn)
+            if sampler is not None:
+                time.sleep(0.2)  # the last samples reach the file
+                samples = sampler.samples()
+                for res, t0, t1 in spans:
+                    res.setdefault("clocks", []).append(clocks.summarize(samples, t0, t1))
             log(f"[ab] {cell} {direction}: " + ", ".join(
                 f"{a}: {max(v['tflops']):.1f}" for a, v in row["arms"].items() if v["tflops"]) + " TFLOP/s")
             rows.append(row)
@@ -409,6 +426,49 @@ def table(rows, arms) -> Table:
     return Table("TFLOP/s per round, best round over best round, bits against the baseline", cols, out)
 
 
+def clock_table(rows, arms) -> Table | None:
+    """With --clocks: per (cell, direction), each arm's (and the peer's) best round beside the SM clock,
+    power and hottest temperature while it ran, and its work per clock cycle (TFLOP/s over MHz) against
+    the baseline's and the peer's; None where no row was sampled."""
+    if not any("clocks" in res for r in rows for res in [*r["arms"].values(), r.get("peer", {})]):
+        return None
+    base = arms[0].name
+    peer = next((r["peer"]["name"] for r in rows if "peer" in r), None)
+    names = [a.name for a in arms] + ([peer] if peer else [])
+    cols = ["dtype", "N", "D", "causal", "direction"]
+    for n in names:
+        cols += [f"{n} TFLOP/s", f"{n} MHz", f"{n} W", f"{n} °C"]
+    cols += [f"{a.name} / {base} per clock" for a in arms[1:]]
+    cols += [f"{a.name} / {peer} per clock" for a in arms] if peer else []
+
+    def best(res):
+        """(TFLOP/s, clocks) of the best round, or None."""
+        if not res or not res.get("tflops") or "clocks" not in res:
+            return None
+        i = int(np.argmax(res["tflops"]))
+        return res["tflops"][i], res["clocks"][i]
+
+    def per_clock(x, y):
+        if x is None or y is None or not x[1]["mhz"] or not y[1]["mhz"]:
+            return "n/a"
+        return f"{(x[0] / x[1]['mhz']) / (y[0] / y[1]['mhz']):.3f}"
+
+    out = []
+    for r in rows:
+        got = {a.name: best(r["arms"][a.name]) for a in arms}
+        if peer:
+            got[peer] = best(r.get("peer"))
+        line = [r["dtype"], r["N"], r["D"], "yes" if r["causal"] else "no", r["direction"]]
+        for n in names:
+            g = got[n]
+            line += ["n/a"] * 4 if g is None else [f"{g[0]:.1f}", g[1]["mhz"], g[1]["w"], g[1]["c"]]
+        line += [per_clock(got[a.name], got[base]) for a in arms[1:]]
+        line += [per_clock(got[a.name], got[peer]) for a in arms] if peer else []
+        out.append(line)
+    return Table("Best round beside the SM clock, power and temperature while it ran (median of nvidia-smi's "
+                 "samples; °C: hottest); per clock: TFLOP/s over MHz, one over the other", cols, out)
+
+
 def figure(rows, arms):
     """Grouped bars per (cell, direction): each arm's best round over the baseline's (and over the peer's
     where one ran), with the parity line; None without rows to draw."""
@@ -461,6 +521,9 @@ def render(meta: dict, arms, rows, args: dict) -> str:
               f"seed {meta.get('seed')}", ""]
     lines += ["## Results", "", md_table(table(rows, arms)), "",
               f"![ratios of each arm to the baseline]({args.get('name', 'ab')}.png)", ""]
+    ct = clock_table(rows, arms)
+    if ct is not None:
+        lines += ["## Clocks", "", md_table(ct), ""]
     return "\n".join(lines)
 
 
@@ -480,6 +543,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer", choices=sorted(sdpa.BACKENDS), default=None,
                     help="a torch SDPA backend timed in the same rounds")
     ap.add_argument("--no-compile", action="store_true", help="leave out the ptxas reports of the arms")
+    ap.add_argument("--clocks", action="store_true",
+                    help="sample the SM clock, power and temperature during each timing (nvidia-smi)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join("reports", "ab"))
     ap.add_argument("--name", default="ab")
@@ -513,8 +578,14 @@ def main(argv=None) -> int:
             json.dump(jsonable({"meta": meta, "arms": [dataclasses.asdict(x) for x in arms], "args": args,
                                 "rows": rows}), f, indent=1)
 
-    rows = measure(ctx, arms, cells, directions, b=a.b, h=a.h, kernel=a.kernel, rounds=a.rounds, peer=a.peer,
-                   budget_s=a.budget, compile_reports=not a.no_compile, on_row=write)
+    sampler = clocks.for_current_device() if a.clocks else None
+    try:
+        rows = measure(ctx, arms, cells, directions, b=a.b, h=a.h, kernel=a.kernel, rounds=a.rounds,
+                       peer=a.peer, budget_s=a.budget, compile_reports=not a.no_compile, on_row=write,
+                       sampler=sampler)
+    finally:
+        if sampler is not None:
+            sampler.close()
     write(rows, done=True)
     fig = figure(rows, arms)
     if fig is not None:

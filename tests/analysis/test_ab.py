@@ -213,3 +213,80 @@ def test_figure_draws_each_arm_against_the_baseline(tmp_path):
     fig.savefig(tmp_path / "ab.png")
     assert (tmp_path / "ab.png").stat().st_size > 1000
     assert ab.figure([], arms) is None
+
+
+def test_clock_samples_parse_and_summarize_per_window():
+    from analysis import clocks
+
+    lines = ["2026/11/26 12:57:01.100, 1980, 650.25, 61", "2026/11/26 12:57:01.150, 1755, 700.00, 63",
+             "2026/11/26 12:57:01.200, [N/A], 700.00, 63", "timestamp, clocks.sm [MHz], power.draw [W]", ""]
+    parsed = [clocks.parse_line(x) for x in lines]
+    assert parsed[2:] == [None, None, None]
+    (t0, mhz0, w0, c0), (t1, mhz1, _, c1) = parsed[:2]
+    assert (mhz0, w0, c0, mhz1, c1) == (1980.0, 650.25, 61.0, 1755.0, 63.0)
+    assert abs((t1 - t0) - 0.05) < 1e-6
+    both = clocks.summarize(parsed[:2], t0, t1)
+    assert both == {"mhz": (1980 + 1755) / 2, "w": (650.25 + 700) / 2, "c": 63.0, "n": 2}
+    assert clocks.summarize(parsed[:2], t0 + 0.01, t1 + 1) == {"mhz": 1755.0, "w": 700.0, "c": 63.0, "n": 1}
+    assert clocks.summarize(parsed[:2], t1 + 0.01, t1 + 1) == {"mhz": None, "w": None, "c": None, "n": 0}
+
+
+@pytest.mark.skipif(GPU_SKIP_REASON is None, reason="fakes the device, which a GPU machine has")
+def test_measure_samples_the_clock_of_each_timing_and_the_table_divides_by_it(monkeypatch):
+    """With a sampler, each round of each arm and of the peer gets the samples taken while it ran (here
+    a fake sampler whose clock depends on the arm that runs), and clock_table gives work per cycle: an
+    arm 10% faster at a 10% higher clock does the same work per cycle."""
+    import time
+
+    import cupy
+
+    from flashcupy._build import current_build
+
+    samples = []
+
+    def arm_id():
+        b = current_build()
+        return dict(b.defines).get("FC_ARM", 0) if b else -1
+
+    class FakeCell:
+        def timed(self, fn, sets, direction):
+            i = arm_id()
+            mhz = {0: 1600.0, 1: 1760.0, -1: 1500.0}[i]
+            samples.extend((time.time(), mhz, 600.0 + i, 60.0) for _ in range(3))
+            return {"tflops": {0: 400.0, 1: 440.0, -1: 450.0}[i]}
+
+    class FakeRun:
+        def __init__(self, *a):
+            self.c = FakeCell()
+
+        def call(self, direction):
+            return (lambda s: {"o": np.ones(2, np.float32)}), [None]
+
+    class FakeSampler:
+        def samples(self):
+            return list(samples)
+
+    monkeypatch.setattr(ab, "_CellRun", FakeRun)
+    monkeypatch.setattr(ab, "_host", lambda outs: outs)
+    monkeypatch.setattr(ab, "_peer_call", lambda torch, peer, run, direction: (lambda s: None, [None]))
+    monkeypatch.setattr(ab.sdpa, "load_torch", lambda: object())
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: SimpleNamespace(attributes={}))
+    pool = SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setattr(cupy, "get_default_memory_pool", lambda: pool)
+    arms = [ab.Arm("a", (("FC_ARM", 0),)), ab.Arm("b", (("FC_ARM", 1),))]
+    ctx = SimpleNamespace(backend="cuda", sync=lambda: None)
+    rows = ab.measure(ctx, arms, [("f16", 256, 64, False)], ["fwd"], b=1, h=1, kernel="wgmma", rounds=2,
+                      peer="cudnn", budget_s=0.01, compile_reports=False, sampler=FakeSampler())
+    r = rows[0]
+    assert [c["mhz"] for c in r["arms"]["a"]["clocks"]] == [1600.0, 1600.0]
+    assert [c["n"] for c in r["arms"]["b"]["clocks"]] == [3, 3] and r["arms"]["b"]["clocks"][0]["w"] == 601.0
+    assert [c["mhz"] for c in r["peer"]["clocks"]] == [1500.0, 1500.0]
+    t = ab.clock_table(rows, arms)
+    line = dict(zip(t.columns, t.rows[0]))
+    assert line["b MHz"] == 1760.0 and line["cudnn TFLOP/s"] == "450.0"
+    assert line["b / a per clock"] == "1.000"
+    assert line["a / cudnn per clock"] == f"{(400 / 1600) / (450 / 1500):.3f}"
+    assert "## Clocks" in ab.render({}, arms, rows, {"cells": [("f16", 256, 64, False)], "b": 1, "h": 1,
+                                                     "kernel": "wgmma", "directions": ["fwd"], "rounds": 2,
+                                                     "budget_s": 0.01})
+    assert ab.clock_table([dict(r, arms={k: {"tflops": [1.0]} for k in r["arms"]}, peer={})], arms) is None
