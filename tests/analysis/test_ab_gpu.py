@@ -46,10 +46,42 @@ def test_ab_on_the_hopper_family(tmp_path):
 
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma family needs compute capability 9.0")
-    rows = _run(tmp_path, "wgmma", "fwd,bwd", "--no-compile")
+    rows = _run(tmp_path, "wgmma", "fwd,bwd", "--no-compile", "--clocks")
+    for row in rows.values():  # a sample summary per round (these rounds are shorter than its period)
+        assert all(len(res["clocks"]) == len(res["tflops"]) == 2 for res in row["arms"].values())
     assert rows["fwd"]["arms"]["noop"]["bits"] == "equal"
     assert rows["fwd"]["arms"]["norescale"]["bits"] != "equal"
     # dk and dv are one CTA's sums in a fixed order: equal whatever dq's atomic order did
     bits = rows["bwd"]["arms"]["noop"]["bits"]
     assert bits == "equal" or (bits.startswith("dq: ") and "dk" not in bits and "dv" not in bits)
     assert "compile" not in rows["bwd"]["arms"]["base"]
+
+
+def test_the_clock_sampler_sees_the_gpu_work():
+    """analysis.clocks on the device: a window of half a second of matrix products holds samples of a
+    running SM clock and a power draw, within the card's own limits."""
+    import subprocess
+    import time
+
+    import cupy
+
+    from analysis import clocks
+
+    query = ["nvidia-smi", "--query-gpu=clocks.max.sm,power.limit", "--format=csv,noheader,nounits",
+             f"--id={cupy.cuda.Device().pci_bus_id}"]
+    limits = subprocess.run(query, capture_output=True, text=True, check=True)
+    max_mhz, max_w = (float(x) for x in limits.stdout.split(","))
+    sampler = clocks.for_current_device(period_ms=20)
+    try:
+        a = cupy.random.default_rng(0).standard_normal((4096, 4096), dtype=cupy.float32)
+        t0 = time.time()
+        while time.time() - t0 < 0.5:
+            a = (a @ a) * (1 / 128)  # spectral radius about 1: no overflow
+            cupy.cuda.Device().synchronize()
+        t1 = time.time()
+        time.sleep(0.1)
+        got = sampler.window(t0, t1)
+    finally:
+        sampler.close()
+    assert got["n"] >= 3, got
+    assert 0 < got["mhz"] <= max_mhz and 0 < got["w"] <= 1.2 * max_w and got["c"] > 0
