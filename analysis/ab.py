@@ -426,10 +426,10 @@ def table(rows, arms) -> Table:
     return Table("TFLOP/s per round, best round over best round, bits against the baseline", cols, out)
 
 
-def clock_table(rows, arms) -> Table | None:
+def clock_table(rows, arms, power: str = "power.draw.instant") -> Table | None:
     """With --clocks: per (cell, direction), each arm's (and the peer's) best round beside the SM clock,
-    power and hottest temperature while it ran, and its work per clock cycle (TFLOP/s over MHz) against
-    the baseline's and the peer's; None where no row was sampled."""
+    power (nvidia-smi's field ``power``) and hottest temperature while it ran, and its work per clock
+    cycle (TFLOP/s over MHz) against the baseline's and the peer's; None where no row was sampled."""
     if not any("clocks" in res for r in rows for res in [*r["arms"].values(), r.get("peer", {})]):
         return None
     base = arms[0].name
@@ -465,8 +465,9 @@ def clock_table(rows, arms) -> Table | None:
         line += [per_clock(got[a.name], got[base]) for a in arms[1:]]
         line += [per_clock(got[a.name], got[peer]) for a in arms] if peer else []
         out.append(line)
-    return Table("Best round beside the SM clock, power and temperature while it ran (median of nvidia-smi's "
-                 "samples; °C: hottest); per clock: TFLOP/s over MHz, one over the other", cols, out)
+    title = ("Best round beside the SM clock, power and temperature while it ran (medians of nvidia-smi's "
+             f"samples, W: {power}; °C: hottest); per clock: TFLOP/s over MHz, one over the other")
+    return Table(title, cols, out)
 
 
 def figure(rows, arms):
@@ -521,7 +522,7 @@ def render(meta: dict, arms, rows, args: dict) -> str:
               f"seed {meta.get('seed')}", ""]
     lines += ["## Results", "", md_table(table(rows, arms)), "",
               f"![ratios of each arm to the baseline]({args.get('name', 'ab')}.png)", ""]
-    ct = clock_table(rows, arms)
+    ct = clock_table(rows, arms, args.get("power", "power.draw.instant"))
     if ct is not None:
         lines += ["## Clocks", "", md_table(ct), ""]
     return "\n".join(lines)
@@ -579,6 +580,8 @@ def main(argv=None) -> int:
                                 "rows": rows}), f, indent=1)
 
     sampler = clocks.for_current_device() if a.clocks else None
+    if sampler is not None:
+        args["power"] = sampler.power
     try:
         rows = measure(ctx, arms, cells, directions, b=a.b, h=a.h, kernel=a.kernel, rounds=a.rounds,
                        peer=a.peer, budget_s=a.budget, compile_reports=not a.no_compile, on_row=write,

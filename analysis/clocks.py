@@ -3,13 +3,16 @@
 A ratio of two kernels' TFLOP/s measured over a few seconds each mixes two things: the cycles each kernel
 needs and the clock the card holds while it runs. A Hopper card at its power limit lowers its SM clock,
 and a kernel that keeps the tensor pipe busier draws more power, so it can lose at the wall clock what it
-wins in cycles. ``Sampler`` reads ``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu
--lms 50`` in the background; ``window(t0, t1)`` gives the median SM clock (MHz), the median power (W), the
-hottest reading (°C) and the number of samples between two ``time.time()`` stamps. Dividing TFLOP/s by the
-clock gives work per cycle, which compares kernels whatever the clock (``analysis.ab --clocks``).
+wins in cycles. ``Sampler`` reads
+``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw.instant,temperature.gpu -lms 50`` in the
+background; ``window(t0, t1)`` gives the median SM clock (MHz), the median power (W), the hottest reading
+(°C) and the number of samples between two ``time.time()`` stamps. Dividing TFLOP/s by the clock gives
+work per cycle, which compares kernels whatever the clock (``analysis.ab --clocks``).
 
-nvidia-smi's timestamps are the machine's local time to the millisecond; a window of fewer samples than
-two is reported as such (n) rather than guessed.
+The clock is the sample's own; ``power.draw`` is an average over about a second on recent drivers, so
+the instant reading is asked for, and where the driver lacks it the average is used and said (``power``).
+nvidia-smi's timestamps are the machine's local time to the millisecond, as ``time.time()`` read through
+the local time zone; a window's number of samples (n) says how much each median rests on.
 """
 from __future__ import annotations
 
@@ -20,11 +23,12 @@ import statistics
 import subprocess
 import tempfile
 
-QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu"
+FIELDS = ("timestamp", "clocks.sm", "{power}", "temperature.gpu")
+POWER = ("power.draw.instant", "power.draw")  # the first the driver knows
 
 
 def parse_line(line: str):
-    """(seconds since the epoch, SM MHz, W, °C) of one CSV line of ``QUERY``, or None (a header, a blank
+    """(seconds since the epoch, SM MHz, W, °C) of one CSV line of ``FIELDS``, or None (a header, a blank
     line, a field nvidia-smi reports as "[N/A]" or "[Not Supported]")."""
     parts = [p.strip() for p in line.split(",")]
     if len(parts) != 4:
@@ -47,22 +51,39 @@ def summarize(samples, t0: float, t1: float) -> dict:
 
 
 class Sampler:
-    """nvidia-smi sampling the GPU with this PCI bus id every ``period_ms`` until ``close``."""
+    """nvidia-smi sampling the GPU with this PCI bus id every ``period_ms`` until ``close``; ``power`` is
+    the power field it reads."""
 
     def __init__(self, pci_bus_id: str, period_ms: int = 50):
         exe = shutil.which("nvidia-smi")
         if exe is None:
             raise RuntimeError("nvidia-smi is not on PATH: the clocks cannot be sampled")
-        fd, self.path = tempfile.mkstemp(prefix="clocks_", suffix=".csv")
-        self._file = os.fdopen(fd, "w")
-        self._proc = subprocess.Popen([exe, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                                       f"-lms={period_ms}", f"--id={pci_bus_id}"],
-                                      stdout=self._file, stderr=subprocess.DEVNULL)
+        self.power = next((p for p in POWER if subprocess.run(
+            [exe, f"--query-gpu={p}", "--format=csv,noheader", f"--id={pci_bus_id}"],
+            capture_output=True).returncode == 0), None)
+        if self.power is None:
+            raise RuntimeError(f"nvidia-smi reads no power field ({', '.join(POWER)}) of GPU {pci_bus_id}")
+        query = ",".join(FIELDS).format(power=self.power)
+        self._out = tempfile.NamedTemporaryFile("w+", prefix="clocks_", suffix=".csv", delete=False)
+        self._err = tempfile.TemporaryFile("w+")
+        try:
+            self._proc = subprocess.Popen([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                                           f"-lms={period_ms}", f"--id={pci_bus_id}"],
+                                          stdout=self._out, stderr=self._err)
+        except OSError:
+            self._remove()
+            raise
 
     def samples(self) -> list:
-        self._file.flush()
-        with open(self.path) as f:
-            return [s for s in map(parse_line, f) if s is not None]
+        """Every complete line so far (the last one may still be being written); raises if nvidia-smi
+        has stopped with an error."""
+        code = self._proc.poll()
+        if code:
+            self._err.seek(0)
+            raise RuntimeError(f"nvidia-smi stopped sampling (exit {code}): {self._err.read().strip()[:300]}")
+        with open(self._out.name) as f:
+            lines = f.read().split("\n")[:-1]  # the text after the last newline is not a whole line
+        return [s for s in map(parse_line, lines) if s is not None]
 
     def window(self, t0: float, t1: float) -> dict:
         return summarize(self.samples(), t0, t1)
@@ -73,8 +94,13 @@ class Sampler:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-        self._file.close()
-        os.unlink(self.path)
+            self._proc.wait()
+        self._remove()
+
+    def _remove(self) -> None:
+        self._out.close()
+        self._err.close()
+        os.unlink(self._out.name)
 
 
 def for_current_device(period_ms: int = 50) -> Sampler:

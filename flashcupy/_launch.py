@@ -301,7 +301,9 @@ class _BackwardPlan:
         # wgmma: prep writes L (log2 units) and delta tiled by query tile and padded to whole tiles, which
         # the producer copies into its stage with one bulk copy a tile (FC_BWD_PREP_TILE in bwd_prep.cuh)
         n_qt = (p.nq + var.block_m - 1) // var.block_m
-        tiled = bool(self.prep.defines.get("FC_BWD_LD_TMA", 0))  # as the module was compiled
+        # as the module was compiled; a build's FC_BWD_LD_TMA reaches every family's defines, but only
+        # bwd_wgmma.cu turns it into FC_BWD_PREP_TILE (the mma and simt preps stay untiled)
+        tiled = var.family == "bwd_wgmma" and bool(self.prep.defines.get("FC_BWD_LD_TMA", 0))
         self.ld_size = p.batch * p.heads_q * n_qt * 2 * var.block_m if tiled else 0
         prep_rows = p.batch * p.heads_q * n_qt * var.block_m if tiled else rows
         self.prep_grid = ((8 * prep_rows + var.threads - 1) // var.threads,)

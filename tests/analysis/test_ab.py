@@ -2,6 +2,7 @@
 and the table and Markdown of synthetic rows."""
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -290,3 +291,49 @@ def test_measure_samples_the_clock_of_each_timing_and_the_table_divides_by_it(mo
                                                      "kernel": "wgmma", "directions": ["fwd"], "rounds": 2,
                                                      "budget_s": 0.01})
     assert ab.clock_table([dict(r, arms={k: {"tflops": [1.0]} for k in r["arms"]}, peer={})], arms) is None
+
+
+def _fake_smi(tmp_path, monkeypatch, body: str):
+    """An nvidia-smi on PATH that runs ``body`` (sh) for the sampling call and answers the power probes:
+    power.draw.instant unknown (exit 2), power.draw known."""
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text('#!/bin/sh\ncase "$1" in\n  --query-gpu=power.draw.instant) exit 2;;\n'
+                   '  --query-gpu=power.draw) echo "300.00 W"; exit 0;;\nesac\n' + body)
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+
+def test_the_sampler_reads_whole_lines_and_falls_back_to_the_average_power(tmp_path, monkeypatch):
+    import time
+
+    from analysis import clocks
+
+    lines = "2026/11/26 12:00:00.000, 1980, 650.5, 60\\n2026/11/26 12:00:00.050, 1755, 700.0, 61\\n"
+    _fake_smi(tmp_path, monkeypatch, f'printf "{lines}2026/11/26 12:00:0"\nsleep 5\n')
+    s = clocks.Sampler("00000000:19:00.0")
+    try:
+        assert s.power == "power.draw"
+        deadline = time.time() + 5
+        while len(s.samples()) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        got = s.samples()  # the third line is cut off: not a sample
+        assert [x[1:] for x in got] == [(1980.0, 650.5, 60.0), (1755.0, 700.0, 61.0)]
+    finally:
+        s.close()
+    assert not os.path.exists(s._out.name)
+
+
+def test_a_sampler_whose_nvidia_smi_stopped_says_why(tmp_path, monkeypatch):
+    import time
+
+    from analysis import clocks
+
+    _fake_smi(tmp_path, monkeypatch, 'echo "No devices were found" >&2\nexit 6\n')
+    s = clocks.Sampler("00000000:19:00.0")
+    try:
+        s._proc.wait(timeout=5)
+        time.sleep(0.01)
+        with pytest.raises(RuntimeError, match=r"exit 6\): No devices were found"):
+            s.samples()
+    finally:
+        s.close()

@@ -255,6 +255,30 @@ def test_wgmma_backward_l_delta_by_bulk_copy_give_the_bits_of_lane_loads(rng, ca
         assert float(cupy.abs(runs[1][det][0].astype(cupy.float32)).max()) > 0
 
 
+def test_a_build_with_ld_tma_leaves_the_other_families_prep_untiled(rng):
+    """FC_BWD_LD_TMA in a kernel_build reaches every family's defines, but only bwd_wgmma.cu tiles its
+    prep: the mma backward (atomic dQ, ragged nq, dlse) inside such a build launches its prep on the real
+    rows, subtracts dlse, and gives the bits it gives outside the build."""
+    import cupy
+
+    from flashcupy import _launch
+    from flashcupy._build import kernel_build
+
+    do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, 203, 333, 64), "f16"))
+    o, lse = _fwd(q, k, v, False, "mma", "fp32")
+    dlse = cupy.asarray(rng.standard_normal(lse.shape).astype(np.float32) * 0.1)
+    plain = flashcupy.attention_backward(do, q, k, v, o, lse, kernel="mma", deterministic=True, dlse=dlse)
+    known = set(_launch._BACKWARD_PLANS)
+    with kernel_build({"FC_BWD_LD_TMA": 1}) as build:
+        built = flashcupy.attention_backward(do, q, k, v, o, lse, kernel="mma", deterministic=True, dlse=dlse)
+    (plan,) = [pl for key, pl in _launch._BACKWARD_PLANS.items()
+               if key not in known and key[0].variant.build == build]
+    assert plan.ld_size == 0 and plan.prep.defines["FC_BWD_LD_TMA"] == 1
+    for name, a, b in zip(("dq", "dk", "dv"), built, plain):
+        assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), name
+    assert float(cupy.abs(plain[0].astype(cupy.float32)).max()) > 0
+
+
 @pytest.mark.parametrize("combo", [("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"),
                                    ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("simt", "f32", "fp32"),
                                    ("simt", "bf16", "fp16")], ids=combo_id)
