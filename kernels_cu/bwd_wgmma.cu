@@ -33,7 +33,8 @@
 //           dQ_c = dS K[:, c-th D / NCWG columns]   wgmma m64n(D/NCWG)k16 over all BN keys of the tile (one
 //                                             per 64 queries),
 //                                             A = dS^T and B = K from shared memory, both MN-major;
-//                                             needs every consumer's dS^T (named barrier 1)
+//                                             needs every consumer's dS^T (named barrier 1;
+//                                             FC_BWD_SKEW: the other's DS_READY, after dV and dK)
 //           dQ_c stored to shared memory (fp32, swizzled), which the writer warp adds to the fp32
 //                                             buffer by one TMA reduce-add per 32 columns
 //                                             (cp.reduce.async.bulk.tensor; measured: the threads'
@@ -42,7 +43,9 @@
 //       and at the end dk = scale * dK and dv = dV (rows < nk): FC_BWD_KV_STAGE 1 (below) through
 //       shared memory and TMA stores, 0 straight from registers.
 //   dS^T has two shared-memory buffers (query tile parity): a consumer writes tile i's only after
-//   every consumer passed barrier 1 of tile i - 1, so every dQ product of tile i - 2 has landed.
+//   every consumer passed barrier 1 of tile i - 1, so every dQ product of tile i - 2 has landed
+//   (FC_BWD_SKEW: only after the other's DS_READY of tile i - 1, which it arrives at after its dQ
+//   product of tile i - 2 has completed).
 //
 // Deterministic dQ, flash_bwd_dkdvdq_ordered_wgmma (dq_sem: int32 (B, Hq, ceil(nq / BM)) zeroed): the
 // additions into query tile i's rows happen in a fixed key-tile order. A CTA's writer warp waits until
@@ -119,6 +122,18 @@
 #define FC_BWD_KV_STAGE 1
 #endif
 
+// FC_BWD_SKEW 1 (two consumer warpgroups): the consumers are no longer held in step. Each issues its dV,
+// dK products as soon as its own P^T, dS^T are formed and waits for the other's dS^T only before its dQ
+// product (DS_READY below, instead of one barrier of both), so that one may form P^T and dS^T while the
+// other's products run. The same products in the same order within each warpgroup (the same bits).
+// 0: barrier 1, in step. Measured on the H100 (reports/wgmma_bwd_plan.md, Sessions of 2026-11-26):
+// +1.8% to +3.9% at D = 64 (BM = 128), -2.1% to -5% at D = 128 (BM = 64, where early dV already fills
+// the stretch and dQ's staging no longer runs under dK), so the default is 1 at BM = 128 only. Starting
+// warpgroup 2 half a tile late on top of it (a start barrier) measured -0.9% to +1.2%: not kept.
+#ifndef FC_BWD_SKEW
+#define FC_BWD_SKEW (FC_BLOCK_M == 128)
+#endif
+
 constexpr int BM = FC_BLOCK_M;
 constexpr int BN = FC_BLOCK_N;
 constexpr int HD = FC_HEAD_DIM;
@@ -127,6 +142,7 @@ constexpr bool EARLY_DV = FC_BWD_EARLY_DV;
 constexpr int NCWG = BN / 64;            // consumer warpgroups, 64 keys each
 constexpr int NTHR = 128 * (1 + NCWG);
 constexpr int NCTHR = 128 * NCWG;        // consumer threads
+constexpr bool SKEW = FC_BWD_SKEW && NCWG == 2;
 constexpr int PANELS = HD / 64;          // 128-byte column panels per row of Q, dO, K, V
 constexpr int KSTEPS = HD / 16;          // k16 steps of S^T, dP^T (over d)
 constexpr int QSTEPS = BM / 16;          // k16 steps of dV, dK (over queries)
@@ -177,7 +193,13 @@ static_assert(128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= NTHR * (65536 / NT
 constexpr int DQ_FULL = 2, DQ_EMPTY = DQ_FULL + NCWG, DQ_BAR_THREADS = 128 + 32;
 // FC_BWD_KV_STAGE 1: KV_OUT + c, consumer warpgroup c's 128 threads, once their dk, dv rows are written
 constexpr int KV_OUT = DQ_EMPTY + NCWG;
-static_assert(KV_OUT + NCWG <= 16, "named barriers");
+// SKEW: DS_READY + 2 c + p, consumer warpgroup c's dS^T of a tile of parity p is stored (c's 128 threads
+// arrive, the other warpgroup's wait; by parity, so that c cannot arrive twice on one barrier before the
+// other has waited: c's tile it + 2 needs the other's dS^T of tile it + 1, stored after its wait for
+// tile it); WG_DS + c, c's own 128 threads before its dQ product reads their dS^T rows (redundant: the
+// sync on the other's DS_READY also waits for c's four warps, each past its stores; kept as measured).
+constexpr int DS_READY = KV_OUT + NCWG, WG_DS = DS_READY + 4;
+static_assert(KV_OUT + NCWG <= 16 && (!SKEW || WG_DS + 2 <= 16), "named barriers");
 
 // A compile-time bool as a value (an argument of a generic lambda).
 template <bool B>
@@ -543,29 +565,27 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             //      MN-major; needs every consumer's dS^T), then dV += P^T dO and dK += dS^T Q (B = dO, Q:
             //      rows = queries, MN-major) in a second group, which runs under dQ_c's epilogue ----
             fence_proxy_async();          // this thread's dS^T stores before the async proxy reads them
-            named_bar_sync(1, NCTHR);
             acc_t q_acc[MB][QN];  // query block mb: queries 64 mb .. of the tile
-            wg_fence();
+            auto issue_dq = [&] {
 #pragma unroll
-            for (int mb = 0; mb < MB; ++mb) {
+                for (int mb = 0; mb < MB; ++mb) {
 #pragma unroll
-                for (int kk = 0; kk < NSTEPS; ++kk) {
-                    const u64 da = wg_desc_sw128(sds + mb * DS_PANEL + kk * 16 * 128, DS_PANEL, 1024);
-                    const u64 db = wg_desc_sw128(kd + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
-                                                 KV_PANEL, 1024);
-                    WgMma<DQN>::ss_tt(q_acc[mb], da, db, kk > 0);
+                    for (int kk = 0; kk < NSTEPS; ++kk) {
+                        const u64 da = wg_desc_sw128(sds + mb * DS_PANEL + kk * 16 * 128, DS_PANEL, 1024);
+                        const u64 db = wg_desc_sw128(kd + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
+                                                     KV_PANEL, 1024);
+                        WgMma<DQN>::ss_tt(q_acc[mb], da, db, kk > 0);
+                    }
                 }
-            }
-            wg_commit();
-            if constexpr (!EARLY_DV) issue_dv();
+                wg_commit();
+            };
+            auto issue_dv_dk = [&] {
+                if constexpr (!EARLY_DV) issue_dv();
 #pragma unroll
-            for (int kk = 0; kk < QSTEPS; ++kk)
-                WgMma<HD>::rs_tb(dk_acc, ds_frag[kk], wg_desc_sw128(sq + kk * 16 * 128, Q_PANEL, 1024), 1);
-            wg_commit();
-            wg_wait<1>();  // dQ_c (and an early dV; dK, or dV and dK, may still run)
-#pragma unroll
-            for (int mb = 0; mb < MB; ++mb) reg_fence(q_acc[mb]);
-
+                for (int kk = 0; kk < QSTEPS; ++kk)
+                    WgMma<HD>::rs_tb(dk_acc, ds_frag[kk], wg_desc_sw128(sq + kk * 16 * 128, Q_PANEL, 1024), 1);
+                wg_commit();
+            };
             // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 rows x 128 bytes, the
             //      128-byte swizzle), for the writer warp to add into the fp32 buffer. A thread holds
             //      columns 8i + 2t, +1 of its rows r (r % 8 = g; r + 64 mb in query block mb): 32 bytes per
@@ -575,41 +595,71 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             //      stores block i % 4 = j ^ sel instead, sel = (g ^ (g >> 1)) & 3, so p = j ^ (g & 3):
             //      distinct within each half-warp; the block is chosen by selects (registers cannot be
             //      indexed at run time) ----
-            const u32 sdq = base + OFF_DQ + cw * DQ_BYTES;
-            named_bar_sync(DQ_EMPTY + cw, DQ_BAR_THREADS);  // the TMA unit has read the previous share
-            const int sel = (g ^ (g >> 1)) & 3;
+            auto stage_dq = [&] {
+                const u32 sdq = base + OFF_DQ + cw * DQ_BYTES;
+                named_bar_sync(DQ_EMPTY + cw, DQ_BAR_THREADS);  // the TMA unit has read the previous share
+                const int sel = (g ^ (g >> 1)) & 3;
 #pragma unroll
-            for (int mb = 0; mb < MB; ++mb)
+                for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int r = 64 * mb + 16 * wq + g + 8 * hf;  // r % 8 == g
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = 64 * mb + 16 * wq + g + 8 * hf;  // r % 8 == g
 #pragma unroll
-                for (int pn = 0; pn < DQN / 32; ++pn) {
+                    for (int pn = 0; pn < DQN / 32; ++pn) {
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        float v[2];
+                        for (int j = 0; j < 4; ++j) {
+                            float v[2];
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {  // element e of block 4 pn + (j ^ sel)
-                            auto a = [&](int jj) { return acc_get(wg_tile(q_acc[mb], 4 * pn + jj), 2 * hf + e); };
-                            const float lo = (sel & 1) ? a(j ^ 1) : a(j), hi = (sel & 1) ? a(j ^ 3) : a(j ^ 2);
-                            v[e] = (sel & 2) ? hi : lo;
+                            for (int e = 0; e < 2; ++e) {  // element e of block 4 pn + (j ^ sel)
+                                auto a = [&](int jj) { return acc_get(wg_tile(q_acc[mb], 4 * pn + jj), 2 * hf + e); };
+                                const float lo = (sel & 1) ? a(j ^ 1) : a(j), hi = (sel & 1) ? a(j ^ 3) : a(j ^ 2);
+                                v[e] = (sel & 2) ? hi : lo;
+                            }
+                            const u32 addr = sdq + pn * DQ_PANEL + r * 128 + (((2 * (j ^ sel) + (t >> 1)) ^ g) << 4) + 8 * (t & 1);
+                            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[0]), "f"(v[1]) : "memory");
                         }
-                        const u32 addr = sdq + pn * DQ_PANEL + r * 128 + (((2 * (j ^ sel) + (t >> 1)) ^ g) << 4) + 8 * (t & 1);
-                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[0]), "f"(v[1]) : "memory");
                     }
                 }
-            }
-            fence_proxy_async();            // the stores before the TMA unit reads them
-            named_bar_arrive(DQ_FULL + cw, DQ_BAR_THREADS);
-            wg_wait<0>();  // dV, dK: stage s's Q and dO are read
-            reg_fence(dv_acc);
-            reg_fence(dk_acc);
+                fence_proxy_async();            // the stores before the TMA unit reads them
+                named_bar_arrive(DQ_FULL + cw, DQ_BAR_THREADS);
+            };
+            auto dv_dk_done = [&] {  // stage s's Q and dO are read
+                reg_fence(dv_acc);
+                reg_fence(dk_acc);
 #pragma unroll
-            for (int kk = 0; kk < QSTEPS; ++kk) {
-                reg_fence(p_frag[kk]);
-                reg_fence(ds_frag[kk]);
+                for (int kk = 0; kk < QSTEPS; ++kk) {
+                    reg_fence(p_frag[kk]);
+                    reg_fence(ds_frag[kk]);
+                }
+            };
+            if constexpr (SKEW) {
+                // dV, dK need this warpgroup's P^T, dS^T only; dQ needs the other's dS^T rows too
+                named_bar_arrive(DS_READY + 2 * cw + (it & 1), NCTHR);
+                wg_fence();
+                issue_dv_dk();
+                named_bar_sync(WG_DS + cw, 128);
+                named_bar_sync(DS_READY + 2 * (1 - cw) + (it & 1), NCTHR);
+                wg_fence();
+                issue_dq();
+                wg_wait<0>();  // dQ_c, and dV, dK before it
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) reg_fence(q_acc[mb]);
+                dv_dk_done();
+                mbar_arrive(q_empty(s));  // this thread is done with stage s
+                stage_dq();
+            } else {
+                named_bar_sync(1, NCTHR);
+                wg_fence();
+                issue_dq();
+                issue_dv_dk();
+                wg_wait<1>();  // dQ_c (and an early dV; dK, or dV and dK, may still run)
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) reg_fence(q_acc[mb]);
+                stage_dq();
+                wg_wait<0>();
+                dv_dk_done();
+                mbar_arrive(q_empty(s));  // this thread is done with stage s
             }
-            mbar_arrive(q_empty(s));  // this thread is done with stage s
         }
 
         // ---- epilogue: dk = scale * dK, dv = dV (rows < nk) ----

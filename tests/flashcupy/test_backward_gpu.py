@@ -255,6 +255,33 @@ def test_wgmma_backward_l_delta_by_bulk_copy_give_the_bits_of_lane_loads(rng, ca
         assert float(cupy.abs(runs[1][det][0].astype(cupy.float32)).max()) > 0
 
 
+@pytest.mark.parametrize("causal,nq,nk,d,bn", [(False, 1029, 577, 64, 128), (True, 333, 203, 128, 128),
+                                                (True, 1029, 1029, 64, 128), (False, 203, 333, 64, 64)],
+                         ids=lambda x: str(x))
+def test_wgmma_backward_skewed_consumers_give_the_bits_of_consumers_in_step(rng, causal, nq, nk, d, bn):
+    """bwd_wgmma's FC_BWD_SKEW: the two consumer warpgroups no longer held in step (1) run each
+    warpgroup's products in the order of the warpgroups in step (0): dq, dk, dv bit for bit on the
+    deterministic path, dk, dv on the atomic one, with ragged tiles, GQA and a causal mask (block_n=64:
+    one consumer, no skew)."""
+    import cupy
+
+    from flashcupy._build import kernel_build
+
+    do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, nq, nk, d), "f16"))
+    o, lse = _fwd(q, k, v, causal, "wgmma", "fp32")
+    tiles = {} if bn == 128 else {"block_m": 64, "block_n": 64}  # the default tiles have two consumers
+    runs = {}
+    for flag in (0, 1):
+        with kernel_build({"FC_BWD_SKEW": flag}):
+            runs[flag] = [flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel="wgmma",
+                                                       deterministic=det, **tiles) for det in (False, True)]
+    for flag, det in ((1, 0), (1, 1)):
+        for name, a, b in zip(("dq", "dk", "dv"), runs[flag][det], runs[0][det]):
+            if det or name != "dq":
+                assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} {flag} det={det}"
+        assert float(cupy.abs(runs[flag][det][2].astype(cupy.float32)).max()) > 0
+
+
 def test_a_build_with_ld_tma_leaves_the_other_families_prep_untiled(rng):
     """FC_BWD_LD_TMA in a kernel_build reaches every family's defines, but only bwd_wgmma.cu tiles its
     prep: the mma backward (atomic dQ, ragged nq, dlse) inside such a build launches its prep on the real
