@@ -301,6 +301,10 @@ WGMMA_BWD_HEAD_DIMS = (64, 128)
 # flash_bwd_prep's tiled buffer (1) or by the producer lanes' loads of lse and delta (0); the host launches
 # prep accordingly (_launch.py reads the variant's define).
 WGMMA_BWD_LD_TMA = 1
+# bwd_wgmma.cu's FC_BWD_DQ_ROWS: at block_m=128 with two consumer warpgroups (D=64) each forms the dQ
+# share of its 64 query rows (1) or of its half of the columns (0); the host builds the fp32 dQ buffer's
+# map with boxes of those rows (_launch.py reads the variant's define).
+WGMMA_BWD_DQ_ROWS = 1
 
 
 def _bwd_wgmma_smem(v: "Variant", role: str) -> int:
@@ -494,7 +498,7 @@ _FAMILIES = (
         default_blocks=lambda dtype, d, accum, causal, n=None: (128, 128) if d == 64 else (64, 128),
         no_spill=lambda v: True,
         limits=_bwd_wgmma_limits, arch="sm_90a",
-        extra_defines=lambda v: {"FC_BWD_LD_TMA": WGMMA_BWD_LD_TMA},
+        extra_defines=lambda v: {"FC_BWD_LD_TMA": WGMMA_BWD_LD_TMA, "FC_BWD_DQ_ROWS": WGMMA_BWD_DQ_ROWS},
         # one kernel forms dQ both ways: its additions in any order, or in key-tile order (deterministic)
         ordered_dq=True,
     ),

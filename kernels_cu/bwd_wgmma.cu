@@ -31,7 +31,8 @@
 //           dV += P^T dO, dK += dS^T Q        wgmma m64nDk16, A from registers, B = dO / Q MN-major
 //                                             (dV issued as soon as P^T is formed, FC_BWD_EARLY_DV)
 //           dQ_c = dS K[:, c-th D / NCWG columns]   wgmma m64n(D/NCWG)k16 over all BN keys of the tile (one
-//                                             per 64 queries),
+//                                             per 64 queries; FC_BWD_DQ_ROWS at D = 64: dQ_c = dS[c-th 64
+//                                             queries, :] K by m64n64k16),
 //                                             A = dS^T and B = K from shared memory, both MN-major;
 //                                             needs every consumer's dS^T (named barrier 1;
 //                                             FC_BWD_SKEW: the other's DS_READY, after dV and dK)
@@ -70,8 +71,8 @@
 // are all resident once n_kt <= the CTAs resident at a time (one per SM), which is the host's rule.
 
 // Tensor maps (flashcupy/_tma.py): 4-D (D, N, H, B) over the real strides of q, k, v, dout; boxes
-// (64, BM) for q and dout, (64, BN) for k and v; and of the fp32 dQ buffer, box (32, BM); 128-byte
-// swizzle. Rows past N arrive as zeros (loads) or are skipped (reduce-adds).
+// (64, BM) for q and dout, (64, BN) for k and v; and of the fp32 dQ buffer, box (32, BM) (FC_BWD_DQ_ROWS:
+// (32, 64)); 128-byte swizzle. Rows past N arrive as zeros (loads) or are skipped (reduce-adds).
 // Shared-memory operands are stacks of 128-byte panels (wgmma_common.cuh); dS^T is BN rows (keys) of
 // BM queries, BM / 64 panels, written with the same swizzle.
 //
@@ -134,6 +135,19 @@
 #define FC_BWD_SKEW (FC_BLOCK_M == 128)
 #endif
 
+// FC_BWD_DQ_ROWS 1 (BM = 128, two consumer warpgroups: D = 64): consumer c forms the dQ share of query
+// rows 64c .. 64c + 63, all HD columns (8 m64n64k16 products over the tile's keys), instead of all BM
+// rows and columns c HD / 2 .. (16 m64n32k16). The same FLOPs in half the wgmma instructions, and each
+// reads 4 KB of shared memory per 32 tensor cycles instead of 3 KB per 16 (A = dS^T is 2 KB either way),
+// which is within the 128 bytes a cycle shared memory delivers. The writer adds each share as two boxes
+// of 32 columns x 64 rows, so the host builds the buffer's map with 64-row boxes (flashcupy/_launch.py
+// reads the define, which the build layer always passes). Measured on the H100 (reports/wgmma_bwd_plan.md,
+// Session of 2026-11-26, third): +2.9% to +6.1% at D = 64 (under ncu at N = 4096: 3081 -> 2877 us, tensor
+// pipe active 46.9% -> 50.2%); dk, dv and the deterministic dq bit for bit equal.
+#ifndef FC_BWD_DQ_ROWS
+#error "bwd_wgmma: FC_BWD_DQ_ROWS must be defined by the build layer (flashcupy/_build.py)"
+#endif
+
 constexpr int BM = FC_BLOCK_M;
 constexpr int BN = FC_BLOCK_N;
 constexpr int HD = FC_HEAD_DIM;
@@ -147,11 +161,13 @@ constexpr int PANELS = HD / 64;          // 128-byte column panels per row of Q,
 constexpr int KSTEPS = HD / 16;          // k16 steps of S^T, dP^T (over d)
 constexpr int QSTEPS = BM / 16;          // k16 steps of dV, dK (over queries)
 constexpr int NSTEPS = BN / 16;          // k16 steps of dQ (over keys)
-constexpr int DQN = HD / NCWG;           // dQ columns per consumer warpgroup
+constexpr int MB = BM / 64;              // 64-query blocks of a tile (m64 products of dQ)
+constexpr bool DQ_ROWS = FC_BWD_DQ_ROWS && MB == 2 && NCWG == 2;
+constexpr int DQN = DQ_ROWS ? HD : HD / NCWG;  // dQ columns per consumer warpgroup
+constexpr int DQB = DQ_ROWS ? 1 : MB;          // its 64-query blocks (one: block c)
 constexpr int SN = WgMma<BM>::REGS;      // S^T, dP^T registers per thread
 constexpr int DN = WgMma<HD>::REGS;      // dK, dV registers per thread
 constexpr int QN = WgMma<DQN>::REGS;     // dQ share registers per thread and 64-query block
-constexpr int MB = BM / 64;              // 64-query blocks of a tile (m64 products of dQ)
 
 #if FC_ACCUM_F16
 #error "bwd_wgmma: fp32 accumulators only (the build layer routes accum='fp16' to the mma family)"
@@ -171,7 +187,8 @@ constexpr int OFF_V = KV_BYTES;
 constexpr int OFF_Q = 2 * KV_BYTES;                      // STAGES Q tiles
 constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;         // STAGES dO tiles
 constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;        // 2 dS^T tiles
-constexpr int DQ_PANEL = BM * 128, DQ_BYTES = BM * DQN * 4;  // a consumer's dQ stage: DQN / 32 fp32 panels
+// a consumer's dQ stage: DQN / 32 fp32 panels of its 64 DQB rows
+constexpr int DQ_PANEL = 64 * DQB * 128, DQ_BYTES = 64 * DQB * DQN * 4;
 constexpr int OFF_DQ = OFF_DS + 2 * DS_BYTES;            // NCWG dQ stages
 constexpr int OFF_LD = OFF_DQ + NCWG * DQ_BYTES;         // STAGES x (BM values of L, BM of delta), fp32
 constexpr int OFF_BAR = OFF_LD + STAGES * 2 * BM * 4;
@@ -417,8 +434,8 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     if (lane == 0) {
 #pragma unroll
                         for (int p = 0; p < DQN / 32; ++p)
-                            tma_reduce_add_4d(&tm_dq, base + OFF_DQ + c * DQ_BYTES + p * DQ_PANEL, c * DQN + 32 * p, m0,
-                                              hq, b);
+                            tma_reduce_add_4d(&tm_dq, base + OFF_DQ + c * DQ_BYTES + p * DQ_PANEL,
+                                              (DQ_ROWS ? 0 : c * DQN) + 32 * p, m0 + (DQ_ROWS ? 64 * c : 0), hq, b);
                         tma_commit();
                     }
                 }
@@ -444,7 +461,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         const int g = lane >> 2, t = lane & 3;
         const u32 k_rows = sK + 64 * cw * 128, v_rows = sV + 64 * cw * 128;  // this warpgroup's 64 rows
         const int key_g = n0 + 64 * cw + 16 * wq + g;  // keys key_g and key_g + 8 (rows of S^T)
-        const int dcol0 = cw * DQN;                    // this warpgroup's dQ columns
+        const int dcol0 = DQ_ROWS ? 0 : cw * DQN;      // this warpgroup's dQ columns
         // query row r < nq sees key key_g + 8 hf iff r >= q_first_vis[hf] (keys past nk: no row)
         const int q_first_vis[2] = {key_g < nk ? fc_first_query(key_g, nq, nk) : nq,
                                     key_g + 8 < nk ? fc_first_query(key_g + 8, nq, nk) : nq};
@@ -565,13 +582,13 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             //      MN-major; needs every consumer's dS^T), then dV += P^T dO and dK += dS^T Q (B = dO, Q:
             //      rows = queries, MN-major) in a second group, which runs under dQ_c's epilogue ----
             fence_proxy_async();          // this thread's dS^T stores before the async proxy reads them
-            acc_t q_acc[MB][QN];  // query block mb: queries 64 mb .. of the tile
+            acc_t q_acc[DQB][QN];  // query block mb: queries 64 mb .. of the tile (DQ_ROWS: 64 cw ..)
             auto issue_dq = [&] {
 #pragma unroll
-                for (int mb = 0; mb < MB; ++mb) {
+                for (int mb = 0; mb < DQB; ++mb) {
 #pragma unroll
                     for (int kk = 0; kk < NSTEPS; ++kk) {
-                        const u64 da = wg_desc_sw128(sds + mb * DS_PANEL + kk * 16 * 128, DS_PANEL, 1024);
+                        const u64 da = wg_desc_sw128(sds + (DQ_ROWS ? cw : mb) * DS_PANEL + kk * 16 * 128, DS_PANEL, 1024);
                         const u64 db = wg_desc_sw128(kd + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
                                                      KV_PANEL, 1024);
                         WgMma<DQN>::ss_tt(q_acc[mb], da, db, kk > 0);
@@ -600,7 +617,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 named_bar_sync(DQ_EMPTY + cw, DQ_BAR_THREADS);  // the TMA unit has read the previous share
                 const int sel = (g ^ (g >> 1)) & 3;
 #pragma unroll
-                for (int mb = 0; mb < MB; ++mb)
+                for (int mb = 0; mb < DQB; ++mb)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     const int r = 64 * mb + 16 * wq + g + 8 * hf;  // r % 8 == g
@@ -643,7 +660,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 issue_dq();
                 wg_wait<0>();  // dQ_c, and dV, dK before it
 #pragma unroll
-                for (int mb = 0; mb < MB; ++mb) reg_fence(q_acc[mb]);
+                for (int mb = 0; mb < DQB; ++mb) reg_fence(q_acc[mb]);
                 dv_dk_done();
                 mbar_arrive(q_empty(s));  // this thread is done with stage s
                 stage_dq();
@@ -654,7 +671,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 issue_dv_dk();
                 wg_wait<1>();  // dQ_c (and an early dV; dK, or dV and dK, may still run)
 #pragma unroll
-                for (int mb = 0; mb < MB; ++mb) reg_fence(q_acc[mb]);
+                for (int mb = 0; mb < DQB; ++mb) reg_fence(q_acc[mb]);
                 stage_dq();
                 wg_wait<0>();
                 dv_dk_done();

@@ -282,6 +282,37 @@ def test_wgmma_backward_skewed_consumers_give_the_bits_of_consumers_in_step(rng,
         assert float(cupy.abs(runs[flag][det][2].astype(cupy.float32)).max()) > 0
 
 
+@pytest.mark.parametrize("causal,nq,nk", [(False, 1029, 577), (True, 1029, 1029), (True, 333, 203)],
+                         ids=lambda x: str(x))
+def test_wgmma_backward_dq_by_query_rows_matches_dq_by_columns(rng, causal, nq, nk):
+    """bwd_wgmma's FC_BWD_DQ_ROWS at D=64 (block_m=128, two consumers): each consumer forms the dQ share
+    of its 64 query rows instead of its 32 columns, and the writer adds it in 64-row boxes (the host's map
+    follows the define). dk, dv bit for bit on both paths, every element written, and dq within the order
+    of fp32 additions of the column split's, with ragged tiles (rows past nq skipped), GQA and a causal
+    mask."""
+    import cupy
+
+    from flashcupy import _launch
+    from flashcupy._build import kernel_build
+
+    do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, nq, nk, 64), "f16"))
+    o, lse = _fwd(q, k, v, causal, "wgmma", "fp32")
+    runs = {}
+    for flag in (0, 1):
+        with kernel_build({"FC_BWD_DQ_ROWS": flag}):
+            _launch._BACKWARD_PLANS.clear()
+            runs[flag] = [run_backward_poisoned(do, q, k, v, o, lse, causal=causal, kernel="wgmma",
+                                                deterministic=det) for det in (False, True)]
+            assert {pl.boxes[4] for pl in _launch._BACKWARD_PLANS.values()} == {(64 if flag else 128, 32)}
+    for det in (0, 1):
+        for name, a, b in zip(("dk", "dv"), runs[1][det][1:], runs[0][det][1:]):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} det={det}"
+        a, b = runs[1][det][0].astype(cupy.float32), runs[0][det][0].astype(cupy.float32)
+        diff = float(cupy.abs(a - b).max())
+        assert diff <= dq_order_tolerance("f16", float(cupy.abs(b).max())), f"dq det={det}: {diff:.3e}"
+        assert float(cupy.abs(b).max()) > 0
+
+
 def test_a_build_with_ld_tma_leaves_the_other_families_prep_untiled(rng):
     """FC_BWD_LD_TMA in a kernel_build reaches every family's defines, but only bwd_wgmma.cu tiles its
     prep: the mma backward (atomic dQ, ragged nq, dlse) inside such a build launches its prep on the real
