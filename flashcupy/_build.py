@@ -302,9 +302,17 @@ WGMMA_BWD_HEAD_DIMS = (64, 128)
 # prep accordingly (_launch.py reads the variant's define).
 WGMMA_BWD_LD_TMA = 1
 # bwd_wgmma.cu's FC_BWD_DQ_ROWS: at block_m=128 with two consumer warpgroups (D=64) each forms the dQ
-# share of its 64 query rows (1) or of its half of the columns (0); the host builds the fp32 dQ buffer's
-# map with boxes of those rows (_launch.py reads the variant's define).
+# share of its 64 query rows (1) or of its half of the columns (0).
 WGMMA_BWD_DQ_ROWS = 1
+
+
+def bwd_wgmma_dq_box_rows(v: "Variant") -> int:
+    """The rows of the fp32 dQ buffer's TMA box in bwd_wgmma (the rows of a consumer's dQ share): 64 with
+    FC_BWD_DQ_ROWS at block_m = block_n = 128, else block_m. Passed as FC_BWD_DQ_BOX_ROWS, which the kernel
+    checks against its own layout (a mismatch does not compile) and the host reads back (_launch.py).
+    A source older than the switch (54d6950) boxes block_m rows: an A/B arm of one sets FC_BWD_DQ_ROWS=0."""
+    rows_split = v.block_m == 128 and v.block_n == 128 and v.switch("FC_BWD_DQ_ROWS", WGMMA_BWD_DQ_ROWS)
+    return 64 if rows_split else v.block_m
 
 
 def _bwd_wgmma_smem(v: "Variant", role: str) -> int:
@@ -498,7 +506,8 @@ _FAMILIES = (
         default_blocks=lambda dtype, d, accum, causal, n=None: (128, 128) if d == 64 else (64, 128),
         no_spill=lambda v: True,
         limits=_bwd_wgmma_limits, arch="sm_90a",
-        extra_defines=lambda v: {"FC_BWD_LD_TMA": WGMMA_BWD_LD_TMA, "FC_BWD_DQ_ROWS": WGMMA_BWD_DQ_ROWS},
+        extra_defines=lambda v: {"FC_BWD_LD_TMA": WGMMA_BWD_LD_TMA, "FC_BWD_DQ_ROWS": WGMMA_BWD_DQ_ROWS,
+                                 "FC_BWD_DQ_BOX_ROWS": bwd_wgmma_dq_box_rows(v)},
         # one kernel forms dQ both ways: its additions in any order, or in key-tile order (deterministic)
         ordered_dq=True,
     ),

@@ -324,11 +324,9 @@ class _BackwardPlan:
             # warpgroup's 64 keys); deterministic: one counter per query tile and whether the key tiles
             # start rotated (the ordered kernel's last two arguments)
             self.maps = {}
-            # FC_BWD_DQ_ROWS (block_m=128, two consumers): each consumer's share is 64 query rows
-            rows = var.block_m
-            if var.block_m == 128 and var.block_n == 128 and self.k_kv.defines.get("FC_BWD_DQ_ROWS", 0):
-                rows = 64
-            self.boxes = (var.block_m, var.block_n, var.block_n, var.block_m, (rows, 32), 64, 64)
+            # the dQ buffer's box rows as the module was compiled (bwd_wgmma_dq_box_rows in _build.py)
+            dq_box_rows = self.k_kv.defines["FC_BWD_DQ_BOX_ROWS"]
+            self.boxes = (var.block_m, var.block_n, var.block_n, var.block_m, (dq_box_rows, 32), 64, 64)
             if deterministic:
                 n_qt, n_kt = (p.nq + var.block_m - 1) // var.block_m, self.kv_grid[0]
                 self.sem_shape = (p.batch, p.heads_q, n_qt)

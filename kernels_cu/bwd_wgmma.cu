@@ -126,11 +126,13 @@
 // FC_BWD_SKEW 1 (two consumer warpgroups): the consumers are no longer held in step. Each issues its dV,
 // dK products as soon as its own P^T, dS^T are formed and waits for the other's dS^T only before its dQ
 // product (DS_READY below, instead of one barrier of both), so that one may form P^T and dS^T while the
-// other's products run. The same products in the same order within each warpgroup (the same bits).
-// 0: barrier 1, in step. Measured on the H100 (reports/wgmma_bwd_plan.md, Sessions of 2026-11-26):
-// +1.8% to +3.9% at D = 64 (BM = 128), -2.1% to -5% at D = 128 (BM = 64, where early dV already fills
-// the stretch and dQ's staging no longer runs under dK), so the default is 1 at BM = 128 only. Starting
-// warpgroup 2 half a tile late on top of it (a start barrier) measured -0.9% to +1.2%: not kept.
+// other's products run. Each accumulator sees the same products in the same order (dQ now after dV and
+// dK, into its own registers), so the bits are the same. 0: barrier 1, in step. Measured on the H100
+// (reports/wgmma_bwd_plan.md, Sessions of 2026-11-26, second and third; two runs): +1.8% to +3.2% on
+// the atomic path at D = 64 (BM = 128) and N <= 4096 (N = 16384: +1.1% and -0.9%, within that cell's
+// noise), -2.1% to -5% at D = 128 (BM = 64, where early dV already fills the stretch and dQ's staging no
+// longer runs under dK), so the default is 1 at BM = 128 only. Starting warpgroup 2 half a tile late on
+// top of it (a start barrier) measured -0.9% to +1.2%: not kept.
 #ifndef FC_BWD_SKEW
 #define FC_BWD_SKEW (FC_BLOCK_M == 128)
 #endif
@@ -141,11 +143,13 @@
 // reads 4 KB of shared memory per 32 tensor cycles instead of 3 KB per 16 (A = dS^T is 2 KB either way),
 // which is within the 128 bytes a cycle shared memory delivers. The writer adds each share as two boxes
 // of 32 columns x 64 rows, so the host builds the buffer's map with 64-row boxes (flashcupy/_launch.py
-// reads the define, which the build layer always passes). Measured on the H100 (reports/wgmma_bwd_plan.md,
-// Session of 2026-11-26, third): +2.9% to +6.1% at D = 64 (under ncu at N = 4096: 3081 -> 2877 us, tensor
-// pipe active 46.9% -> 50.2%); dk, dv and the deterministic dq bit for bit equal.
-#ifndef FC_BWD_DQ_ROWS
-#error "bwd_wgmma: FC_BWD_DQ_ROWS must be defined by the build layer (flashcupy/_build.py)"
+// reads FC_BWD_DQ_BOX_ROWS, which the build layer derives and the kernel checks below). Measured on the H100
+// (reports/wgmma_bwd_plan.md, Session of 2026-11-26, third): +2.9% to +6.1% on the atomic path at D = 64,
+// +2.4% to +5.0% deterministic (N = 16384: -0.8%, within that cell's noise); under ncu at N = 4096 the
+// kernel went from 3081 to 2877 us, tensor pipe active 46.9% -> 50.2%. dk, dv and the deterministic dq
+// are bit for bit those of the column split.
+#if !defined(FC_BWD_DQ_ROWS) || !defined(FC_BWD_DQ_BOX_ROWS)
+#error "bwd_wgmma: FC_BWD_DQ_ROWS and FC_BWD_DQ_BOX_ROWS must be defined by the build layer (flashcupy/_build.py)"
 #endif
 
 constexpr int BM = FC_BLOCK_M;
@@ -165,6 +169,12 @@ constexpr int MB = BM / 64;              // 64-query blocks of a tile (m64 produ
 constexpr bool DQ_ROWS = FC_BWD_DQ_ROWS && MB == 2 && NCWG == 2;
 constexpr int DQN = DQ_ROWS ? HD : HD / NCWG;  // dQ columns per consumer warpgroup
 constexpr int DQB = DQ_ROWS ? 1 : MB;          // its 64-query blocks (one: block c)
+// Consumer c's dQ share: its first column and first row in the tile (the writer's box coordinates and
+// the consumer's B columns and A panel of dS^T follow from these two).
+__host__ __device__ constexpr int dq_share_col(int c) { return DQ_ROWS ? 0 : c * DQN; }
+__host__ __device__ constexpr int dq_share_row(int c) { return DQ_ROWS ? 64 * c : 0; }
+// The rows of the fp32 dQ buffer's TMA box, which the host builds from the same define.
+static_assert(FC_BWD_DQ_BOX_ROWS == 64 * DQB, "bwd_wgmma: FC_BWD_DQ_BOX_ROWS differs from the dQ share's rows");
 constexpr int SN = WgMma<BM>::REGS;      // S^T, dP^T registers per thread
 constexpr int DN = WgMma<HD>::REGS;      // dK, dV registers per thread
 constexpr int QN = WgMma<DQN>::REGS;     // dQ share registers per thread and 64-query block
@@ -203,7 +213,8 @@ constexpr int CONSUMER_REGS = 240;
 // wait forever (measured: producer 32 + 2 x 240 hung every launch).
 static_assert(128 * (PRODUCER_REGS + NCWG * CONSUMER_REGS) <= NTHR * (65536 / NTHR / 8 * 8), "register split");
 
-// Named barriers: 1 (the consumers' dS^T of a tile), and per consumer warpgroup c the dQ stage's
+// Named barriers: 1 (every consumer's dS^T of a tile stored, in step; with SKEW only the epilogue's:
+// every consumer done with K and V), and per consumer warpgroup c the dQ stage's
 // DQ_FULL + c (its 128 threads arrive once the share is staged, the writer warp waits) and DQ_EMPTY + c
 // (the writer warp arrives once the TMA unit has read the stage, the 128 threads wait before staging the
 // next share), each counting DQ_BAR_THREADS.
@@ -435,7 +446,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #pragma unroll
                         for (int p = 0; p < DQN / 32; ++p)
                             tma_reduce_add_4d(&tm_dq, base + OFF_DQ + c * DQ_BYTES + p * DQ_PANEL,
-                                              (DQ_ROWS ? 0 : c * DQN) + 32 * p, m0 + (DQ_ROWS ? 64 * c : 0), hq, b);
+                                              dq_share_col(c) + 32 * p, m0 + dq_share_row(c), hq, b);
                         tma_commit();
                     }
                 }
@@ -461,7 +472,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         const int g = lane >> 2, t = lane & 3;
         const u32 k_rows = sK + 64 * cw * 128, v_rows = sV + 64 * cw * 128;  // this warpgroup's 64 rows
         const int key_g = n0 + 64 * cw + 16 * wq + g;  // keys key_g and key_g + 8 (rows of S^T)
-        const int dcol0 = DQ_ROWS ? 0 : cw * DQN;      // this warpgroup's dQ columns
+        const int dcol0 = dq_share_col(cw);            // this warpgroup's dQ columns
         // query row r < nq sees key key_g + 8 hf iff r >= q_first_vis[hf] (keys past nk: no row)
         const int q_first_vis[2] = {key_g < nk ? fc_first_query(key_g, nq, nk) : nq,
                                     key_g + 8 < nk ? fc_first_query(key_g + 8, nq, nk) : nq};
@@ -579,16 +590,18 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             }
 
             // ---- dQ_c = dS K[:, dcol0 ..] (A = dS^T tile (keys x queries), B = K (keys x d), both
-            //      MN-major; needs every consumer's dS^T), then dV += P^T dO and dK += dS^T Q (B = dO, Q:
-            //      rows = queries, MN-major) in a second group, which runs under dQ_c's epilogue ----
+            //      MN-major; needs every consumer's dS^T) and dV += P^T dO, dK += dS^T Q (B = dO, Q: rows
+            //      = queries, MN-major) as two groups: in step, dQ_c first and dV, dK under its staging;
+            //      SKEW, dV, dK first (they need this warpgroup's P^T, dS^T only) and dQ_c last ----
             fence_proxy_async();          // this thread's dS^T stores before the async proxy reads them
-            acc_t q_acc[DQB][QN];  // query block mb: queries 64 mb .. of the tile (DQ_ROWS: 64 cw ..)
+            acc_t q_acc[DQB][QN];  // block mb: queries dq_share_row(cw) + 64 mb .. of the tile
             auto issue_dq = [&] {
 #pragma unroll
                 for (int mb = 0; mb < DQB; ++mb) {
 #pragma unroll
                     for (int kk = 0; kk < NSTEPS; ++kk) {
-                        const u64 da = wg_desc_sw128(sds + (DQ_ROWS ? cw : mb) * DS_PANEL + kk * 16 * 128, DS_PANEL, 1024);
+                        const u64 da = wg_desc_sw128(sds + (dq_share_row(cw) / 64 + mb) * DS_PANEL + kk * 16 * 128,
+                                                     DS_PANEL, 1024);
                         const u64 db = wg_desc_sw128(kd + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
                                                      KV_PANEL, 1024);
                         WgMma<DQN>::ss_tt(q_acc[mb], da, db, kk > 0);
@@ -603,7 +616,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     WgMma<HD>::rs_tb(dk_acc, ds_frag[kk], wg_desc_sw128(sq + kk * 16 * 128, Q_PANEL, 1024), 1);
                 wg_commit();
             };
-            // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 rows x 128 bytes, the
+            // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 DQB rows x 128 bytes, the
             //      128-byte swizzle), for the writer warp to add into the fp32 buffer. A thread holds
             //      columns 8i + 2t, +1 of its rows r (r % 8 = g; r + 64 mb in query block mb): 32 bytes per
             //      row g, one chunk pair p = (i % 4) ^ (g >> 1) of the swizzled row. A half-warp's 64-bit
