@@ -154,7 +154,9 @@ def bwd_wgmma_rotated(d: int, causal: bool, n: int | None = None) -> bool:
     only (the causal order is FlashAttention-3's LPT). Measured (same process, fp16, B=4, H=32;
     reports/wgmma_bwd_plan.md): D=128 1.013x / 1.018x / 1.031x / 1.019x at N = 1024 / 2048 / 4096 /
     16384 (H200); D=64 1.053x / 1.003x / 0.989x / 0.962x at the same lengths (H200), 1.13x / 1.08x at
-    N = 1024 / 2048 (H100), so at D=64 up to 2048 query rows."""
+    N = 1024 / 2048 (H100), so at D=64 up to 2048 query rows. A build's FC_BWD_ROTATE (0 or 1; the
+    kernels do not read it) overrides this rule for its calls (``backward_roles`` in _launch.py), so that
+    ``python -m analysis.ab --arm plain:FC_BWD_ROTATE=0 --arm rotated:FC_BWD_ROTATE=1`` measures it."""
     return not causal and (d == 128 or (n is not None and n <= 2048))
 
 

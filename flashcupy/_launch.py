@@ -419,7 +419,10 @@ def backward_roles(var, deterministic: bool, n: int | None = None) -> tuple[str,
     if var.fam.ordered_dq:
         if deterministic:
             return ORDERED_DQ_ROLES
-        return ROTATED_DQ_ROLES if bwd_wgmma_rotated(var.head_dim, var.causal, n) else ATOMIC_DQ_ROLES
+        # a build may force the choice (FC_BWD_ROTATE 0 or 1, e.g. an analysis.ab arm); causal: never
+        rotate = var.switch("FC_BWD_ROTATE", -1)
+        rotated = bwd_wgmma_rotated(var.head_dim, var.causal, n) if rotate < 0 else rotate and not var.causal
+        return ROTATED_DQ_ROLES if rotated else ATOMIC_DQ_ROLES
     if not deterministic and set(ATOMIC_DQ_ROLES) <= set(var.roles):
         return ATOMIC_DQ_ROLES
     return DETERMINISTIC_DQ_ROLES
