@@ -151,13 +151,16 @@ def bwd_wgmma_rotated(d: int, causal: bool, n: int | None = None) -> bool:
     """Whether the wgmma backward's atomic path runs its rotated twin (ROTATED_DQ_ROLES) at head dim ``d``
     for ``n`` query rows (None: any length): CTA kt starts at query tile kt * n_qt / n_kt instead of 0,
     so that the CTAs of a head do not add into the same dQ rows at the same time. Without a causal mask
-    only (the causal order is FlashAttention-3's LPT). Measured (same process, fp16, B=4, H=32;
-    reports/wgmma_bwd_plan.md): D=128 1.013x / 1.018x / 1.031x / 1.019x at N = 1024 / 2048 / 4096 /
-    16384 (H200); D=64 1.053x / 1.003x / 0.989x / 0.962x at the same lengths (H200), 1.13x / 1.08x at
-    N = 1024 / 2048 (H100), so at D=64 up to 2048 query rows. A build's FC_BWD_ROTATE (0 or 1; the
-    kernels do not read it) overrides this rule for its calls (``backward_roles`` in _launch.py), so that
+    only (the causal order is FlashAttention-3's LPT), and up to 2048 query rows. Measured (same process,
+    fp16, B=4, H=32; reports/wgmma_bwd_plan.md): D=64 1.053x / 1.003x / 0.989x / 0.962x at N = 1024 /
+    2048 / 4096 / 16384 (H200, before dQ by rows), 1.13x / 1.08x at N = 1024 / 2048 (H100), and with dQ
+    by rows 1.042x / 1.007x / 0.985x at N = 1024 / 4096 / 16384 (H100); D=128 1.013x / 1.018x / 1.031x /
+    1.019x at the four lengths (H200, 2026-11-24's kernels), then 0.984x / 0.979x at N = 4096 / 16384
+    (H100, 54d6950's kernels), so D=128 no longer rotates from N = 4096 (its 1024 and 2048 keep the
+    earlier gain, not remeasured). A build's FC_BWD_ROTATE (0 or 1; the kernels do not read it)
+    overrides this rule for its calls (``backward_roles`` in _launch.py), so that
     ``python -m analysis.ab --arm plain:FC_BWD_ROTATE=0 --arm rotated:FC_BWD_ROTATE=1`` measures it."""
-    return not causal and (d == 128 or (n is not None and n <= 2048))
+    return not causal and n is not None and n <= 2048
 
 
 def _bwd_wgmma_roles(v: "Variant") -> tuple[str, ...]:

@@ -162,7 +162,7 @@ def test_wgmma_noncausal_deterministic_orders(rng, monkeypatch, nq, nk, d):
     the key tiles reach it when they start rotated (n_qt >= n_kt and a head's key tiles fit on the SMs),
     by ascending key tile otherwise (the (130, 1029) and, on a GPU of at most 132 SMs, the
     (17000, 17000) case): both orders are bitwise repeatable and agree with the atomic path, whose key
-    tiles start rotated where bwd_wgmma_rotated says so (D=128; D=64 up to 2048 query rows) and at query
+    tiles start rotated where bwd_wgmma_rotated says so (up to 2048 query rows) and at query
     tile 0 otherwise (dk, dv bit for bit where both paths run the query tiles in the same order)."""
     import cupy
 
