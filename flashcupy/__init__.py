@@ -85,7 +85,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m
       atomics). Either way the result is bitwise reproducible, and dk, dv are the same bits as the
       default path's, except for 'wgmma' without a causal mask where one path starts its key tiles
       rotated and the other does not (dk, dv then sum the query tiles in another order; the default
-      path starts rotated at D=128, and at D=64 up to 2048 query rows, where that measured faster).
+      path starts rotated up to 2048 query rows, where that measured faster).
 
     kernel='auto' runs 'wgmma' on a Hopper GPU for float16/bfloat16 with D 64 or 128 and fp32
     accumulators, else 'mma' (16-bit inputs) or 'simt'.
