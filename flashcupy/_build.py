@@ -420,14 +420,7 @@ def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, bloc
     (e.g. block_m=192 at D=128 takes 128 keys: 176 needs two consumer warpgroups); block_n alone, the same
     the other way (e.g. the wgmma backward at D=64 with block_n=64 takes 64 query rows: 128 needs
     block_n=128). ``n``: the call's query rows, where a default depends on them. Values are not checked
-    here: the caller's checks report a bad one. Inside a ``kernel_build`` whose defines set FC_BLOCK_M or
-    FC_BLOCK_N, those are the call's tile where the caller left it None (an analysis.ab arm of another
-    tile: the variant is then made with that tile, so the host launches its grid)."""
-    build = current_build()
-    if build is not None and (block_m is None or block_n is None):
-        over = dict(build.defines)
-        block_m = over.get("FC_BLOCK_M") if block_m is None else block_m
-        block_n = over.get("FC_BLOCK_N") if block_n is None else block_n
+    here: the caller's checks report a bad one."""
     fam = FAMILIES[family]
     dm, dn = fam.default_blocks(dtype, d, accum, causal, n)
     if block_m is None and block_n is None:
