@@ -4,9 +4,11 @@ by side. For a kernel writer's question "is this change faster, and does it keep
 
 An *arm* is a build of the kernels (``flashcupy._build.Build``): extra ``-D`` values, which replace the
 variant's own (a compile-time switch of the source such as FC_WG_PINGPONG), and/or a folder that holds a
-changed copy of kernels_cu/. The tile and the other knobs the host also reads (block_m, block_n, head
-dim, dtype, the causal mask) are not arms: the host would launch the variant's grid for another kernel;
-compare those through the call's own arguments. The first arm is the baseline; every ratio is an arm's
+changed copy of kernels_cu/. The tile may be an arm through FC_BLOCK_M / FC_BLOCK_N: inside a build
+that sets them they are the calls' default tile (``default_tile``), so the variant is made with that tile
+and the host launches its grid (``--arm bm64:FC_BLOCK_M=64 --arm bm80:FC_BLOCK_M=80``). The other knobs
+the host also reads (head dim, dtype, the causal mask) are not arms: compare those through the cells. The
+first arm is the baseline; every ratio is an arm's
 best round over the baseline's best round; round r runs the arms in turn starting from arm r (mod the
 number of arms), so no arm always runs first. Arms are written ``NAME``, ``NAME:FC_X=1,FC_Y=2``,
 ``NAME@FOLDER`` or ``NAME@FOLDER:FC_X=1``; on the device, a folder must travel with the tree (an ignored

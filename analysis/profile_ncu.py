@@ -157,29 +157,34 @@ def _calls(cell, b, h, seed):
     return calls
 
 
-def run(cells, b, h, seed=0):
+def run(cells, b, h, seed=0, arm=None):
+    """Profile each cell's calls; with ``arm`` (an analysis.ab arm) the calls run in its build, while
+    their inputs (the forward's o and lse included) are made in the default one, so an arm of a tile that
+    only the backward runs (block_m=80) still gets its inputs; a call its build rejects is logged and
+    left out."""
     import cupy
 
     sync = cupy.cuda.runtime.deviceSynchronize
     for i, cell in enumerate(cells):
         calls, ready = _calls(cell, b, h, seed + i), []
-        for label, fn in calls:  # warm-up outside the profiled range: compilation, plans, autotuning
-            try:
-                fn()
-                fn()
-                sync()
-                ready.append((label, fn))
-            except Exception as e:
-                log(f"[profile_ncu] {label}: failed in warm-up, not profiled: {type(e).__name__}: {e}")
-        cupy.cuda.profiler.start()
-        try:
-            for label, fn in ready:
-                log(f"[profile_ncu] {label}")
-                with nvtx_range(label):
+        with arm.build() if arm else contextlib.nullcontext():
+            for label, fn in calls:  # warm-up outside the profiled range: compilation, plans, autotuning
+                try:
+                    fn()
                     fn()
                     sync()
-        finally:
-            cupy.cuda.profiler.stop()
+                    ready.append((label, fn))
+                except Exception as e:
+                    log(f"[profile_ncu] {label}: failed in warm-up, not profiled: {type(e).__name__}: {e}")
+            cupy.cuda.profiler.start()
+            try:
+                for label, fn in ready:
+                    log(f"[profile_ncu] {label}")
+                    with nvtx_range(label):
+                        fn()
+                        sync()
+            finally:
+                cupy.cuda.profiler.stop()
         del calls, ready
         cupy.get_default_memory_pool().free_all_blocks()
 
@@ -577,8 +582,7 @@ def main(argv=None):
             cells, arm = parse_cells(a.cells), parse_arm(a.arm) if a.arm else None
         except ValueError as e:
             r.error(str(e))
-        with arm.build() if arm else contextlib.nullcontext():
-            run(cells, a.b, a.h, a.seed)
+        run(cells, a.b, a.h, a.seed, arm)
     else:
         data = summarize_csv(a.csv)
         data["git_commit"] = git_commit()

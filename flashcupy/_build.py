@@ -344,6 +344,11 @@ def _bwd_wgmma_limits(v: "Variant") -> str | None:
         # (C7512), measured locally
         return ("kernel='wgmma' backward runs block_m=128 at D=64 with block_n=128 only, not "
                 f"D={v.head_dim}, block_n={v.block_n}; block_m=64 runs both head dims")
+    if v.block_m == 80 and (v.head_dim != 128 or v.block_n != 128):
+        # FlashAttention-3's tile at D=128: dQ formed transposed by m64n80k16 per 64 columns of D, which
+        # the two consumer warpgroups of a 128-key tile split
+        return ("kernel='wgmma' backward runs block_m=80 at D=128 with block_n=128 only, not "
+                f"D={v.head_dim}, block_n={v.block_n}")
     return None
 
 
@@ -420,7 +425,14 @@ def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, bloc
     (e.g. block_m=192 at D=128 takes 128 keys: 176 needs two consumer warpgroups); block_n alone, the same
     the other way (e.g. the wgmma backward at D=64 with block_n=64 takes 64 query rows: 128 needs
     block_n=128). ``n``: the call's query rows, where a default depends on them. Values are not checked
-    here: the caller's checks report a bad one."""
+    here: the caller's checks report a bad one. Inside a ``kernel_build`` whose defines set FC_BLOCK_M or
+    FC_BLOCK_N, those are the call's tile where the caller left it None (an analysis.ab arm of another
+    tile: the variant is then made with that tile, so the host launches its grid)."""
+    build = current_build()
+    if build is not None and (block_m is None or block_n is None):
+        over = dict(build.defines)
+        block_m = over.get("FC_BLOCK_M") if block_m is None else block_m
+        block_n = over.get("FC_BLOCK_N") if block_n is None else block_n
     fam = FAMILIES[family]
     dm, dn = fam.default_blocks(dtype, d, accum, causal, n)
     if block_m is None and block_n is None:
@@ -500,15 +512,18 @@ _FAMILIES = (
                "dkdvdq_ordered": "flash_bwd_dkdvdq_ordered_wgmma", "dq_convert": "flash_bwd_dq_convert"},
         roles_of=_bwd_wgmma_roles,
         # query tiles of 64 rows (or 128 at D=64); one consumer warpgroup per 64 keys of the key tile
-        dtypes=("f16", "bf16"), block_m=(64, 128), block_n=(64, 128),
+        dtypes=("f16", "bf16"), block_m=(64, 80, 128), block_n=(64, 128),
         # fp32 accumulators only: accum='fp16' runs on the mma family (_checks.py says so)
         accums=lambda dtype: ("fp32",),
         head_dim_pad=lambda d: d,
         threads=lambda v: 128 * (1 + v.block_n // 64),
         smem_bytes=_bwd_wgmma_smem,
         # D=64: 128 queries a tile, twice the products for the same per-tile waits and barriers (measured
-        # on the H200: 1.07-1.14x the 64-query tile, 1.15-1.26x deterministic; reports/wgmma_bwd_plan.md)
-        default_blocks=lambda dtype, d, accum, causal, n=None: (128, 128) if d == 64 else (64, 128),
+        # on the H200: 1.07-1.14x the 64-query tile, 1.15-1.26x deterministic; reports/wgmma_bwd_plan.md).
+        # D=128 without a causal mask: FlashAttention-3's 80-query tile (dQ formed transposed; on an H100
+        # 1.01-1.04x the 64-query tile, 1.04-1.07x deterministic: reports/h100/bm80.md)
+        default_blocks=lambda dtype, d, accum, causal, n=None: (
+            (128, 128) if d == 64 else (80, 128) if not causal else (64, 128)),
         no_spill=lambda v: True,
         limits=_bwd_wgmma_limits, arch="sm_90a",
         extra_defines=lambda v: {"FC_BWD_LD_TMA": WGMMA_BWD_LD_TMA, "FC_BWD_DQ_ROWS": WGMMA_BWD_DQ_ROWS,

@@ -32,7 +32,9 @@
 //                                             (dV issued as soon as P^T is formed, FC_BWD_EARLY_DV)
 //           dQ_c = dS K[:, c-th D / NCWG columns]   wgmma m64n(D/NCWG)k16 over all BN keys of the tile (one
 //                                             per 64 queries; FC_BWD_DQ_ROWS at D = 64: dQ_c = dS[c-th 64
-//                                             queries, :] K by m64n64k16),
+//                                             queries, :] K by m64n64k16; BM = 80 at D = 128:
+//                                             dQ_c^T = K[:, c-th 64 columns]^T dS^T by m64n80k16, with
+//                                             dS stored by query rows),
 //                                             A = dS^T and B = K from shared memory, both MN-major;
 //                                             needs every consumer's dS^T (named barrier 1;
 //                                             FC_BWD_SKEW: the other's DS_READY, after dV and dK)
@@ -86,7 +88,7 @@
 //     1024 (alignment slack) + 2 BN D 2 (K, V) + STAGES (2 BM D 2 + 8 BM) (Q, dO, L, delta)
 //     + 2 BN BM 2 (dS^T) + 4 BM D (dQ stages) + 8 (1 + 2 STAGES) (mbarriers)
 // Supported: FC_DTYPE 1 or 2, fp32 accumulators (no FC_ACCUM_F16); FC_HEAD_DIM 64 or 128; FC_BLOCK_M 64
-// (or 128 at D = 64); FC_BLOCK_N 64 or 128.
+// (or 128 at D = 64, or 80 at D = 128 with FC_BLOCK_N 128: DQT below); FC_BLOCK_N 64 or 128.
 
 #include "flash_common.cuh"
 #include "wgmma_common.cuh"
@@ -134,7 +136,7 @@
 // longer runs under dK), so the default is 1 at BM = 128 only. Starting warpgroup 2 half a tile late on
 // top of it (a start barrier) measured -0.9% to +1.2%: not kept.
 #ifndef FC_BWD_SKEW
-#define FC_BWD_SKEW (FC_BLOCK_M == 128)
+#define FC_BWD_SKEW (FC_BLOCK_M == 128 || FC_BLOCK_M == 80)
 #endif
 
 // FC_BWD_DQ_ROWS 1 (BM = 128, two consumer warpgroups: D = 64): consumer c forms the dQ share of query
@@ -165,16 +167,23 @@ constexpr int PANELS = HD / 64;          // 128-byte column panels per row of Q,
 constexpr int KSTEPS = HD / 16;          // k16 steps of S^T, dP^T (over d)
 constexpr int QSTEPS = BM / 16;          // k16 steps of dV, dK (over queries)
 constexpr int NSTEPS = BN / 16;          // k16 steps of dQ (over keys)
-constexpr int MB = BM / 64;              // 64-query blocks of a tile (m64 products of dQ)
+constexpr int MB = BM / 64;              // 64-query blocks of a tile (m64 products of dQ; unused at BM = 80)
 constexpr bool DQ_ROWS = FC_BWD_DQ_ROWS && MB == 2 && NCWG == 2;
 constexpr int DQN = DQ_ROWS ? HD : HD / NCWG;  // dQ columns per consumer warpgroup
 constexpr int DQB = DQ_ROWS ? 1 : MB;          // its 64-query blocks (one: block c)
+// BM = 80 (FlashAttention-3's D = 128 tile without a causal mask, the default there): dQ formed
+// transposed, dQ^T_c = K[:, c-th 64 columns]^T dS^T (m64n80k16 over the keys, A = K MN-major, B = dS
+// stored by query rows through transposing stmatrix, K-major), staged as BM query rows of the share's 64
+// columns. On an H100: 1.01-1.04x the 64-query tile, 1.06-1.07x deterministic (reports/h100/bm80.md).
+constexpr bool DQT = BM == 80;
+static_assert(!DQT || SKEW, "bwd_wgmma: block_m 80 needs FC_BWD_SKEW (in step, ptxas serializes every wgmma)");
+constexpr int DQR = DQT ? BM : 64 * DQB;       // rows (queries) of a consumer's staged dQ share
 // Consumer c's dQ share: its first column and first row in the tile (the writer's box coordinates and
 // the consumer's B columns and A panel of dS^T follow from these two).
 __host__ __device__ constexpr int dq_share_col(int c) { return DQ_ROWS ? 0 : c * DQN; }
 __host__ __device__ constexpr int dq_share_row(int c) { return DQ_ROWS ? 64 * c : 0; }
 // The rows of the fp32 dQ buffer's TMA box, which the host builds from the same define.
-static_assert(FC_BWD_DQ_BOX_ROWS == 64 * DQB, "bwd_wgmma: FC_BWD_DQ_BOX_ROWS differs from the dQ share's rows");
+static_assert(FC_BWD_DQ_BOX_ROWS == DQR, "bwd_wgmma: FC_BWD_DQ_BOX_ROWS differs from the dQ share's rows");
 constexpr int SN = WgMma<BM>::REGS;      // S^T, dP^T registers per thread
 constexpr int DN = WgMma<HD>::REGS;      // dK, dV registers per thread
 constexpr int QN = WgMma<DQN>::REGS;     // dQ share registers per thread and 64-query block
@@ -183,7 +192,8 @@ constexpr int QN = WgMma<DQN>::REGS;     // dQ share registers per thread and 64
 #error "bwd_wgmma: fp32 accumulators only (the build layer routes accum='fp16' to the mma family)"
 #endif
 static_assert(HD == 64 || HD == 128, "bwd_wgmma: FC_HEAD_DIM must be 64 or 128");
-static_assert(BM == 64 || (BM == 128 && HD == 64), "bwd_wgmma: FC_BLOCK_M must be 64, or 128 at D = 64");
+static_assert(BM == 64 || (BM == 128 && HD == 64) || (BM == 80 && HD == 128 && BN == 128),
+              "bwd_wgmma: FC_BLOCK_M must be 64, 128 at D = 64, or 80 at D = 128 with FC_BLOCK_N 128");
 static_assert(BN == 64 || BN == 128, "bwd_wgmma: FC_BLOCK_N must be 64 or 128");
 static_assert(DQN % 32 == 0, "bwd_wgmma: dQ columns per warpgroup");
 static_assert(STAGES >= 2, "bwd_wgmma: FC_BWD_STAGES must be at least 2");
@@ -198,7 +208,8 @@ constexpr int OFF_Q = 2 * KV_BYTES;                      // STAGES Q tiles
 constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;         // STAGES dO tiles
 constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;        // 2 dS^T tiles
 // a consumer's dQ stage: DQN / 32 fp32 panels of its 64 DQB rows
-constexpr int DQ_PANEL = 64 * DQB * 128, DQ_BYTES = 64 * DQB * DQN * 4;
+constexpr int DQ_PANEL = DQR * 128, DQ_BYTES = DQR * DQN * 4;
+constexpr int DST_PANEL = BM * 128;  // DQT: dS by query rows, a panel of 64 keys (consumer c's: panel c)
 constexpr int OFF_DQ = OFF_DS + 2 * DS_BYTES;            // NCWG dQ stages
 constexpr int OFF_LD = OFF_DQ + NCWG * DQ_BYTES;         // STAGES x (BM values of L, BM of delta), fp32
 constexpr int OFF_BAR = OFF_LD + STAGES * 2 * BM * 4;
@@ -583,9 +594,21 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                         ds[e] = acc_get(wg_tile(s_acc, i), 2 * hf + e) * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
                     if constexpr (!EARLY_DV) p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
-                    const int row = 64 * cw + 16 * wq + g + 8 * hf;
-                    const u32 addr = sds + (i >> 3) * DS_PANEL + row * 128 + (((i & 7) ^ g) << 4) + 4 * t;
-                    st_shared_b32(addr, ds_frag[i >> 1][hf + 2 * (i & 1)]);
+                    if constexpr (!DQT) {  // (DQT: dS by query rows, one transposing store per k16 step below)
+                        const int row = 64 * cw + 16 * wq + g + 8 * hf;
+                        const u32 addr = sds + (i >> 3) * DS_PANEL + row * 128 + (((i & 7) ^ g) << 4) + 4 * t;
+                        st_shared_b32(addr, ds_frag[i >> 1][hf + 2 * (i & 1)]);
+                    }
+                }
+                // DQT: ds_frag[i / 2] holds four 8x8 tiles of dS^T, tile m = hf + 2 (i % 2): keys 16 wq + 8 hf
+                // .. + 7 (16-byte chunk 2 wq + hf of a query row) x queries 8 (i - i % 2) + 8 (m / 2) ..; lane
+                // 8m + c points at query row 8 (i - i % 2) + 8 (m / 2) + c of panel cw, chunk (2 wq + hf) ^ c
+                if constexpr (DQT) {
+                    if (i & 1) {
+                        const int m = lane >> 3, c = lane & 7;
+                        const int q = 8 * (i - 1) + 8 * (m >> 1) + c;
+                        stmatrix_x4_trans(sds + cw * DST_PANEL + q * 128 + (((2 * wq + (m & 1)) ^ c) << 4), ds_frag[i >> 1]);
+                    }
                 }
             }
 
@@ -595,16 +618,26 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             //      SKEW, dV, dK first (they need this warpgroup's P^T, dS^T only) and dQ_c last ----
             fence_proxy_async();          // this thread's dS^T stores before the async proxy reads them
             acc_t q_acc[DQB][QN];  // block mb: queries dq_share_row(cw) + 64 mb .. of the tile
+            acc_t qt_acc[WgMma<BM>::REGS];  // DQT: dQ^T_c, D columns 64 cw .. x the BM queries (else unused)
             auto issue_dq = [&] {
-#pragma unroll
-                for (int mb = 0; mb < DQB; ++mb) {
+                if constexpr (DQT) {  // dQ^T_c = K[:, 64 cw ..]^T dS^T
 #pragma unroll
                     for (int kk = 0; kk < NSTEPS; ++kk) {
-                        const u64 da = wg_desc_sw128(sds + (dq_share_row(cw) / 64 + mb) * DS_PANEL + kk * 16 * 128,
-                                                     DS_PANEL, 1024);
-                        const u64 db = wg_desc_sw128(kd + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
-                                                     KV_PANEL, 1024);
-                        WgMma<DQN>::ss_tt(q_acc[mb], da, db, kk > 0);
+                        const u64 da = wg_desc_sw128(kd + cw * KV_PANEL + kk * 16 * 128, KV_PANEL, 1024);
+                        const u64 db = wg_desc_sw128(sds + (kk / 4) * DST_PANEL + (kk % 4) * 32, 16, 1024);
+                        WgMma<BM>::ss_ta(qt_acc, da, db, kk > 0);
+                    }
+                } else {
+#pragma unroll
+                    for (int mb = 0; mb < DQB; ++mb) {
+#pragma unroll
+                        for (int kk = 0; kk < NSTEPS; ++kk) {
+                            const u64 da = wg_desc_sw128(sds + (dq_share_row(cw) / 64 + mb) * DS_PANEL + kk * 16 * 128,
+                                                         DS_PANEL, 1024);
+                            const u64 db = wg_desc_sw128(kd + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
+                                                         KV_PANEL, 1024);
+                            WgMma<DQN>::ss_tt(q_acc[mb], da, db, kk > 0);
+                        }
                     }
                 }
                 wg_commit();
@@ -628,6 +661,23 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             auto stage_dq = [&] {
                 const u32 sdq = base + OFF_DQ + cw * DQ_BYTES;
                 named_bar_sync(DQ_EMPTY + cw, DQ_BAR_THREADS);  // the TMA unit has read the previous share
+                if constexpr (DQT) {  // element (D column m, query n) to row n of panel m / 32: 4-byte stores,
+                                      // without bank conflicts (rows 2t + e, chunks ((m % 32) / 4) ^ (n % 8))
+#pragma unroll
+                    for (int i = 0; i < BM / 8; ++i)
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const int m = 16 * wq + g + 8 * hf, n = 8 * i + 2 * t + e;
+                                const u32 addr = sdq + (m >> 5) * DQ_PANEL + n * 128 + ((((m & 31) >> 2) ^ (n & 7)) << 4) + (m & 3) * 4;
+                                asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(acc_get(wg_tile(qt_acc, i), 2 * hf + e))
+                                             : "memory");
+                            }
+                    fence_proxy_async();
+                    named_bar_arrive(DQ_FULL + cw, DQ_BAR_THREADS);
+                    return;
+                }
                 const int sel = (g ^ (g >> 1)) & 3;
 #pragma unroll
                 for (int mb = 0; mb < DQB; ++mb)
@@ -667,15 +717,28 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 named_bar_arrive(DS_READY + 2 * cw + (it & 1), NCTHR);
                 wg_fence();
                 issue_dv_dk();
+                // DQT: the P^T, dS^T fragments free before dQ^T's 40 accumulators; without this wait, or in
+                // step (dQ and dV, dK in flight together), ptxas serializes every wgmma (C7512), measured locally.
+                // FlashAttention-3's order (dV, dQ^T, dK from shared memory, so no fragment outlives dV)
+                // compiles clean but measured 0.95-0.98x this one (reports/h100/bm80o2.md; not profiled)
+                if constexpr (DQT) {
+                    wg_wait<0>();
+                    dv_dk_done();
+                    mbar_arrive(q_empty(s));  // dQ^T reads K and dS only: stage s (Q, dO) is done
+                }
                 named_bar_sync(WG_DS + cw, 128);
                 named_bar_sync(DS_READY + 2 * (1 - cw) + (it & 1), NCTHR);
                 wg_fence();
                 issue_dq();
                 wg_wait<0>();  // dQ_c, and dV, dK before it
+                if constexpr (DQT) {
+                    reg_fence(qt_acc);
+                } else {
 #pragma unroll
-                for (int mb = 0; mb < DQB; ++mb) reg_fence(q_acc[mb]);
-                dv_dk_done();
-                mbar_arrive(q_empty(s));  // this thread is done with stage s
+                    for (int mb = 0; mb < DQB; ++mb) reg_fence(q_acc[mb]);
+                    dv_dk_done();
+                    mbar_arrive(q_empty(s));  // this thread is done with stage s
+                }
                 stage_dq();
             } else {
                 named_bar_sync(1, NCTHR);

@@ -180,6 +180,7 @@ struct WgMma;
 //   rs:    operands {d}, {a} = %R0 .. %R3, db = %R4, scale_d = %R5; imm-scale-a/b 1, tnspB 0
 //   rs_tb: operands {d}, {a} = %R0 .. %R3, db = %R4, scale_d = %R5; imm-scale-a/b 1, tnspB 1
 //   ss_tt: as ss with tnspA 1, tnspB 1
+//   ss_ta: as ss with tnspA 1, tnspB 0
 #define WG_MMA_SHAPE(N, R0, R1, R2, R3, R4, R5)                                                    \
     template <> struct WgMma<N> {                                                                  \
         static constexpr int REGS = R0;                                                            \
@@ -191,6 +192,12 @@ struct WgMma;
         static __device__ __forceinline__ void ss_tt(acc_t (&d)[R0], u64 da, u64 db, int scale_d) {  \
             asm volatile(WG_MMA_HEAD(N, R2) "{" WG_REGS##R0 "}, %" #R0 ", %" #R1                   \
                          ", p, 1, 1, 1, 1;\n}\n"                                                   \
+                         : WG_ACC##R0(0)                                                           \
+                         : "l"(da), "l"(db), "r"(scale_d));                                        \
+        }                                                                                          \
+        static __device__ __forceinline__ void ss_ta(acc_t (&d)[R0], u64 da, u64 db, int scale_d) {  \
+            asm volatile(WG_MMA_HEAD(N, R2) "{" WG_REGS##R0 "}, %" #R0 ", %" #R1                   \
+                         ", p, 1, 1, 1, 0;\n}\n"                                                   \
                          : WG_ACC##R0(0)                                                           \
                          : "l"(da), "l"(db), "r"(scale_d));                                        \
         }                                                                                          \
@@ -337,6 +344,14 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 // A 32-bit store to shared memory at a 32-bit shared-window address.
 __device__ __forceinline__ void st_shared_b32(u32 addr, u32 x) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(x) : "memory");
+}
+// Four 8x8 tiles of 16-bit elements to shared memory, each transposed (stmatrix .trans, sm_90): r[j]
+// holds the lane's pair (row lane / 4, columns 2 (lane % 4), +1) of tile j, the mma fragment layout, and
+// lane 8j + c gives the 16-byte-aligned address where column c of tile j goes as 8 consecutive elements.
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
 }
 // Named barriers 1..15 (0 is __syncthreads): `threads` (a multiple of 32) take part.
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {

@@ -212,3 +212,19 @@ def test_a_build_may_force_the_wgmma_backward_rotation():
         assert roles(False, det=True) == _build.ORDERED_DQ_ROLES
     with kernel_build({"FC_BWD_ROTATE": 0}):
         assert roles(False, n=1024) == _build.ATOMIC_DQ_ROLES
+
+
+def test_a_build_of_another_tile_sets_the_default_tile():
+    """FC_BLOCK_M / FC_BLOCK_N in a build are the default tile of calls made inside it (analysis.ab can
+    then time two tiles as two arms: the variant is made with the build's tile, so the host launches its
+    grid); a caller's own block_m / block_n still wins, and outside the build the family's default is back."""
+    from flashcupy._build import default_tile
+
+    plain = default_tile("bwd_wgmma", "f16", 64, "fp32", False, n=4096)
+    assert plain == (128, 128)
+    with kernel_build({"FC_BLOCK_M": 64, "FC_BLOCK_N": 128}):
+        assert default_tile("bwd_wgmma", "f16", 64, "fp32", False, n=4096) == (64, 128)
+        assert default_tile("bwd_wgmma", "f16", 64, "fp32", False, block_m=128, n=4096) == (128, 128)
+    with kernel_build({"FC_BLOCK_M": 64}):  # block_n from the family's rule for block_m=64
+        assert default_tile("bwd_wgmma", "f16", 64, "fp32", False, n=4096) == (64, 128)
+    assert default_tile("bwd_wgmma", "f16", 64, "fp32", False, n=4096) == plain

@@ -35,7 +35,8 @@ def main() -> None:
                 if kernel == "wgmma":  # the backward family's own tiles, where it runs this case
                     if d not in (64, 128) or accum != "fp32":
                         continue
-                    bwd_tiles = ([{"block_m": 64, "block_n": 128}] if d == 128 else
+                    bwd_tiles = ([{"block_m": 64, "block_n": 128}, {"block_m": 80, "block_n": 128}]
+                                 if d == 128 else
                                  [{"block_m": 64, "block_n": 64}, {"block_m": 128, "block_n": 128}])
                 do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
                 # mma / wgmma fp32: the atomic dQ path, then the deterministic one
