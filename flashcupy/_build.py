@@ -520,10 +520,11 @@ _FAMILIES = (
         smem_bytes=_bwd_wgmma_smem,
         # D=64: 128 queries a tile, twice the products for the same per-tile waits and barriers (measured
         # on the H200: 1.07-1.14x the 64-query tile, 1.15-1.26x deterministic; reports/wgmma_bwd_plan.md).
-        # D=128 without a causal mask: FlashAttention-3's 80-query tile (dQ formed transposed; on an H100
-        # 1.01-1.04x the 64-query tile, 1.04-1.07x deterministic: reports/h100/bm80.md)
+        # D=128: FlashAttention-3's 80-query tile (dQ formed transposed), on an H100 without a causal mask
+        # 1.01-1.04x the 64-query tile and 1.06-1.07x deterministic (reports/h100/bm80.md); with one from
+        # N=4096 (1.00-1.04x; 0.98x at N=1024, 0.995x at 2048: reports/h100/bm80_causal*.md)
         default_blocks=lambda dtype, d, accum, causal, n=None: (
-            (128, 128) if d == 64 else (80, 128) if not causal else (64, 128)),
+            (128, 128) if d == 64 else (80, 128) if not causal or n is None or n > 2048 else (64, 128)),
         no_spill=lambda v: True,
         limits=_bwd_wgmma_limits, arch="sm_90a",
         extra_defines=lambda v: {"FC_BWD_LD_TMA": WGMMA_BWD_LD_TMA, "FC_BWD_DQ_ROWS": WGMMA_BWD_DQ_ROWS,

@@ -192,7 +192,7 @@ def test_backward_arguments_are_checked_after_a_remembered_call():
 
 def test_default_tiles_of_the_wgmma_backward():
     """128 query rows a tile at D=64 (measured faster on the H200); at D=128, where 128 does not fit in
-    registers, FlashAttention-3's 80 without a causal mask and 64 with one; a block_n given alone takes the
+    registers, FlashAttention-3's 80, except 64 with a causal mask up to 2048 query rows; a block_n given alone takes the
     default block_m where the family runs it with that block_n, else the largest it runs (block_n=64 at
     D=64: 64 rows, as before 128 became the default)."""
     from flashcupy._build import Variant, default_tile
@@ -201,11 +201,14 @@ def test_default_tiles_of_the_wgmma_backward():
     assert tile(64, "fp32", False) == (128, 128)
     assert tile(64, "fp32", True) == (128, 128)
     assert tile(128, "fp32", False) == (80, 128)
-    assert tile(128, "fp32", True) == (64, 128)
+    assert tile(128, "fp32", True) == (80, 128)
+    assert tile(128, "fp32", True, n=4096) == (80, 128)
+    assert tile(128, "fp32", True, n=2048) == (64, 128)
+    assert tile(128, "fp32", False, n=1024) == (80, 128)
     assert tile(64, "fp32", False, None, 64) == (64, 64)
     assert tile(64, "fp32", False, 64) == (64, 128)
     assert tile(128, "fp32", False, None, 128) == (80, 128)
-    assert tile(128, "fp32", True, None, 128) == (64, 128)
+    assert tile(128, "fp32", True, None, 128, n=1024) == (64, 128)
     for d, bn in ((128, 128), (64, 64)):
         with pytest.raises(ValueError, match="block_m=128 at D=64 with block_n=128 only"):
             Variant("bwd_wgmma", "f16", "fp32", 128, bn, d)
