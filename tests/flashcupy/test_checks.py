@@ -192,9 +192,9 @@ def test_backward_arguments_are_checked_after_a_remembered_call():
 
 def test_default_tiles_of_the_wgmma_backward():
     """128 query rows a tile at D=64 (measured faster on the H200); at D=128, where 128 does not fit in
-    registers, FlashAttention-3's 80, except 64 with a causal mask up to 2048 query rows; a block_n given alone takes the
-    default block_m where the family runs it with that block_n, else the largest it runs (block_n=64 at
-    D=64: 64 rows, as before 128 became the default)."""
+    registers, FlashAttention-3's 80, except 64 with a causal mask up to 2048 query rows; a block_n given
+    alone takes the default block_m where the family runs it with that block_n, else the largest it runs
+    (block_n=64 at D=64: 64 rows, as before 128 became the default)."""
     from flashcupy._build import Variant, default_tile
 
     tile = functools.partial(default_tile, "bwd_wgmma", "f16")
