@@ -171,10 +171,11 @@ constexpr int MB = BM / 64;              // 64-query blocks of a tile (m64 produ
 constexpr bool DQ_ROWS = FC_BWD_DQ_ROWS && MB == 2 && NCWG == 2;
 constexpr int DQN = DQ_ROWS ? HD : HD / NCWG;  // dQ columns per consumer warpgroup
 constexpr int DQB = DQ_ROWS ? 1 : MB;          // its 64-query blocks (one: block c)
-// BM = 80 (FlashAttention-3's D = 128 tile without a causal mask, the default there): dQ formed
+// BM = 80 (the tile FlashAttention-3 runs at D = 128 without a causal mask): dQ formed
 // transposed, dQ^T_c = K[:, c-th 64 columns]^T dS^T (m64n80k16 over the keys, A = K MN-major, B = dS
 // stored by query rows through transposing stmatrix, K-major), staged as BM query rows of the share's 64
-// columns. On an H100: 1.01-1.04x the 64-query tile, 1.06-1.07x deterministic (reports/h100/bm80.md).
+// columns. On an H100: 1.01-1.04x the 64-query tile, 1.06-1.07x deterministic (reports/h100/bm80.md); the
+// default without a causal mask, and with one from 2048 query rows up (flashcupy/_build.py).
 constexpr bool DQT = BM == 80;
 static_assert(!DQT || SKEW, "bwd_wgmma: block_m 80 needs FC_BWD_SKEW (in step, ptxas serializes every wgmma)");
 constexpr int DQR = DQT ? BM : 64 * DQB;       // rows (queries) of a consumer's staged dQ share
@@ -720,7 +721,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 // DQT: the P^T, dS^T fragments free before dQ^T's 40 accumulators; without this wait, or in
                 // step (dQ and dV, dK in flight together), ptxas serializes every wgmma (C7512), measured locally.
                 // FlashAttention-3's order (dV, dQ^T, dK from shared memory, so no fragment outlives dV)
-                // compiles clean but measured 0.95-0.98x this one (reports/h100/bm80o2.md; not profiled)
+                // compiles clean but measured 0.95-0.98x this one (reports/h100/bm80_fa3_order.md; not profiled)
                 if constexpr (DQT) {
                     wg_wait<0>();
                     dv_dk_done();
