@@ -427,7 +427,9 @@ def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, bloc
     block_n=128). ``n``: the call's query rows, where a default depends on them. Values are not checked
     here: the caller's checks report a bad one. Inside a ``kernel_build`` whose defines set FC_BLOCK_M or
     FC_BLOCK_N, those are the call's tile where the caller left it None (an analysis.ab arm of another
-    tile: the variant is then made with that tile, so the host launches its grid)."""
+    tile: the variant is then made with that tile, so the host launches its grid). The build's defines
+    still compile every variant made inside it, so a call there that names another tile, or a family that
+    does not run that tile (an FC_BLOCK_M=80 build's forward), fails instead of running: give none."""
     build = current_build()
     if build is not None and (block_m is None or block_n is None):
         over = dict(build.defines)
@@ -511,7 +513,8 @@ _FAMILIES = (
                "dkdvdq_rotated": "flash_bwd_dkdvdq_rotated_wgmma",
                "dkdvdq_ordered": "flash_bwd_dkdvdq_ordered_wgmma", "dq_convert": "flash_bwd_dq_convert"},
         roles_of=_bwd_wgmma_roles,
-        # query tiles of 64 rows (or 128 at D=64); one consumer warpgroup per 64 keys of the key tile
+        # query tiles of 64 rows (or 128 at D=64, 80 at D=128); one consumer warpgroup per 64 keys of the
+        # key tile
         dtypes=("f16", "bf16"), block_m=(64, 80, 128), block_n=(64, 128),
         # fp32 accumulators only: accum='fp16' runs on the mma family (_checks.py says so)
         accums=lambda dtype: ("fp32",),

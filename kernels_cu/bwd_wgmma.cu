@@ -10,8 +10,9 @@
 //
 // flash_bwd_dkdvdq_wgmma, grid (ceil(nk / BN), Hkv, B): the CTA owns keys n0 .. n0 + BN - 1 of kv head
 // hk and loops over the `group` query heads that share it and over their query tiles of BM = 64 rows,
-// or 128 at D = 64 (twice the products per tile for the same per-tile waits and barriers) (causal: from
-// the first tile that sees key n0). Its warpgroups (128 threads each):
+// or 128 at D = 64 (twice the products per tile for the same per-tile waits and barriers), or 80 at
+// D = 128 (FlashAttention-3's, dQ formed transposed: DQT below) (causal: from the first tile that sees
+// key n0). Its warpgroups (128 threads each):
 //   warpgroup 0, the producer: gives registers back (setmaxnreg.dec); one thread of its warp 0 loads K and
 //       V once and, per query tile, Q and dO by TMA and the tile's L and delta (flash_bwd_prep's tiled
 //       buffer, FC_BWD_PREP_TILE in bwd_prep.cuh) by one bulk copy into a ring of FC_BWD_STAGES buffers
@@ -34,8 +35,8 @@
 //                                             per 64 queries; FC_BWD_DQ_ROWS at D = 64: dQ_c = dS[c-th 64
 //                                             queries, :] K by m64n64k16; BM = 80 at D = 128:
 //                                             dQ_c^T = K[:, c-th 64 columns]^T dS^T by m64n80k16, with
-//                                             dS stored by query rows),
-//                                             A = dS^T and B = K from shared memory, both MN-major;
+//                                             A = K MN-major and B = dS stored by query rows, K-major),
+//                                             else A = dS^T and B = K from shared memory, both MN-major;
 //                                             needs every consumer's dS^T (named barrier 1;
 //                                             FC_BWD_SKEW: the other's DS_READY, after dV and dK)
 //           dQ_c stored to shared memory (fp32, swizzled), which the writer warp adds to the fp32
@@ -76,7 +77,8 @@
 // (64, BM) for q and dout, (64, BN) for k and v; and of the fp32 dQ buffer, box (32, BM) (FC_BWD_DQ_ROWS:
 // (32, 64)); 128-byte swizzle. Rows past N arrive as zeros (loads) or are skipped (reduce-adds).
 // Shared-memory operands are stacks of 128-byte panels (wgmma_common.cuh); dS^T is BN rows (keys) of
-// BM queries, BM / 64 panels, written with the same swizzle.
+// BM queries, BM / 64 panels, written with the same swizzle (DQT, BM = 80: dS by BM query rows of BN keys,
+// BN / 64 panels, one per consumer).
 //
 // Kernel parameters: seven CUtensorMap (q, k, v, dout, dq_accum: fp32 (B, Hq, nq, D), zeroed, and dk, dv:
 // box (64, 64), read only by FC_BWD_KV_STAGE 1),
@@ -133,8 +135,8 @@
 // (reports/wgmma_bwd_plan.md, Sessions of 2026-11-26, second and third; two runs): +1.8% to +3.2% on
 // the atomic path at D = 64 (BM = 128) and N <= 4096 (N = 16384: +1.1% and -0.9%, within that cell's
 // noise), -2.1% to -5% at D = 128 (BM = 64, where early dV already fills the stretch and dQ's staging no
-// longer runs under dK), so the default is 1 at BM = 128 only. Starting warpgroup 2 half a tile late on
-// top of it (a start barrier) measured -0.9% to +1.2%: not kept.
+// longer runs under dK), so the default is 1 at BM = 128 (and at BM = 80, which needs it: DQT below).
+// Starting warpgroup 2 half a tile late on top of it (a start barrier) measured -0.9% to +1.2%: not kept.
 #ifndef FC_BWD_SKEW
 #define FC_BWD_SKEW (FC_BLOCK_M == 128 || FC_BLOCK_M == 80)
 #endif
@@ -208,7 +210,7 @@ constexpr int OFF_V = KV_BYTES;
 constexpr int OFF_Q = 2 * KV_BYTES;                      // STAGES Q tiles
 constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;         // STAGES dO tiles
 constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;        // 2 dS^T tiles
-// a consumer's dQ stage: DQN / 32 fp32 panels of its 64 DQB rows
+// a consumer's dQ stage: DQN / 32 fp32 panels of its DQR rows
 constexpr int DQ_PANEL = DQR * 128, DQ_BYTES = DQR * DQN * 4;
 constexpr int DST_PANEL = BM * 128;  // DQT: dS by query rows, a panel of 64 keys (consumer c's: panel c)
 constexpr int OFF_DQ = OFF_DS + 2 * DS_BYTES;            // NCWG dQ stages
@@ -579,7 +581,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             // ---- dS^T = P^T (dP^T - delta_query) (fp32); P^T and dS^T rounded to the element type into
             //      the A fragments of dV, dK (k16 step kk: accumulator tiles 2kk, 2kk + 1), dS^T also into
             //      shared memory (row = key; 16-byte chunk i of queries in panel i / 8, at chunk
-            //      (i % 8) ^ (row % 8) = (i % 8) ^ g) ----
+            //      (i % 8) ^ (row % 8) = (i % 8) ^ g; DQT: dS by query rows, below) ----
             wg_wait<EARLY_DV ? 1 : 0>();  // dP^T (an early dV may still run)
             reg_fence(p_acc);
 #pragma unroll
@@ -650,7 +652,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     WgMma<HD>::rs_tb(dk_acc, ds_frag[kk], wg_desc_sw128(sq + kk * 16 * 128, Q_PANEL, 1024), 1);
                 wg_commit();
             };
-            // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of 64 DQB rows x 128 bytes, the
+            // ---- dQ share: staged in shared memory (fp32, DQN / 32 panels of DQR rows x 128 bytes, the
             //      128-byte swizzle), for the writer warp to add into the fp32 buffer. A thread holds
             //      columns 8i + 2t, +1 of its rows r (r % 8 = g; r + 64 mb in query block mb): 32 bytes per
             //      row g, one chunk pair p = (i % 4) ^ (g >> 1) of the swizzled row. A half-warp's 64-bit

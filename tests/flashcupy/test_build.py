@@ -217,7 +217,9 @@ def test_a_build_may_force_the_wgmma_backward_rotation():
 def test_a_build_of_another_tile_sets_the_default_tile():
     """FC_BLOCK_M / FC_BLOCK_N in a build are the default tile of calls made inside it (analysis.ab can
     then time two tiles as two arms: the variant is made with the build's tile, so the host launches its
-    grid); a caller's own block_m / block_n still wins, and outside the build the family's default is back."""
+    grid); default_tile gives a caller's own block_m / block_n back (though the build's define still
+    compiles the variant: analysis.ab's arms give none), and outside the build the family's default is
+    back."""
     from flashcupy._build import default_tile
 
     plain = default_tile("bwd_wgmma", "f16", 64, "fp32", False, n=4096)
