@@ -628,7 +628,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     for (int kk = 0; kk < NSTEPS; ++kk) {
                         const u64 da = wg_desc_sw128(kd + cw * KV_PANEL + kk * 16 * 128, KV_PANEL, 1024);
                         const u64 db = wg_desc_sw128(sds + (kk / 4) * DST_PANEL + (kk % 4) * 32, 16, 1024);
-                        WgMma<BM>::ss_ta(qt_acc, da, db, kk > 0);
+                        WgMma<BM>::template ss_t<1, 0>(qt_acc, da, db, kk > 0);
                     }
                 } else {
 #pragma unroll
@@ -639,7 +639,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                                                          DS_PANEL, 1024);
                             const u64 db = wg_desc_sw128(kd + (dcol0 / 64) * KV_PANEL + (dcol0 % 64) * 2 + kk * 16 * 128,
                                                          KV_PANEL, 1024);
-                            WgMma<DQN>::ss_tt(q_acc[mb], da, db, kk > 0);
+                            WgMma<DQN>::template ss_t<1, 1>(q_acc[mb], da, db, kk > 0);
                         }
                     }
                 }

@@ -104,16 +104,17 @@ __device__ __forceinline__ u64 wg_desc_sw128(u32 addr, u32 lbo, u32 sbo) {
 // wgmma has no bf16 form with fp16 accumulators), packed half2 (N / 4 registers). Either way the
 // register array is N / 8 accumulator tiles of ACC_REGS (wg_tile below). With FC_FP8 the shapes are
 // m64nNk32 on e4m3 operands and only ss and rs exist: 8-bit operands must both be K-major (the
-// instruction has no transpose immediates for them; ss_tt and rs_tb would not assemble).
+// instruction has no transpose immediates for them; ss_t and rs_tb would not assemble).
 //   ss(d, da, db, scale_d):    d = A B + (scale_d ? d : 0); A and B from shared memory, both
 //                              K-major (S = Q K^T: A = Q rows, B = K rows).
 //   rs(d, a, db, scale_d):     A from registers, B from shared memory K-major: the fp8 forward's
 //                              O += P V with V stored transposed (d x keys, keys contiguous).
 //   rs_tb(d, a, db, scale_d):  A from registers and B MN-major (transpose bit): O += P V
 //                              with V stored keys x d, d contiguous (16-bit operands only).
-//   ss_tt(d, da, db, scale_d): A and B from shared memory, both MN-major (both transpose bits): the
-//                              backward's dQ = dS K with dS stored as dS^T (keys x queries, queries
-//                              contiguous) and K stored keys x d.
+//   ss_t<TA, TB>(d, da, db, scale_d): A and B from shared memory, A MN-major where TA = 1 and B
+//                              where TB = 1 (the transpose bits): the backward's dQ = dS K with dS
+//                              stored as dS^T (keys x queries, queries contiguous) and K stored keys x d
+//                              (<1, 1>), and its dQ^T = K^T dS^T with dS stored by query rows (<1, 0>).
 // scale_d = 0 ignores the old accumulator: the first k16 step of a product needs no zeroing.
 // Each shape is written once, by WG_MMA_SHAPE below, from two operand lists shared by both forms:
 //   WG_REGS<R>: the asm string "%0, %1, ..., %R-1" of the R accumulator registers (16 a chunk),
@@ -179,8 +180,7 @@ struct WgMma;
 //   ss:    operands {d}, da = %R0, db = %R1, scale_d = %R2; imm-scale-a/b 1, tnspA 0, tnspB 0
 //   rs:    operands {d}, {a} = %R0 .. %R3, db = %R4, scale_d = %R5; imm-scale-a/b 1, tnspB 0
 //   rs_tb: operands {d}, {a} = %R0 .. %R3, db = %R4, scale_d = %R5; imm-scale-a/b 1, tnspB 1
-//   ss_tt: as ss with tnspA 1, tnspB 1
-//   ss_ta: as ss with tnspA 1, tnspB 0
+//   ss_t<TA, TB>: as ss with tnspA TA, tnspB TB (immediates %R3, %R4)
 #define WG_MMA_SHAPE(N, R0, R1, R2, R3, R4, R5)                                                    \
     template <> struct WgMma<N> {                                                                  \
         static constexpr int REGS = R0;                                                            \
@@ -189,17 +189,12 @@ struct WgMma;
                          : WG_ACC##R0(0)                                                           \
                          : "l"(da), "l"(db), "r"(scale_d));                                        \
         }                                                                                          \
-        static __device__ __forceinline__ void ss_tt(acc_t (&d)[R0], u64 da, u64 db, int scale_d) {  \
+        template <int TA, int TB>                                                                  \
+        static __device__ __forceinline__ void ss_t(acc_t (&d)[R0], u64 da, u64 db, int scale_d) {  \
             asm volatile(WG_MMA_HEAD(N, R2) "{" WG_REGS##R0 "}, %" #R0 ", %" #R1                   \
-                         ", p, 1, 1, 1, 1;\n}\n"                                                   \
+                         ", p, 1, 1, %" #R3 ", %" #R4 ";\n}\n"                                     \
                          : WG_ACC##R0(0)                                                           \
-                         : "l"(da), "l"(db), "r"(scale_d));                                        \
-        }                                                                                          \
-        static __device__ __forceinline__ void ss_ta(acc_t (&d)[R0], u64 da, u64 db, int scale_d) {  \
-            asm volatile(WG_MMA_HEAD(N, R2) "{" WG_REGS##R0 "}, %" #R0 ", %" #R1                   \
-                         ", p, 1, 1, 1, 0;\n}\n"                                                   \
-                         : WG_ACC##R0(0)                                                           \
-                         : "l"(da), "l"(db), "r"(scale_d));                                        \
+                         : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));                      \
         }                                                                                          \
         static __device__ __forceinline__ void rs(acc_t (&d)[R0], const u32 (&a)[4], u64 db,      \
                                                   int scale_d) {                                   \
