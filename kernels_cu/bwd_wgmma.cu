@@ -152,6 +152,15 @@
 // +2.4% to +5.0% deterministic (N = 16384: -0.8%, within that cell's noise); under ncu at N = 4096 the
 // kernel went from 3081 to 2877 us, tensor pipe active 46.9% -> 50.2%. dk, dv and the deterministic dq
 // are bit for bit those of the column split.
+#ifndef FC_BWD_TRY_STSM
+#define FC_BWD_TRY_STSM 1
+#endif
+#ifndef FC_BWD_TRY_SEL1
+#define FC_BWD_TRY_SEL1 1
+#endif
+#ifndef FC_BWD_TRY_WGDS
+#define FC_BWD_TRY_WGDS 0
+#endif
 #if !defined(FC_BWD_DQ_ROWS) || !defined(FC_BWD_DQ_BOX_ROWS)
 #error "bwd_wgmma: FC_BWD_DQ_ROWS and FC_BWD_DQ_BOX_ROWS must be defined by the build layer (flashcupy/_build.py)"
 #endif
@@ -597,12 +606,23 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                         ds[e] = acc_get(wg_tile(s_acc, i), 2 * hf + e) * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
                     if constexpr (!EARLY_DV) p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
+#if !FC_BWD_TRY_STSM
                     if constexpr (!DQT) {  // (DQT: dS by query rows, one transposing store per k16 step below)
                         const int row = 64 * cw + 16 * wq + g + 8 * hf;
                         const u32 addr = sds + (i >> 3) * DS_PANEL + row * 128 + (((i & 7) ^ g) << 4) + 4 * t;
                         st_shared_b32(addr, ds_frag[i >> 1][hf + 2 * (i & 1)]);
                     }
+#endif
                 }
+#if FC_BWD_TRY_STSM
+                if constexpr (!DQT) {
+                    if (i & 1) {
+                        const int m = lane >> 3, c = lane & 7, ii = i - 1 + (m >> 1);
+                        stmatrix_x4(sds + (ii >> 3) * DS_PANEL + (64 * cw + 16 * wq + 8 * (m & 1) + c) * 128 + (((ii & 7) ^ c) << 4),
+                                    ds_frag[i >> 1]);
+                    }
+                }
+#endif
                 // DQT: ds_frag[i / 2] holds four 8x8 tiles of dS^T, tile m = hf + 2 (i % 2): keys 16 wq + 8 hf
                 // .. + 7 (16-byte chunk 2 wq + hf of a query row) x queries 8 (i - i % 2) + 8 (m / 2) ..; lane
                 // 8m + c points at query row 8 (i - i % 2) + 8 (m / 2) + c of panel cw, chunk (2 wq + hf) ^ c
@@ -681,7 +701,11 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     named_bar_arrive(DQ_FULL + cw, DQ_BAR_THREADS);
                     return;
                 }
+#if FC_BWD_TRY_SEL1
+                const int sel = 2 * (g & 1);
+#else
                 const int sel = (g ^ (g >> 1)) & 3;
+#endif
 #pragma unroll
                 for (int mb = 0; mb < DQB; ++mb)
 #pragma unroll
@@ -695,8 +719,12 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #pragma unroll
                             for (int e = 0; e < 2; ++e) {  // element e of block 4 pn + (j ^ sel)
                                 auto a = [&](int jj) { return acc_get(wg_tile(q_acc[mb], 4 * pn + jj), 2 * hf + e); };
+#if FC_BWD_TRY_SEL1
+                                v[e] = (g & 1) ? a(j ^ 2) : a(j);
+#else
                                 const float lo = (sel & 1) ? a(j ^ 1) : a(j), hi = (sel & 1) ? a(j ^ 3) : a(j ^ 2);
                                 v[e] = (sel & 2) ? hi : lo;
+#endif
                             }
                             const u32 addr = sdq + pn * DQ_PANEL + r * 128 + (((2 * (j ^ sel) + (t >> 1)) ^ g) << 4) + 8 * (t & 1);
                             asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[0]), "f"(v[1]) : "memory");
@@ -729,7 +757,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     dv_dk_done();
                     mbar_arrive(q_empty(s));  // dQ^T reads K and dS only: stage s (Q, dO) is done
                 }
+#if FC_BWD_TRY_WGDS
                 named_bar_sync(WG_DS + cw, 128);
+#endif
                 named_bar_sync(DS_READY + 2 * (1 - cw) + (it & 1), NCTHR);
                 wg_fence();
                 issue_dq();

@@ -340,9 +340,16 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 __device__ __forceinline__ void st_shared_b32(u32 addr, u32 x) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(x) : "memory");
 }
-// Four 8x8 tiles of 16-bit elements to shared memory, each transposed (stmatrix .trans, sm_90): r[j]
-// holds the lane's pair (row lane / 4, columns 2 (lane % 4), +1) of tile j, the mma fragment layout, and
-// lane 8j + c gives the 16-byte-aligned address where column c of tile j goes as 8 consecutive elements.
+// Four 8x8 tiles of 16-bit elements to shared memory (stmatrix, sm_90): r[j] holds the lane's pair
+// (row lane / 4, columns 2 (lane % 4), +1) of tile j, the mma fragment layout, and lane 8j + c gives the
+// 16-byte-aligned address where row c of tile j goes as 8 consecutive elements.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+// The same with each tile transposed (.trans): lane 8j + c gives the address where column c of tile j
+// goes as 8 consecutive elements.
 __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, const u32 (&r)[4]) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
                  "r"(r[1]), "r"(r[2]), "r"(r[3])
