@@ -152,15 +152,6 @@
 // +2.4% to +5.0% deterministic (N = 16384: -0.8%, within that cell's noise); under ncu at N = 4096 the
 // kernel went from 3081 to 2877 us, tensor pipe active 46.9% -> 50.2%. dk, dv and the deterministic dq
 // are bit for bit those of the column split.
-#ifndef FC_BWD_TRY_STSM
-#define FC_BWD_TRY_STSM 1
-#endif
-#ifndef FC_BWD_TRY_SEL1
-#define FC_BWD_TRY_SEL1 1
-#endif
-#ifndef FC_BWD_TRY_WGDS
-#define FC_BWD_TRY_WGDS 0
-#endif
 #if !defined(FC_BWD_DQ_ROWS) || !defined(FC_BWD_DQ_BOX_ROWS)
 #error "bwd_wgmma: FC_BWD_DQ_ROWS and FC_BWD_DQ_BOX_ROWS must be defined by the build layer (flashcupy/_build.py)"
 #endif
@@ -247,10 +238,11 @@ constexpr int KV_OUT = DQ_EMPTY + NCWG;
 // SKEW: DS_READY + 2 c + p, consumer warpgroup c's dS^T of a tile of parity p is stored (c's 128 threads
 // arrive, the other warpgroup's wait; by parity, so that c cannot arrive twice on one barrier before the
 // other has waited: c's tile it + 2 needs the other's dS^T of tile it + 1, stored after its wait for
-// tile it); WG_DS + c, c's own 128 threads before its dQ product reads their dS^T rows (redundant: the
-// sync on the other's DS_READY also waits for c's four warps, each past its stores; kept as measured).
-constexpr int DS_READY = KV_OUT + NCWG, WG_DS = DS_READY + 4;
-static_assert(KV_OUT + NCWG <= 16 && (!SKEW || WG_DS + 2 <= 16), "named barriers");
+// tile it). The sync on the other's DS_READY also waits for all four warps of c, each past its own dS^T
+// stores, so c's dQ product needs no barrier of its own (one was measured: within the noise, -1.4% to +3.7%,
+// reports/h100/d64instr.md).
+constexpr int DS_READY = KV_OUT + NCWG;
+static_assert(KV_OUT + NCWG <= 16 && (!SKEW || DS_READY + 4 <= 16), "named barriers");
 
 // A compile-time bool as a value (an argument of a generic lambda).
 template <bool B>
@@ -606,32 +598,23 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                         ds[e] = acc_get(wg_tile(s_acc, i), 2 * hf + e) * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
                     if constexpr (!EARLY_DV) p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
-#if !FC_BWD_TRY_STSM
-                    if constexpr (!DQT) {  // (DQT: dS by query rows, one transposing store per k16 step below)
-                        const int row = 64 * cw + 16 * wq + g + 8 * hf;
-                        const u32 addr = sds + (i >> 3) * DS_PANEL + row * 128 + (((i & 7) ^ g) << 4) + 4 * t;
-                        st_shared_b32(addr, ds_frag[i >> 1][hf + 2 * (i & 1)]);
-                    }
-#endif
                 }
-#if FC_BWD_TRY_STSM
-                if constexpr (!DQT) {
-                    if (i & 1) {
-                        const int m = lane >> 3, c = lane & 7, ii = i - 1 + (m >> 1);
+                // ds_frag[i / 2] (complete at odd i) holds four 8x8 tiles of dS^T, tile m = hf + 2 (i % 2):
+                // keys 64 cw + 16 wq + 8 (m % 2) .. + 7 x queries 8 ii .. + 7, ii = i - 1 + m / 2; one stmatrix
+                // stores them (lane 8m + c gives row c of tile m), 16 bytes per row, conflict-free:
+                //   dS^T (key rows): key row 64 cw + 16 wq + 8 (m % 2) + c (row % 8 = c), chunk ii of the
+                //       queries: panel ii / 8, chunk (ii % 8) ^ c (measured on the H100 with the one-select dQ
+                //       staging below, against a 4-byte store per thread and value: +4.5% to +6.4% at D = 64,
+                //       N = 4096, reports/h100/d64instr.md);
+                //   DQT, dS (query rows; .trans): query row 8 ii + c of panel cw, chunk (2 wq + m % 2) ^ c.
+                if (i & 1) {
+                    const int m = lane >> 3, c = lane & 7, ii = i - 1 + (m >> 1);
+                    if constexpr (DQT) {
+                        const int q = 8 * (i - 1) + 8 * (m >> 1) + c;  // 8 ii + c
+                        stmatrix_x4_trans(sds + cw * DST_PANEL + q * 128 + (((2 * wq + (m & 1)) ^ c) << 4), ds_frag[i >> 1]);
+                    } else
                         stmatrix_x4(sds + (ii >> 3) * DS_PANEL + (64 * cw + 16 * wq + 8 * (m & 1) + c) * 128 + (((ii & 7) ^ c) << 4),
                                     ds_frag[i >> 1]);
-                    }
-                }
-#endif
-                // DQT: ds_frag[i / 2] holds four 8x8 tiles of dS^T, tile m = hf + 2 (i % 2): keys 16 wq + 8 hf
-                // .. + 7 (16-byte chunk 2 wq + hf of a query row) x queries 8 (i - i % 2) + 8 (m / 2) ..; lane
-                // 8m + c points at query row 8 (i - i % 2) + 8 (m / 2) + c of panel cw, chunk (2 wq + hf) ^ c
-                if constexpr (DQT) {
-                    if (i & 1) {
-                        const int m = lane >> 3, c = lane & 7;
-                        const int q = 8 * (i - 1) + 8 * (m >> 1) + c;
-                        stmatrix_x4_trans(sds + cw * DST_PANEL + q * 128 + (((2 * wq + (m & 1)) ^ c) << 4), ds_frag[i >> 1]);
-                    }
                 }
             }
 
@@ -678,9 +661,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             //      row g, one chunk pair p = (i % 4) ^ (g >> 1) of the swizzled row. A half-warp's 64-bit
             //      stores cover rows g = 0..3 (or 4..7), so in the same i rows g and g ^ 1 hit the same
             //      banks (2-way conflicts: at D = 128 all of the loop's, ncu on the H200). At step j a lane
-            //      stores block i % 4 = j ^ sel instead, sel = (g ^ (g >> 1)) & 3, so p = j ^ (g & 3):
-            //      distinct within each half-warp; the block is chosen by selects (registers cannot be
-            //      indexed at run time) ----
+            //      stores block i % 4 = j ^ sel instead, sel = 2 (g % 2), so p = j ^ sel ^ (g >> 1): distinct
+            //      over the four rows of each half-warp; the block is chosen by one select per value
+            //      (registers cannot be indexed at run time; a permutation of four blocks took two) ----
             auto stage_dq = [&] {
                 const u32 sdq = base + OFF_DQ + cw * DQ_BYTES;
                 named_bar_sync(DQ_EMPTY + cw, DQ_BAR_THREADS);  // the TMA unit has read the previous share
@@ -701,11 +684,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     named_bar_arrive(DQ_FULL + cw, DQ_BAR_THREADS);
                     return;
                 }
-#if FC_BWD_TRY_SEL1
                 const int sel = 2 * (g & 1);
-#else
-                const int sel = (g ^ (g >> 1)) & 3;
-#endif
 #pragma unroll
                 for (int mb = 0; mb < DQB; ++mb)
 #pragma unroll
@@ -719,12 +698,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #pragma unroll
                             for (int e = 0; e < 2; ++e) {  // element e of block 4 pn + (j ^ sel)
                                 auto a = [&](int jj) { return acc_get(wg_tile(q_acc[mb], 4 * pn + jj), 2 * hf + e); };
-#if FC_BWD_TRY_SEL1
-                                v[e] = (g & 1) ? a(j ^ 2) : a(j);
-#else
-                                const float lo = (sel & 1) ? a(j ^ 1) : a(j), hi = (sel & 1) ? a(j ^ 3) : a(j ^ 2);
-                                v[e] = (sel & 2) ? hi : lo;
-#endif
+                                v[e] = (g & 1) ? a(j ^ 2) : a(j);  // block j ^ sel
                             }
                             const u32 addr = sdq + pn * DQ_PANEL + r * 128 + (((2 * (j ^ sel) + (t >> 1)) ^ g) << 4) + 8 * (t & 1);
                             asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[0]), "f"(v[1]) : "memory");
@@ -757,9 +731,6 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     dv_dk_done();
                     mbar_arrive(q_empty(s));  // dQ^T reads K and dS only: stage s (Q, dO) is done
                 }
-#if FC_BWD_TRY_WGDS
-                named_bar_sync(WG_DS + cw, 128);
-#endif
                 named_bar_sync(DS_READY + 2 * (1 - cw) + (it & 1), NCTHR);
                 wg_fence();
                 issue_dq();
