@@ -599,13 +599,14 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     if constexpr (!EARLY_DV) p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
                 }
-                // ds_frag[i / 2] (complete at odd i) holds four 8x8 tiles of dS^T, tile m = hf + 2 (i % 2):
-                // keys 64 cw + 16 wq + 8 (m % 2) .. + 7 x queries 8 ii .. + 7, ii = i - 1 + m / 2; one stmatrix
-                // stores them (lane 8m + c gives row c of tile m), 16 bytes per row, conflict-free:
+                // At odd i, ds_frag[i / 2] is complete: four 8x8 tiles of dS^T, tile m (written at steps i - 1
+                // and i as element hf + 2 (step % 2), so m % 2 = hf): keys 64 cw + 16 wq + 8 (m % 2) .. + 7 x
+                // queries 8 ii .. + 7, ii = i - 1 + m / 2; one stmatrix stores them (lane 8m + c gives row c
+                // of tile m), 16 bytes per row, conflict-free:
                 //   dS^T (key rows): key row 64 cw + 16 wq + 8 (m % 2) + c (row % 8 = c), chunk ii of the
                 //       queries: panel ii / 8, chunk (ii % 8) ^ c (measured on the H100 with the one-select dQ
-                //       staging below, against a 4-byte store per thread and value: +4.5% to +6.4% at D = 64,
-                //       N = 4096, reports/h100/d64instr.md);
+                //       staging below, against a 4-byte store per thread and value: +4.6% to +6.4% at D = 64,
+                //       N = 4096 without a mask, +2.8% to +3.3% with one, reports/h100/d64instr.md);
                 //   DQT, dS (query rows; .trans): query row 8 ii + c of panel cw, chunk (2 wq + m % 2) ^ c.
                 if (i & 1) {
                     const int m = lane >> 3, c = lane & 7, ii = i - 1 + (m >> 1);
