@@ -22,11 +22,18 @@ def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, 
     ----------
     q : (B, Hq, Nq, D) array; k, v : (B, Hkv, Nk, D) arrays, Hq % Hkv == 0 (GQA/MQA without copies).
         All CuPy (CUDA kernels, on the current stream) or all NumPy (the NumPy twin, same knobs).
-        dtype float16, bfloat16 or float32, the same for all three; any strides whose last axis is
-        contiguous; D a multiple of 8 up to 256; Nq, Nk >= 1.
+        dtype float16, bfloat16 or float32, the same for all three; D a multiple of 8 up to 256;
+        Nq, Nk >= 1. Any strides and any start address: (B, N, H, D) buffers viewed as (B, H, N, D) are
+        read in place; an array whose last axis is not contiguous, or whose start or other strides are
+        not multiples of 16 bytes, is first copied once into a contiguous array (one read and one write
+        of it), and so, for kernel 'wgmma' (whose TMA loads take positive strides), is one with a zero
+        stride (``broadcast_to``, torch's ``expand``) or a negative one (``x[:, :, ::-1]``); the other
+        families read those in place.
     causal : key j is visible to query i iff j <= i + (Nk - Nq) (bottom-right aligned). A query row
         that sees no key gets output 0 and LSE -inf.
-    scale : score scale, default 1/sqrt(D); must be finite and > 0.
+    scale : score scale, default 1/sqrt(D); must lie in [2^-64, 2^64] (``flashcupy._checks.SCALE_RANGE``:
+        the kernels fold scale * log2(e) into one float32 factor, which stays normal there; outside it
+        a ValueError names the range).
     block_m, block_n : tile sizes (query rows per block, keys per inner step); None picks a default per
         (kernel, dtype, D, accum, causal) and, for the wgmma forward, the query length (D=64 causal:
         128 rows up to 1024 query rows, 192 above) (a block_m given alone keeps the default key tile
@@ -48,6 +55,11 @@ def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, 
     The algorithm, per tile of keys j, with running max m, sum l and output accumulator O:
     m' = max(m, rowmax(S_j)), P = exp(S_j - m'), l = e^(m - m') l + rowsum(P),
     O = e^(m - m') O + P V_j; finally o = O / l and lse = m + ln(l), with S = scale * q k^T.
+
+    A call on CuPy arrays can be captured into a CUDA graph (``cupy.cuda.Stream.begin_capture``) and
+    replayed: its temporaries (copies, the scheduler's tile counter) then come from memory the graph
+    keeps for the life of the process, shared by the graphs captured on one stream (replay those one at
+    a time); the outputs are the caller's to keep alive.
     """
     _check_bool("return_lse", return_lse)
     problem = forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
@@ -62,9 +74,13 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m
     (plus ``sum(dlse * lse)`` when ``dlse`` is given).
 
     ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same q, k,
-    v, causal and scale. Shapes, dtypes, strides, GQA and causal as in ``attention``; dk and dv have
+    v, causal and scale: the backward recomputes P from them and cannot tell another forward's (the
+    gradients are then silently wrong). Shapes, dtypes, strides (do and o too: any strides, copied where
+    a family cannot read them, as in ``attention``), GQA and causal as in ``attention``; dk and dv have
     k's shape and are summed over the query heads that share a key/value head. CuPy arrays run the
-    backward kernels, NumPy arrays the NumPy twin, with the same knobs.
+    backward kernels, NumPy arrays the NumPy twin, with the same knobs. A call can be captured into a
+    CUDA graph and replayed, as ``attention``'s: its temporaries (the fp32 dQ buffer, delta, counters,
+    copies) live as long as the process, shared by the graphs captured on one stream.
 
     The algorithm (FlashAttention-2's): delta_i = rowsum(dO_i * O_i) in fp32, then, recomputing
     P = exp(scale * q k^T - lse) tile by tile from the saved LSE (P, dP and dS never reach device memory):
@@ -78,14 +94,16 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m
       tiles); the order of those additions varies, so dq may differ in its last bits between runs.
     * ``deterministic=True``: kernel 'wgmma' runs a twin of the same kernel (one source, a compile-time
       switch) with the additions into each query tile ordered by key tile (a counter per query tile,
-      FlashAttention-3's scheme; without a causal mask each key tile starts at another query tile, so
-      that they do not queue on the same counter, where a head's key tiles fit on the GPU at once);
-      kernel 'mma' (and always 'simt' and accum 'fp16') runs a second, query-tile-outer kernel that
-      recomputes S and dP and accumulates dQ on chip in a fixed order (7 products per tile pair, no
-      atomics). Either way the result is bitwise reproducible, and dk, dv are the same bits as the
-      default path's, except for 'wgmma' without a causal mask where one path starts its key tiles
-      rotated and the other does not (dk, dv then sum the query tiles in another order; the default
-      path starts rotated up to 2048 query rows, where that measured faster).
+      FlashAttention-3's scheme). A CTA only ever waits for CTAs of lower block index, which started
+      before it, so the call needs no co-residency and cannot hang beside other kernels (another
+      stream's, a collective, a second backward); without a causal mask the blocks take the heads in
+      sections, key tile slowest, so that a key tile starts after its predecessor has added to the
+      first query tiles (``flashcupy._build.bwd_wgmma_ordered_heads``). Kernel 'mma' (and always 'simt'
+      and accum 'fp16') runs a second, query-tile-outer kernel that recomputes S and dP and accumulates
+      dQ on chip in a fixed order (7 products per tile pair, no atomics). Either way the result is
+      bitwise reproducible, and dk, dv are the same bits as the default path's, except for 'wgmma'
+      without a causal mask up to 2048 query rows, where the default path starts its key tiles rotated
+      (measured faster there) and so sums dk, dv over the query tiles in another order.
 
     kernel='auto' runs 'wgmma' on a Hopper GPU for float16/bfloat16 with D 64 or 128 and fp32
     accumulators, else 'mma' (16-bit inputs) or 'simt'.

@@ -86,9 +86,18 @@ def _check_choice(name, value, allowed):
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
+# The accepted range of ``scale``. Every family folds scale * log2(e) into one float32 factor c and
+# computes exp2(S c - m c): below 2^-126 / log2(e) c flushes to zero under -ftz (then -inf * 0 = NaN in
+# the first rescale), and near the top of float32 S c overflows for ordinary scores. Inside [2^-64, 2^64]
+# c is normal with 64 binary orders of magnitude to spare on both sides: scores |q.k| up to 2^60 (fp16
+# inputs reach 2^40 at D = 256) stay finite after scaling.
+SCALE_RANGE = (2.0 ** -64, 2.0 ** 64)
+
+
 def check_scale(scale, d: int) -> float:
     """The score scale as a float: 1/sqrt(d) for None; TypeError unless a real number, ValueError
-    unless finite and > 0."""
+    unless finite and inside ``SCALE_RANGE`` (the kernels' folded factor scale * log2(e) stays a
+    normal float32 there)."""
     if scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
@@ -96,7 +105,25 @@ def check_scale(scale, d: int) -> float:
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be finite and > 0, got {scale}")
+    lo, hi = SCALE_RANGE
+    if not lo <= scale <= hi:
+        raise ValueError(f"scale must lie in [2^-64, 2^64] = [{lo:.3g}, {hi:.3g}], got {scale:.3g}: the "
+                         "kernels fold scale * log2(e) into one float32 factor, which outside that range "
+                         "flushes to zero or overflows the scaled scores")
     return scale
+
+
+def check_tile(name: str, value, allowed=None):
+    """A tile-size knob (block_m, block_n): None, or an int (a Python or NumPy integer, not a bool or a
+    float: ``128.0`` would reach the compiler as a define) among ``allowed`` when given. TypeError for
+    another type, ValueError for a value outside ``allowed``; returns the value as an int (or None)."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value}")
+    return int(value)
 
 
 def _check_bool(name, value):
@@ -144,10 +171,6 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
                          f"heads ({hkv})")
     if d % 8 or not 8 <= d <= 256:
         raise ValueError(f"head dim D must be a multiple of 8 from 8 to 256; got {d}")
-    for name, x in arrays.items():
-        if x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
-            raise ValueError(f"{name} must be contiguous along its last axis (stride {x.itemsize} bytes); "
-                             f"got strides {x.strides}")
     if b > _GRID_YZ_MAX or hq > _GRID_YZ_MAX:
         raise ValueError(f"batch ({b}) and query heads ({hq}) must each be <= {_GRID_YZ_MAX}")
 
@@ -156,14 +179,13 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     _check_choice("accum", accum, ACCUMS)
     _check_choice("kernel", kernel, KERNELS)
     _check_choice("ablate", ablate, ABLATIONS)
+    block_m, block_n = check_tile("block_m", block_m), check_tile("block_n", block_n)
 
     family = resolve_family(kernel, dname, accum, direction, head_dim=d, block_m=block_m, block_n=block_n,
                             causal=causal, backend=backend, device=device)
     fam = FAMILIES[family]
     bm, bn = default_tile(family, dname, d, accum, causal, block_m, block_n, n=nq)
     for name, val, allowed in (("block_m", bm, fam.block_m), ("block_n", bn, fam.block_n)):
-        if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)):
-            raise TypeError(f"{name} must be an int or None, got {type(val).__name__}")
         if val not in allowed:
             raise ValueError(f"{name}={val} is not supported by kernel={fam.kind!r}; "
                              f"supported: {allowed}")
@@ -286,8 +308,6 @@ def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accu
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}; got {tuple(x.shape)}")
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
-        if x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
-            raise ValueError(f"{name} must be contiguous along its last axis; got strides {x.strides}")
     want = (p.batch, p.heads_q, p.nq)
     if tuple(lse.shape) != want:
         raise ValueError(f"lse must have shape (B, Hq, Nq) = {want}; got {tuple(lse.shape)}")

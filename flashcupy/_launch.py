@@ -13,6 +13,7 @@ from ._build import (
     DETERMINISTIC_DQ_ROLES,
     ORDERED_DQ_ROLES,
     ROTATED_DQ_ROLES,
+    bwd_wgmma_ordered_heads,
     bwd_wgmma_rotated,
     get_kernel,
     wgmma_persistent,
@@ -22,9 +23,90 @@ from ._checks import Problem, numpy_dtype
 _LOG2E = 1.0 / math.log(2.0)
 
 
-def _rows_aligned(x) -> bool:
-    """Every (b, h, n) row of x starts on a 16-byte boundary (the kernels load 16 bytes at a time)."""
-    return x.data.ptr % 16 == 0 and _strides_aligned(x.shape, x.strides)
+# --------------------------------------------------------------------------------------------------
+# layouts: what the kernels read in place, and one copy of what they cannot
+
+_TMA_STRIDE_LIMIT = 1 << 40
+
+
+def _strides_readable(shape, strides, itemsize: int, tma: bool) -> bool:
+    """Whether the kernels read an array of these shape and strides (bytes) in place, its start aside:
+    the last axis contiguous and every step along another axis of extent > 1 a multiple of 16 bytes
+    (every family moves 16 bytes at a time: cp.async, TMA, the prep kernel's vector loads); zero and
+    negative steps are fine for pointer arithmetic, but ``tma`` (the wgmma family and the fp8 forward,
+    whose TMA maps take positive strides below 2^40 bytes) rules them out."""
+    if shape[-1] > 1 and strides[-1] != itemsize:
+        return False
+    return all(s % 16 == 0 and (not tma or 0 < s < _TMA_STRIDE_LIMIT)
+               for s, n in zip(strides[:-1], shape[:-1]) if n > 1)
+
+
+def _readable(x, tma: bool) -> bool:
+    """``_strides_readable`` of x, and x starts on a 16-byte boundary."""
+    return x.data.ptr % 16 == 0 and _strides_readable(x.shape, x.strides, x.itemsize, tma)
+
+
+def _as_readable(x, tma: bool, scratch: "_Scratch"):
+    """x where the kernels read it in place, else one C-contiguous copy of it (``scratch``'s memory,
+    256-byte aligned). ``cupy.ascontiguousarray`` would not do: it returns a contiguous x itself, also
+    when x starts at a misaligned address."""
+    return x if _readable(x, tma) else scratch.copy(x)
+
+
+# --------------------------------------------------------------------------------------------------
+# temporaries: CuPy's pool, or memory a captured CUDA graph keeps
+
+_CAPTURE_WORKSPACE: dict = {}
+
+
+class _Scratch:
+    """Where one call's temporaries come from: the copies of layouts the kernels cannot read, the
+    backward's fp32 dQ buffer, delta and counters, the forward's tile counter under capture.
+
+    Outside stream capture: CuPy's memory pool, to which they return when the call lets them go; the pool
+    hands memory out again in stream order, after the kernels that use it. While the current stream is
+    being captured into a CUDA graph that would be wrong: the graph keeps their addresses and every
+    replay writes them, long after the pool has given them to other arrays. There each request comes
+    from a workspace that is never freed, one array per (thread, device, stream, and the call's requests
+    up to this one): a graph's addresses stay its own for the life of the process, and capturing the same
+    call on the same stream again reuses that memory instead of growing. Graphs captured on one stream
+    therefore share their temporaries: replay them one at a time (on one stream), as the forward's tile
+    counter already asked. The torch bridge passes its own scratch (torch's allocator, whose graph pools
+    keep a capture's memory for as long as the graph lives)."""
+
+    __slots__ = ("stream", "capturing", "taken")
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.capturing = None  # asked on the first request
+        self.taken = ()
+
+    def empty(self, shape, dtype):
+        import cupy
+
+        if self.capturing is None:
+            self.capturing = self.stream.is_capturing()
+        if not self.capturing:
+            return cupy.empty(shape, dtype=dtype)
+        self.taken += ((tuple(shape), np.dtype(dtype).str),)
+        key = (threading.get_ident(), cupy.cuda.runtime.getDevice(), self.stream.ptr, self.taken)
+        x = _CAPTURE_WORKSPACE.get(key)
+        if x is None:
+            x = _CAPTURE_WORKSPACE[key] = cupy.empty(shape, dtype=dtype)
+        return x
+
+    def zeros(self, shape, dtype):
+        x = self.empty(shape, dtype)
+        x.fill(0)
+        return x
+
+    def copy(self, x):
+        """A C-contiguous copy of x (any strides: zero, negative, misaligned)."""
+        import cupy
+
+        out = self.empty(x.shape, x.dtype)
+        cupy.copyto(out, x)
+        return out
 
 
 def _wgmma_ctas(tiles: int) -> int:
@@ -35,26 +117,33 @@ def _wgmma_ctas(tiles: int) -> int:
     return min(tiles, _sm_count(cupy.cuda.Device().id))
 
 
-def _tile_counter(stream):
+_COUNTERS_LIMIT = 64  # streams whose tile counter a thread keeps; past that the cache starts over
+
+
+def _tile_counter(stream, scratch: "_Scratch"):
     """The tile counter of the wgmma forward's dynamic scheduler (FC_WG_PERSISTENT 2) for a launch on
     ``stream`` from this thread: two int32, zero before each launch and zero again after it (the kernel's
     last CTA resets them). Launches that run one after another share one: those of a thread on one
-    stream (another thread, whose per-thread default stream has the same handle, gets its own). While
-    the stream is captured into a CUDA graph the launch takes the thread's capture counter instead, and
-    a memset to zero is captured before it, so that each replay starts from zero whatever ran before;
-    graphs that hold such a launch share that counter: replay them one at a time."""
+    stream (another thread, whose per-thread default stream has the same handle, gets its own; a thread
+    keeps those of its last 64 streams: a dropped one returns to the pool in its stream's order). While
+    the stream is captured into a CUDA graph the launch takes one from ``scratch`` (memory the graph
+    keeps) and a memset to zero is captured before it, so that each replay starts from zero whatever ran
+    before."""
     import cupy
 
+    if scratch.capturing is None:
+        scratch.capturing = stream.is_capturing()
+    if scratch.capturing:
+        return scratch.zeros((2,), cupy.int32)
     counters = getattr(_THREAD, "tile_counters", None)
     if counters is None:
         counters = _THREAD.tile_counters = {}
-    capturing = stream.is_capturing()
-    key = (cupy.cuda.runtime.getDevice(), stream.ptr, capturing)
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr)
     counter = counters.get(key)
     if counter is None:
+        if len(counters) >= _COUNTERS_LIMIT:
+            counters.clear()
         counter = counters[key] = cupy.zeros(2, dtype=cupy.int32)
-    elif capturing:
-        counter.fill(0)
     return counter
 
 
@@ -73,11 +162,6 @@ def element_strides(x) -> tuple[np.int64, np.int64, np.int64]:
 
 def _element_strides(strides, itemsize: int) -> tuple[np.int64, np.int64, np.int64]:
     return tuple(np.int64(s // itemsize) for s in strides[:3])
-
-
-def _strides_aligned(shape, strides) -> bool:
-    """Every step along an axis of extent > 1 (the last one aside) is a multiple of 16 bytes."""
-    return all(s % 16 == 0 for s, n in zip(strides[:-1], shape[:-1]) if n > 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -175,15 +259,16 @@ def _c_value(a):
 
 
 class _ForwardPlan:
-    __slots__ = ("aligned", "kern", "grid", "args", "tail", "maps", "boxes", "o_shape", "lse_shape",
+    __slots__ = ("tma", "readable", "kern", "grid", "args", "tail", "maps", "boxes", "o_shape", "lse_shape",
                  "launcher", "dynamic")
 
     def __init__(self, p: Problem, q_strides, k_strides, v_strides, itemsize: int):
         var = p.variant
         q_shape = (p.batch, p.heads_q, p.nq, p.head_dim)
         kv_shape = (p.batch, p.heads_kv, p.nk, p.head_dim)
-        self.aligned = (_strides_aligned(q_shape, q_strides) and _strides_aligned(kv_shape, k_strides)
-                        and _strides_aligned(kv_shape, v_strides))
+        self.tma = var.fam.kind == "wgmma"
+        self.readable = all(_strides_readable(shape, st, itemsize, self.tma) for shape, st in (
+            (q_shape, q_strides), (kv_shape, k_strides), (kv_shape, v_strides)))
         self.kern = get_kernel(var, "fwd")  # compiled (and checked against the device) before any allocation
         self.o_shape, self.lse_shape = q_shape, q_shape[:3]
         self.grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
@@ -238,22 +323,27 @@ def _forward_plan(p: Problem, q, k, v) -> _ForwardPlan:
     return plan
 
 
-def forward(q, k, v, p: Problem, o=None, lse=None):
+def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None):
     """Run the variant of ``p`` on the current CuPy stream of the GPU that holds q, k, v. Returns
     (o, lse).
 
-    ``o`` and ``lse`` may be given preallocated (contiguous, right shape and dtype): the tests pass
-    NaN-poisoned buffers to check that the kernel writes every element.
+    An input the kernels cannot read in place (``_strides_readable``: a strided last axis, a start or a
+    step that is not a multiple of 16 bytes; for the wgmma family also a zero or negative step, as from
+    ``broadcast_to`` or ``[::-1]``) is copied once into a contiguous array first; (B, N, H, D) views of
+    contiguous buffers are read in place. ``o`` and ``lse`` may be given preallocated (contiguous, right
+    shape and dtype): the tests pass NaN-poisoned buffers to check that the kernel writes every element.
+    ``scratch``: where temporaries come from (``_Scratch`` of the current stream by default).
     """
     import cupy
 
     if p.device != cupy.cuda.runtime.getDevice():
         with cupy.cuda.Device(p.device):
-            return forward(q, k, v, p, o, lse)
+            return forward(q, k, v, p, o, lse, scratch)
+    stream = cupy.cuda.get_current_stream()
+    scratch = _Scratch(stream) if scratch is None else scratch
     plan = _forward_plan(p, q, k, v)
-    if not plan.aligned or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
-        # A view whose rows are not 16-byte aligned is copied once; (B, N, H, D) views are aligned.
-        q, k, v = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
+    if not plan.readable or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
+        q, k, v = (_as_readable(x, plan.tma, scratch) for x in (q, k, v))
         plan = _forward_plan(p, q, k, v)
     if o is None:
         o = cupy.empty(plan.o_shape, dtype=q.dtype)
@@ -267,8 +357,7 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
             raise ValueError(f"lse must be C-contiguous {plan.lse_shape} float32; got {lse.shape} "
                              f"{lse.dtype}")
     maps = plan.tensor_maps(q, k, v, o) if plan.maps is not None else ()  # the arrays outlive the launch
-    stream = cupy.cuda.get_current_stream()
-    counter = (_tile_counter(stream),) if plan.dynamic else ()
+    counter = (_tile_counter(stream, scratch),) if plan.dynamic else ()
     if plan.launcher is not None:
         plan.launcher(stream.ptr, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr,
                                    *(c.data.ptr for c in counter)), maps)
@@ -281,17 +370,19 @@ def forward(q, k, v, p: Problem, o=None, lse=None):
 
 
 class _BackwardPlan:
-    __slots__ = ("aligned", "prep", "prep_grid", "prep_tail", "k_kv", "k_q", "kv_grid", "q_grid", "args",
-                 "atomic", "conv_grid", "conv_tail", "q_shape", "kv_shape", "rows_shape", "maps", "boxes",
-                 "sem_shape", "sem_tail", "ld_size")
+    __slots__ = ("tma", "readable", "prep", "prep_grid", "prep_tail", "k_kv", "k_q", "kv_grid", "q_grid",
+                 "args", "atomic", "conv_grid", "conv_tail", "q_shape", "kv_shape", "rows_shape", "maps",
+                 "boxes", "sem_shape", "sem_tail", "ld_size")
 
     def __init__(self, p: Problem, deterministic: bool, strides: tuple, itemsize: int):
         var = p.variant
         q_shape = (p.batch, p.heads_q, p.nq, p.head_dim)
         kv_shape = (p.batch, p.heads_kv, p.nk, p.head_dim)
         do_s, q_s, k_s, v_s, o_s = strides
-        self.aligned = all(_strides_aligned(shape, st) for shape, st in (
-            (q_shape, do_s), (q_shape, q_s), (kv_shape, k_s), (kv_shape, v_s), (q_shape, o_s)))
+        self.tma = var.fam.kind == "wgmma"  # o is read by the prep kernel only: no TMA map
+        self.readable = all(_strides_readable(shape, st, itemsize, tma) for shape, st, tma in (
+            (q_shape, do_s, self.tma), (q_shape, q_s, self.tma), (kv_shape, k_s, self.tma),
+            (kv_shape, v_s, self.tma), (q_shape, o_s, False)))
         roles = backward_roles(var, deterministic, p.nq)
         self.prep = get_kernel(var, "prep")
         self.k_kv, self.k_q = (get_kernel(var, role) for role in roles)
@@ -321,27 +412,24 @@ class _BackwardPlan:
         if var.fam.kind == "wgmma":
             # q, k, v, dout loaded, the fp32 dQ buffer reduced into and dk, dv stored by TMA (maps first,
             # by value; the buffer's box is 32 fp32 columns, 128 bytes, dk's and dv's a consumer
-            # warpgroup's 64 keys); deterministic: one counter per query tile and whether the key tiles
-            # start rotated (the ordered kernel's last two arguments)
+            # warpgroup's 64 keys); deterministic: one counter per query tile and the heads per section
+            # of its block order (the ordered kernel's last two arguments)
             self.maps = {}
             # the dQ buffer's box rows as the module was compiled (bwd_wgmma_dq_box_rows in _build.py)
             dq_box_rows = self.k_kv.defines["FC_BWD_DQ_BOX_ROWS"]
             self.boxes = (var.block_m, var.block_n, var.block_n, var.block_m, (dq_box_rows, 32), 64, 64)
             if deterministic:
-                n_qt, n_kt = (p.nq + var.block_m - 1) // var.block_m, self.kv_grid[0]
+                n_qt = (p.nq + var.block_m - 1) // var.block_m
                 self.sem_shape = (p.batch, p.heads_q, n_qt)
-                # non-causal: rotated starts (no waiting chain across key tiles) where all of a head's
-                # key tiles can be resident at once (one CTA per SM), the kernel's rule against deadlock
-                import cupy
-
-                sms = cupy.cuda.Device(p.device).attributes["MultiProcessorCount"]
-                self.sem_tail = (np.int32(not var.causal and n_qt >= n_kt and n_kt <= sms),)
+                # non-causal: the (batch, KV head) pairs in sections of this many heads, key tile slowest
+                self.sem_tail = (np.int32(bwd_wgmma_ordered_heads(p.batch * p.heads_kv, p.group * n_qt,
+                                                                  _sm_count(p.device))),)
 
 
 _BACKWARD_PLANS: dict = {}
 
 
-def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None, dlse=None):
+def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None, dlse=None, scratch=None):
     """dq, dk, dv of the variant of ``p`` on the current CuPy stream of the GPU that holds the arrays.
 
     First flash_bwd_prep computes delta_i = rowsum(dO_i * O_i) in fp32 (O(N) memory) and zeroes the
@@ -357,19 +445,26 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
       runs, so dq may differ in the last bits from run to run.
 
     ``dlse`` (the LSE's gradient) is subtracted from delta after the prep kernel (wgmma: inside it).
-    ``grads`` may hold preallocated (dq, dk, dv) (poisoned by tests).
+    ``grads`` may hold preallocated (dq, dk, dv) (poisoned by tests). Inputs the kernels cannot read in
+    place are copied once, as in ``forward`` (o, read by the prep kernel alone, takes any step). The
+    temporaries (the fp32 dQ buffer, delta, the ordered path's counters, copies) come from ``scratch``
+    (``_Scratch``: graph-safe under stream capture).
     """
     import cupy
 
     if p.device != cupy.cuda.runtime.getDevice():
         with cupy.cuda.Device(p.device):
-            return backward(do, q, k, v, o, lse, p, deterministic=deterministic, grads=grads, dlse=dlse)
+            return backward(do, q, k, v, o, lse, p, deterministic=deterministic, grads=grads, dlse=dlse,
+                            scratch=scratch)
+    scratch = _Scratch(cupy.cuda.get_current_stream()) if scratch is None else scratch
     arrays = (do, q, k, v, o)
     key = (p, deterministic, *(x.strides for x in arrays))
     plan = _BACKWARD_PLANS.get(key)
-    if plan is None or not plan.aligned or (do.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr
-                                            | o.data.ptr) & 15:
-        do, q, k, v, o = (x if _rows_aligned(x) else cupy.ascontiguousarray(x) for x in arrays)
+    if plan is None or not plan.readable or (do.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr
+                                             | o.data.ptr) & 15:
+        tma = p.variant.fam.kind == "wgmma"
+        do, q, k, v = (_as_readable(x, tma, scratch) for x in (do, q, k, v))
+        o = _as_readable(o, False, scratch)
         key = (p, deterministic, *(x.strides for x in (do, q, k, v, o)))
         plan = _BACKWARD_PLANS.get(key)
         if plan is None:
@@ -377,16 +472,15 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
             if len(_BACKWARD_PLANS) >= _PLAN_LIMIT:
                 _BACKWARD_PLANS.clear()
             _BACKWARD_PLANS[key] = plan
-    if not lse.flags.c_contiguous:
-        lse = cupy.ascontiguousarray(lse)
-    dq_accum = cupy.empty(plan.q_shape, dtype=cupy.float32) if plan.atomic else None
+    lse = _as_rows(lse, scratch)
+    dq_accum = scratch.empty(plan.q_shape, cupy.float32) if plan.atomic else None
     accum_arg = np.uint64(0) if dq_accum is None else dq_accum
     if plan.ld_size:  # wgmma: L and delta (minus dlse) tiled for the producer's bulk copies
-        delta = cupy.empty(plan.ld_size, dtype=cupy.float32)
-        dlse_arg = np.uint64(0) if dlse is None else cupy.ascontiguousarray(dlse)
+        delta = scratch.empty(plan.ld_size, cupy.float32)
+        dlse_arg = np.uint64(0) if dlse is None else _as_rows(dlse, scratch)
         plan.prep(plan.prep_grid, (do, o, delta, accum_arg) + plan.prep_tail + (lse, dlse_arg))
     else:
-        delta = cupy.empty(plan.rows_shape, dtype=cupy.float32)
+        delta = scratch.empty(plan.rows_shape, cupy.float32)
         plan.prep(plan.prep_grid, (do, o, delta, accum_arg) + plan.prep_tail)
         if dlse is not None:
             delta -= dlse
@@ -399,7 +493,7 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
         maps = _tensor_maps(plan.maps, (q, k, v, do, dq_accum, dk, dv), plan.boxes,
                             ("q", "k", "v", "do", "dq_accum", "dk", "dv"))
         if plan.sem_shape is not None:
-            args += (cupy.zeros(plan.sem_shape, dtype=cupy.int32),) + plan.sem_tail
+            args += (scratch.zeros(plan.sem_shape, cupy.int32),) + plan.sem_tail
         plan.k_kv(plan.kv_grid, maps + args)
         plan.k_q(plan.conv_grid, (dq_accum, dq) + plan.conv_tail)
     elif plan.atomic:
@@ -409,6 +503,12 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
         plan.k_kv(plan.kv_grid, args)
         plan.k_q(plan.q_grid, args)
     return dq, dk, dv
+
+
+def _as_rows(x, scratch: _Scratch):
+    """A float32 (B, H, N) array of row values (lse, dlse) as the kernels read it: C-contiguous (they
+    index it as one row-major block) and 4-byte aligned; else one copy."""
+    return x if x.flags.c_contiguous and x.data.ptr % 4 == 0 else scratch.copy(x)
 
 
 def backward_roles(var, deterministic: bool, n: int | None = None) -> tuple[str, str]:
@@ -459,11 +559,14 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
         if x is not None and not (x.flags.c_contiguous and x.shape == shape and x.dtype == dt):
             raise ValueError(f"{name} must be C-contiguous {shape} {dt}; got {x.shape} {x.dtype}")
     kern, transpose = get_kernel(var, "fwd"), get_kernel(var, "v_transpose")  # compiled before any launch
-    # TMA and the V^T pre-pass read each row as contiguous bytes: copy any array whose last axis is not
-    q8, k8, v8 = (x if _rows_aligned(x) and (x.shape[3] == 1 or x.strides[3] == 1)
-                  else cupy.ascontiguousarray(x) for x in (q8, k8, v8))
+    # q8, k8 by TMA; v8 by the V^T pre-pass's 16-byte loads over its strides: one copy of any the kernels
+    # cannot read in place (as in ``forward``)
+    stream = cupy.cuda.get_current_stream()
+    scratch = _Scratch(stream)
+    q8, k8 = (_as_readable(x, True, scratch) for x in (q8, k8))
+    v8 = _as_readable(v8, False, scratch)
     nk_pad = -(-nk // FP8_VT_KEYS) * FP8_VT_KEYS
-    vt = cupy.empty((b, hkv, d, nk_pad), dtype=cupy.uint8)
+    vt = scratch.empty((b, hkv, d, nk_pad), cupy.uint8)
     o = cupy.empty((b, hq, nq, d), dtype=numpy_dtype(var.dtype)) if o is None else o
     lse = cupy.empty((b, hq, nq), dtype=cupy.float32) if lse is None else lse
     maps = (tensor_map(q8, var.block_m, box_cols=128, name="q"),
@@ -474,7 +577,7 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
     grid = ((nq + var.block_m - 1) // var.block_m, hq, b)
     if wgmma_persistent(var):
         grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
-    counter = _tile_counter(cupy.cuda.get_current_stream()) if wgmma_persistent(var) == 2 else np.uint64(0)
+    counter = _tile_counter(stream, scratch) if wgmma_persistent(var) == 2 else np.uint64(0)
     args = maps + (q8, k8, vt, o, lse, np.int32(nq), np.int32(nk), np.int32(hq // hkv),
                    *element_strides(q8), *element_strides(k8), *element_strides(v8),
                    np.float32(scale * _LOG2E), np.int32(hq), np.int32(b), counter,

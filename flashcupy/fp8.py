@@ -51,20 +51,30 @@ class Quantized:
     fmt: str
     granularity: str
     block: int | None = None
+    # the largest scale (a Python float), read when the object is made: attention_fp8 checks its range
+    scale_max: float = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # Checked once, here, not on every attention_fp8 call: on CuPy scales the check reads the device
         # (a synchronization), which cost the fp8 kernel path 6.5x its time at N=1024 when made per call
-        # (measured on the H200).
+        # (measured on the H200). One read brings both the check and the largest scale.
         # Read from the bits: positive finite float32 values are the int32 patterns in (0, 0x7F800000)
-        # (a float comparison on the GPU would flush a subnormal scale to 0 under CuPy's -ftz).
+        # (a float comparison on the GPU would flush a subnormal scale to 0 under CuPy's -ftz), and the
+        # largest of them is the largest pattern.
         scale = self.scale
         bits = scale.view(np.int32) if getattr(scale, "dtype", None) == np.float32 else None
-        if bits is None or not bool(_xp(scale).all((bits > 0) & (bits < 0x7F800000))):
+        if bits is None or bits.size == 0:
+            ok, top = False, 0
+        else:
+            xp = _xp(scale)
+            both = xp.stack([xp.all((bits > 0) & (bits < 0x7F800000)).astype(np.int32), bits.max()])
+            ok, top = (int(x) for x in (both if xp is np else both.get()))
+        if not ok:
             got = getattr(scale, "dtype", type(scale).__name__)
             raise ValueError("scale must be a float32 array of positive, finite values (amax / fmax per "
                              "group, 1 for an all-zero group: the kernel scales each row's maximum by it, "
                              f"which needs a positive factor); got {got}")
+        object.__setattr__(self, "scale_max", float(np.array(top, dtype=np.int32).view(np.float32)))
 
     @property
     def shape(self) -> tuple:
@@ -90,8 +100,36 @@ def _check(x, fmt, granularity, block):
         raise ValueError(f"block is only for granularity='block'; got block={block!r} with {granularity!r}")
     if getattr(x, "ndim", None) != 4:
         raise ValueError(f"x must be a 4-D (B, H, N, D) array; got shape {getattr(x, 'shape', None)}")
+    if min(x.shape) < 1:
+        raise ValueError(f"x must have every extent >= 1 (each group needs a value); got shape {x.shape}")
     if np.dtype(x.dtype).kind != "f" and np.dtype(x.dtype).name != "bfloat16":
         raise TypeError(f"x must be a floating-point array; got {x.dtype}")
+
+
+# What quantize takes: the scales are float32, so a group's largest magnitude must fit float32 and
+# leave a positive scale amax / fmax (float32's smallest subnormal is 2^-149).
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_range(x, fmt: str) -> None:
+    """ValueError unless every value of a float64 (or wider) x is finite and fits float32, and every
+    nonzero one is at least fmax * 2^-149 (below it its group's float32 scale would be 0 and the group
+    would quantize to zeros silently). Narrower floats are in range by their type."""
+    if np.dtype(x.dtype).itemsize <= 4:
+        return
+    xp = _xp(x)
+    ax = xp.abs(x)
+    fmax = FORMATS[fmt][1]
+    tiny = fmax * 2.0 ** -149
+    bad = xp.stack([~xp.isfinite(ax).all(), (ax > _F32_MAX).any(), ((ax > 0) & (ax < tiny)).any()])
+    nonfinite, big, small = (bool(b) for b in (bad if xp is np else bad.get()))
+    if nonfinite:
+        raise ValueError("x holds inf or NaN; fp8 scales cannot represent them")
+    if big or small:
+        raise ValueError(f"quantize takes values whose magnitude is 0 or in [{tiny:.3g}, {_F32_MAX:.4g}] "
+                         f"({fmt}'s largest value times float32's smallest subnormal, and float32's largest "
+                         "value): its scales are float32; x holds "
+                         + ("a larger one" if big else "a smaller nonzero one"))
 
 
 def _group_amax(x, granularity: str, block: int | None):
@@ -151,9 +189,12 @@ def expand_scale(q: Quantized) -> object:
 def quantize(x, fmt: str = "e4m3", granularity: str = "tensor", block: int | None = None) -> Quantized:
     """Quantize a (B, H, N, D) array to fp8 with one float32 scale per group (see the module docstring
     for the math, the groups and the rounding). Raises ValueError/TypeError for an unknown format or
-    granularity, a missing or stray ``block``, a non-4-D or non-float array, and ValueError when x holds
-    inf or NaN (no scale can represent them)."""
+    granularity, a missing or stray ``block``, a non-4-D, empty or non-float array, and ValueError when x
+    holds inf or NaN (no scale can represent them) or, for float64 inputs, a magnitude outside what a
+    float32 scale can carry: above float32's largest value, or nonzero below fmax * 2^-149 (e4m3:
+    6.3e-43)."""
     _check(x, fmt, granularity, block)
+    _check_range(x, fmt)
     xp = _xp(x)
     if xp is not np and _gpu_rounding(x):
         out = _quantize_on_gpu(x, fmt, granularity, block)
@@ -237,6 +278,25 @@ def _check_scale(name: str, x: Quantized) -> None:
                         "(uint8 bit patterns are for CuPy arrays)")
 
 
+def _check_magnitudes(q: Quantized, k: Quantized, v: Quantized, scale: float, d: int, out_dtype: str) -> None:
+    """ValueError when the inputs' magnitudes leave what the fp8 forward computes in float32: the scores
+    S = (Q8 K8^T) sq sk scale log2(e), at most 448^2 D max(sq) max(sk) scale log2(e), must stay finite
+    (the twin and the kernel hold them in float32), and o, at most 448 max(sv), must fit ``out_dtype``.
+    Tiny magnitudes need no check: the kernel keeps its folded descale at least FLT_MIN (fwd_wgmma.cu),
+    and scores that small give P = 1, as the true ones do."""
+    f32_max = float(np.finfo(np.float32).max)
+    score_max = 448.0 ** 2 * d * q.scale_max * k.scale_max * scale / np.log(2.0)
+    if not score_max < f32_max:
+        raise ValueError(f"q's and k's magnitudes are too large for float32 scores: 448^2 * D * max(q.scale) "
+                         f"* max(k.scale) * scale * log2(e) = {score_max:.3g} exceeds {f32_max:.4g} (for "
+                         f"D={d} and this scale, max|q| * max|k| must stay below "
+                         f"{f32_max / (d * scale / np.log(2.0)):.3g})")
+    out_max = float(np.finfo(np.float16).max) if out_dtype == "float16" else f32_max
+    if not 448.0 * v.scale_max <= out_max:
+        raise ValueError(f"v's magnitude ({448.0 * v.scale_max:.3g}) exceeds the largest {out_dtype} "
+                         f"({out_max:.4g}): the output would overflow; use out_dtype='bfloat16'")
+
+
 def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, scale=None, block_n=128,
                   p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False, block_m=None,
                   ablate=None):
@@ -277,7 +337,7 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     block_m 128 only); it reads V transposed (a second, small kernel writes V^T first: e4m3 wgmma takes
     K-major operands only). On the twin ``block_m`` is ignored.
     """
-    from ._checks import _check_bool, check_scale
+    from ._checks import _check_bool, check_scale, check_tile
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Quantized):
@@ -300,8 +360,8 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     scale = check_scale(scale, d)
-    if block_n not in FP8_BLOCK_N or isinstance(block_n, (bool, np.bool_)):
-        raise ValueError(f"block_n must be one of {FP8_BLOCK_N}, got {block_n!r}")
+    block_n = check_tile("block_n", block_n, FP8_BLOCK_N)
+    block_m = check_tile("block_m", block_m, (64, 128, 192))
     if isinstance(p_scale, (bool, np.bool_)) or not isinstance(p_scale, (int, float, np.number)):
         raise TypeError(f"p_scale must be a float, got {type(p_scale).__name__}")
     if not 0 < float(p_scale) <= FORMATS["e4m3"][1]:
@@ -312,14 +372,13 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
 
     if ablate not in ABLATIONS:
         raise ValueError(f"ablate must be one of {ABLATIONS}, got {ablate!r}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
+    if not isinstance(out_dtype, str) or out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of the names {OUT_DTYPES}, got {out_dtype!r}")
+    _check_magnitudes(q, k, v, scale, d, out_dtype)
     if block_m is None:
         from ._build import fp8_block_m
 
         block_m = fp8_block_m(accumulation, q.shape[3])
-    if block_m not in (64, 128, 192) or isinstance(block_m, (bool, np.bool_)):
-        raise ValueError(f"block_m must be 64, 128 or 192, got {block_m!r}")
     sides = {_xp(x.data) is np for x in (q, k, v)} | {_xp(x.scale) is np for x in (q, k, v)}
     if len(sides) > 1:
         raise TypeError("q, k and v (data and scales) must all be NumPy arrays (the twin) or all CuPy "

@@ -55,23 +55,25 @@
 // additions into query tile i's rows happen in a fixed key-tile order. A CTA's writer warp waits until
 // the tile's counter reads its place in that order, issues its reduce-adds, and increments the counter
 // (acquire / release at GPU scope) once they are performed: before its next tile's wait (or at the end).
-// The order is the one in which the CTAs, all starting together, reach tile i:
-//   non-causal: ascending key tiles (every CTA runs the query tiles from 0; FlashAttention-3's order),
-//       which makes key tile kt wait about kt reduce latencies before its first addition; with
-//       dq_rotate (set by the host when every key tile of a head can be resident at once and
-//       n_qt >= n_kt) CTA kt starts at query tile floor(kt n_qt / n_kt) and wraps around instead, so
-//       the CTAs of a head reach each tile at different steps and tile i's order is that of the steps
-//       (dK, dV sum the query tiles in the order of the steps too; the atomic path's rotated twin,
-//       flash_bwd_dkdvdq_rotated_wgmma, starts the same way, so its dK, dV have the deterministic path's
-//       bits wherever the host rotates that one; the host's rule: bwd_wgmma_rotated in _build.py);
+// A CTA only ever waits for CTAs of lower linear block index, which the hardware started before it, so
+// the path needs no co-residency: it cannot hang beside other kernels (another stream's, an NCCL
+// collective, a second such backward), whatever the grid and however few SMs are free. The order:
+//   non-causal: ascending key tiles (every CTA runs the query tiles from 0; FlashAttention-3's order).
+//       Were the key tiles of a head started together, key tile kt would wait about kt reduce latencies
+//       before its first addition (up to a quarter of the kernel's time). So the blocks take the
+//       (batch, KV head) pairs in sections of dq_heads (the host's rule: bwd_wgmma_ordered_heads in
+//       _build.py) and, inside a section, the key tile slowest: key tile kt + 1 of a head is dq_heads
+//       blocks after key tile kt, starts that much later, and finds each query tile already added to.
+//       (An earlier form started the CTAs of a head at rotated query tiles and ordered each tile by
+//       arrival: no wait at all, but CTAs waited for CTAs of higher index, which hung for as long as
+//       another kernel held the SMs they needed.)
 //   causal: descending from tile i's diagonal key tile kt_top (CTA kt starts at its own diagonal, so
 //       kt + 1 reaches tile i before kt does; the key tiles that see tile i are exactly 0 .. kt_top);
-//       ascending would make every CTA wait for key tile 0 to come down the diagonal (measured: 0.33x
-//       the atomic path's speed at N = 4096, D = 128).
-// Block x runs key tile x, or n_kt - 1 - x on the causal deterministic path, so that a CTA only waits
-// for CTAs of lower block index, which the hardware started before it: no deadlock, whatever the grid.
-// The rotated order waits on CTAs of higher block index too: the CTAs of the lowest unfinished head
-// are all resident once n_kt <= the CTAs resident at a time (one per SM), which is the host's rule.
+//       block x runs key tile n_kt - 1 - x. Ascending would make every CTA wait for key tile 0 to come
+//       down the diagonal (measured: 0.33x the atomic path's speed at N = 4096, D = 128).
+// dK, dV sum the query tiles from tile 0 up (non-causal) as the atomic path's plain kernel does, so
+// their bits are that kernel's; the atomic path's rotated twin (flash_bwd_dkdvdq_rotated_wgmma, where
+// bwd_wgmma_rotated in _build.py says so) sums them in another order.
 
 // Tensor maps (flashcupy/_tma.py): 4-D (D, N, H, B) over the real strides of q, k, v, dout; boxes
 // (64, BM) for q and dout, (64, BN) for k and v; and of the fp32 dQ buffer, box (32, BM) (FC_BWD_DQ_ROWS:
@@ -84,7 +86,7 @@
 // box (64, 64), read only by FC_BWD_KV_STAGE 1),
 // FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; with
 // FC_BWD_LD_TMA 1 lse is not read and delta is flash_bwd_prep's tiled buffer of L and delta; dq is not
-// touched); flash_bwd_dkdvdq_ordered_wgmma also dq_sem and dq_rotate (0 or 1; read without a causal mask).
+// touched); flash_bwd_dkdvdq_ordered_wgmma also dq_sem and dq_heads (>= 1; read without a causal mask).
 // Grid: (ceil(nk / BN), Hkv, B). Block: FC_NUM_THREADS = 128 * (1 + BN / 64).
 // Dynamic shared memory (bytes), FC_SMEM_DKDVDQ:
 //     1024 (alignment slack) + 2 BN D 2 (K, V) + STAGES (2 BM D 2 + 8 BM) (Q, dO, L, delta)
@@ -260,17 +262,25 @@ __device__ __forceinline__ void red_release_gpu_add(int *p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
-// The kernels' body; ORDERED: the deterministic path (dq_sem, dq_rotate read), a compile-time switch so
+// The (key tile kt, KV head hk, batch b) of linear block index lin when the n_hb (batch, KV head) pairs are
+// taken in sections of hs and, inside a section, the key tile slowest (n_kt key tiles).
+__device__ __forceinline__ void sectioned_tile(int lin, int n_kt, int n_hb, int hs, int &kt, int &hk, int &b) {
+    const int sec = lin / (hs * n_kt), first = sec * hs, in_sec = min(hs, n_hb - first);
+    const int r = lin - first * n_kt, hb = first + r % in_sec;
+    kt = r / in_sec, hk = hb % gridDim.y, b = hb / gridDim.y;
+}
+
+// The kernels' body; ORDERED: the deterministic path (dq_sem, dq_heads read), a compile-time switch so
 // that the default path carries none of its bookkeeping (measured: 2-3% of the default path's time when
-// it was a run-time switch); ROTATE: the atomic path without a causal mask starts its key tiles rotated as
-// the deterministic path does with dq_rotate (the header), also compile-time (a run-time flag cost 2.3%
-// at D = 64 with rotation off, measured on the H200). The maps stay references to the kernels'
+// it was a run-time switch); ROTATE: the atomic path without a causal mask starts CTA kt at query tile
+// floor(kt n_qt / n_kt) and wraps around, so that a head's CTAs read different query tiles at each step,
+// also compile-time (a run-time flag cost 2.3% at D = 64 with rotation off, measured on the H200). The maps stay references to the kernels'
 // __grid_constant__ parameters.
 template <bool ORDERED, bool ROTATE>
 __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTensorMap &tm_k, const FcTensorMap &tm_v,
                                             const FcTensorMap &tm_do, const FcTensorMap &tm_dq,
                                             const FcTensorMap &tm_dk, const FcTensorMap &tm_dv, FC_BWD_PARAMS,
-                                            int *__restrict__ dq_sem, int dq_rotate) {
+                                            int *__restrict__ dq_sem, int dq_heads) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     unsigned char *const smem = smem_raw + (base - (u32)__cvta_generic_to_shared(smem_raw));
@@ -283,36 +293,42 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     auto s_ld = [&](int s) { return reinterpret_cast<float *>(smem + OFF_LD + s * 2 * BM * 4); };
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
-    // The key tile: block x, except on the causal deterministic path, where block x runs key tile
-    // n_kt - 1 - x (its CTAs wait only on CTAs of lower block index; see the header), and on the causal
-    // atomic path, where the blocks take the (key tile, head, batch) tiles in FlashAttention-3's LPT
-    // order: the (batch, KV head) pairs in sections of hs, a power of two of heads whose Q, dO and fp32
-    // dQ fit in 40 MB (of the H200's 50 MB of L2) together, and inside a section the key tile slowest,
-    // from key tile 0, the heaviest (it sees every query tile), so that the hardware's block scheduler
-    // hands the heaviest tiles of all the section's heads out first.
+    // The key tile: block x on the atomic path without a causal mask; on the causal deterministic path
+    // block x runs key tile n_kt - 1 - x (its CTAs wait only on CTAs of lower block index; see the
+    // header); on the non-causal deterministic path the blocks take the (batch, KV head) pairs in sections
+    // of dq_heads, key tile slowest (the header); and on the causal atomic path they take them in
+    // FlashAttention-3's LPT order: sections of hs, a power of two of heads whose Q, dO and fp32 dQ fit in
+    // 40 MB (of the H200's 50 MB of L2) together, and inside a section the key tile slowest, from key
+    // tile 0, the heaviest (it sees every query tile), so that the hardware's block scheduler hands the
+    // heaviest tiles of all the section's heads out first.
     constexpr bool ordered = ORDERED;
     // dk, dv through shared memory and TMA stores (FC_BWD_KV_STAGE) everywhere but on the atomic path at
     // D = 64 without a causal mask and unrotated, where the register stores measured faster (rows of dk
     // and dv of 128 bytes, whose register stores fill whole sectors, and CTAs in lock-step; a hypothesis,
     // reports/wgmma_bwd_plan.md)
     constexpr bool KV_STAGE = FC_BWD_KV_STAGE && (ORDERED || ROTATE || FC_CAUSAL || HD != 64);
+    // the linear block index, the key tiles and the (batch, KV head) pairs (for the sectioned orders)
+    const int n_kt = gridDim.x, n_hb = gridDim.y * gridDim.z;
+    const int lin = blockIdx.x + n_kt * (blockIdx.y + gridDim.y * blockIdx.z);
 #if FC_CAUSAL
     int kt, hk, b;
     if (ordered) {
         kt = (int)(gridDim.x - 1 - blockIdx.x), hk = blockIdx.y, b = blockIdx.z;
     } else {
-        const int n_kt = gridDim.x, n_hb = gridDim.y * gridDim.z;
-        const int lin = blockIdx.x + n_kt * (blockIdx.y + gridDim.y * blockIdx.z);
         const long long head_bytes = (long long)group * max(nq, 1) * HD * (2 + 2 + 4), l2_bytes = 40ll << 20;
         const int hs = min(head_bytes >= l2_bytes ? 1 : 1 << (31 - __clz((int)(l2_bytes / head_bytes))), n_hb);
-        const int sec = lin / (hs * n_kt), first = sec * hs, in_sec = min(hs, n_hb - first);
-        const int r = lin - first * n_kt, hb = first + r % in_sec;
-        kt = r / in_sec, hk = hb % gridDim.y, b = hb / gridDim.y;
+        sectioned_tile(lin, n_kt, n_hb, hs, kt, hk, b);
     }
     const int n0 = kt * BN;
 #else
-    const int kt = (int)blockIdx.x;
-    const int n0 = kt * BN, hk = blockIdx.y, b = blockIdx.z;
+    int kt, n0, hk, b;
+    if (ordered) {
+        sectioned_tile(lin, n_kt, n_hb, max(dq_heads, 1), kt, hk, b);
+        n0 = kt * BN;
+    } else {
+        kt = (int)blockIdx.x;
+        n0 = kt * BN, hk = blockIdx.y, b = blockIdx.z;
+    }
 #endif
     const int heads_kv = gridDim.y, heads_q = heads_kv * group;
 
@@ -331,11 +347,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #if FC_CAUSAL
     const int rot = 0;
 #else
-    // dq_rotate (non-causal; the atomic path: ROTATE): CTA kt starts at query tile
-    // rot = floor(kt n_qt / n_kt) and wraps around, so that a head's CTAs reach each query tile at
-    // different steps (see the header)
-    const int n_kt = gridDim.x;
-    const int rot = (ordered ? dq_rotate != 0 : ROTATE) ? (int)((long long)kt * n_qt / n_kt) : 0;
+    // ROTATE (the atomic path, non-causal): CTA kt starts at query tile rot = floor(kt n_qt / n_kt) and
+    // wraps around, so that a head's CTAs read different query tiles at each step
+    const int rot = ROTATE ? (int)((long long)kt * n_qt / n_kt) : 0;
 #endif
     auto tile_of = [&](int it) {
         const int j = it % qt_per_head + rot;
@@ -446,10 +460,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #if FC_CAUSAL
                     const int place = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) / BN - kt;  // diagonal first
 #else
-                    // ascending key tiles; rotated: ordered by the step at which each CTA reaches tile qt,
-                    // i.e. CTAs whose start lies in (rot, qt] (cyclically) go first; C = #{kt': start <= qt}
-                    const int c_le = (int)(((long long)(qt + 1) * n_kt + n_qt - 1) / n_qt);
-                    const int place = dq_rotate ? c_le - kt - 1 + (rot > qt ? n_kt : 0) : kt;
+                    const int place = kt;  // ascending key tiles
 #endif
                     while (ld_acquire_gpu(sem) != place) {
                     }
@@ -836,6 +847,6 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                                    const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
                                    const __grid_constant__ FcTensorMap tm_dq, const __grid_constant__ FcTensorMap tm_dk,
                                    const __grid_constant__ FcTensorMap tm_dv, FC_BWD_PARAMS, int *__restrict__ dq_sem,
-                                   int dq_rotate) {
-    dkdvdq_body<true, false>(tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, FC_BWD_ARGS, dq_sem, dq_rotate);
+                                   int dq_heads) {
+    dkdvdq_body<true, false>(tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, FC_BWD_ARGS, dq_sem, dq_heads);
 }

@@ -485,11 +485,14 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                                 __fmul_rn(wg_tile(sacc, i)[2 * hf + e], __fmul_rn(q_scale[hf], ks));
                     }
 #else
+                // f and f c are kept at least FLT_MIN: for tiny inputs (descales near 1e-33) they would
+                // flush to zero, and a masked key's -inf times 0 is NaN. The exponents they then give
+                // (at most 448^2 D FLT_MIN) round P to what the true ones do: 2^p_shift, a uniform row.
                 const float ks = k_scales[j * BN];  // constant over the key tile
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    mx_f[hf] = __fmul_rn(q_scale[hf], ks);
-                    c_p[hf] = __fmul_rn(mx_f[hf], scale_log2);
+                    mx_f[hf] = fmaxf(__fmul_rn(q_scale[hf], ks), 1.17549435e-38f);
+                    c_p[hf] = fmaxf(__fmul_rn(mx_f[hf], scale_log2), 1.17549435e-38f);
                 }
 #endif
 #endif

@@ -119,6 +119,13 @@ def test_block_sizes(rng, kernel, dname, bm, bn):
                                      what=f"{kernel} acc={accum} bm={bm} bn={bn} causal={causal}")
 
 
+def _counter(stream):
+    """The tile counter this thread's eager launches on ``stream`` use."""
+    from flashcupy import _launch
+
+    return _launch._tile_counter(stream, _launch._Scratch(stream))
+
+
 @pytest.mark.parametrize("nq,nk", [(333, 517), (517, 333)], ids=["333x517", "517x333"])
 @parametrize_causal
 @pytest.mark.parametrize("combo", WGMMA_COMBOS, ids=combo_id)
@@ -145,13 +152,13 @@ def test_wgmma_persistent_grid_of_any_size_writes_the_same_bits(rng, combo, caus
         assert bool((o.view(cupy.uint16) == o_ref.view(cupy.uint16)).all()), n_cta
         assert bool((lse.view(cupy.uint32) == lse_ref.view(cupy.uint32)).all()), n_cta
         if causal:
-            counter = _launch._tile_counter(cupy.cuda.get_current_stream())
+            counter = _counter(cupy.cuda.get_current_stream())
             assert counter.tolist() == [0, 0], n_cta
     if causal:  # a second stream gets its own counter, and its launches the same bits
         with cupy.cuda.Stream(non_blocking=True) as s:
             o2 = flashcupy.attention(q, k, v, **kw)
             s.synchronize()
-            assert _launch._tile_counter(s).data.ptr != _launch._tile_counter(cupy.cuda.Stream.null).data.ptr
+            assert _counter(s).data.ptr != _counter(cupy.cuda.Stream.null).data.ptr
         assert bool((o2.view(cupy.uint16) == o_ref.view(cupy.uint16)).all())
 
 
@@ -186,7 +193,7 @@ def test_wgmma_dynamic_scheduler_on_per_thread_streams_and_in_a_cuda_graph(rng):
                 outs = [flashcupy.attention(q, k, v, **kw) for _ in range(8)]
                 cupy.cuda.Stream.ptds.synchronize()
                 results.append(all(same(o) for o in outs))
-                results.append(_launch._tile_counter(cupy.cuda.Stream.ptds).tolist() == [0, 0])
+                results.append(_counter(cupy.cuda.Stream.ptds).tolist() == [0, 0])
         except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(e)
 
@@ -213,7 +220,7 @@ def test_wgmma_dynamic_scheduler_on_per_thread_streams_and_in_a_cuda_graph(rng):
             o2 = flashcupy.attention(q, k, v, **kw)  # eager on the same stream, between replays
             stream.synchronize()
             assert same(o2)
-    assert _launch._tile_counter(stream).tolist() == [0, 0]
+    assert _counter(stream).tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("kernel,dname", [("wgmma", "f16"), ("wgmma", "bf16"), ("mma", "f16"),

@@ -181,16 +181,15 @@ def test_backward_bitwise_deterministic(rng, combo):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("nq,nk", [(1029, 577), (130, 1029), (17000, 17000)], ids=lambda x: str(x))
 def test_wgmma_noncausal_deterministic_orders(rng, monkeypatch, nq, nk, d):
-    """The non-causal deterministic wgmma backward orders a query tile's dQ additions by the step at which
-    the key tiles reach it when they start rotated (n_qt >= n_kt and a head's key tiles fit on the SMs),
-    by ascending key tile otherwise (the (130, 1029) and, on a GPU of at most 132 SMs, the
-    (17000, 17000) case): both orders are bitwise repeatable and agree with the atomic path, whose key
-    tiles start rotated where bwd_wgmma_rotated says so (up to 2048 query rows) and at query
-    tile 0 otherwise (dk, dv bit for bit where both paths run the query tiles in the same order)."""
+    """The non-causal deterministic wgmma backward adds into each query tile in ascending key-tile order,
+    its blocks taking the heads in sections of bwd_wgmma_ordered_heads (so that a CTA waits only on CTAs
+    of lower index): bitwise repeatable, and in agreement with the atomic path, whose key tiles start
+    rotated where bwd_wgmma_rotated says so (up to 2048 query rows) and at query tile 0 otherwise (dk, dv
+    then bit for bit: both paths run the query tiles from 0)."""
     import cupy
 
     from flashcupy import _launch
-    from flashcupy._build import bwd_wgmma_rotated
+    from flashcupy._build import bwd_wgmma_ordered_heads, bwd_wgmma_rotated
 
     bh = (1, 1, 1) if nq > 4096 else (2, 4, 2)
     do, q, k, v = to_device(*do_qkv(rng, (*bh, nq, nk, d), "f16"))
@@ -198,9 +197,9 @@ def test_wgmma_noncausal_deterministic_orders(rng, monkeypatch, nq, nk, d):
     _launch._BACKWARD_PLANS.clear()
     runs = [run_backward_poisoned(do, q, k, v, o, lse, kernel="wgmma", deterministic=True) for _ in range(3)]
     (plan,) = [p for p in _launch._BACKWARD_PLANS.values() if p.sem_shape is not None]
-    n_qt, n_kt = plan.q_grid[0], plan.kv_grid[0]
+    n_qt = plan.q_grid[0]
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    assert int(plan.sem_tail[0]) == int(n_qt >= n_kt and n_kt <= sms)
+    assert int(plan.sem_tail[0]) == bwd_wgmma_ordered_heads(bh[0] * bh[2], bh[1] // bh[2] * n_qt, sms)
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
@@ -213,7 +212,7 @@ def test_wgmma_noncausal_deterministic_orders(rng, monkeypatch, nq, nk, d):
     rotated = bwd_wgmma_rotated(d, False, nq)
     assert launched[1] == ("dkdvdq_rotated" if rotated else "dkdvdq")
     for name, a, b in zip(("dq", "dk", "dv"), fast, runs[0]):
-        if name != "dq" and int(plan.sem_tail[0]) == rotated:
+        if name != "dq" and not rotated:
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name}: the dQ paths differ"
         a, b = a.astype(cupy.float32), b.astype(cupy.float32)
         diff = float(cupy.abs(a - b).max())

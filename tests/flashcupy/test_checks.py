@@ -29,8 +29,6 @@ BAD = [  # (id, mutate(q, k, v, kwargs), error type, words the message must cont
      ["multiple of 8"]),
     ("head-dim-264", lambda q, k, v, kw: (*(np.concatenate([x] * 9, -1)[..., :264] for x in (q, k, v)), kw),
      ValueError, ["256"]),
-    ("last-axis-strided", lambda q, k, v, kw: (np.concatenate([q, q], -1)[..., ::2], k, v, kw), ValueError,
-     ["q", "contiguous"]),
     ("empty-q", lambda q, k, v, kw: (q[:, :, :0], k, v, kw), ValueError, ["empty", "Nq"]),
     ("empty-k", lambda q, k, v, kw: (q, k[:, :, :0], v[:, :, :0], kw), ValueError, ["empty", "Nk"]),
     ("accum", lambda q, k, v, kw: (q, k, v, {**kw, "accum": "fp8"}), ValueError, ["accum", "fp32"]),
@@ -65,6 +63,13 @@ BAD = [  # (id, mutate(q, k, v, kwargs), error type, words the message must cont
     ("scale-negative", lambda q, k, v, kw: (q, k, v, {**kw, "scale": -0.1}), ValueError, ["scale", "> 0"]),
     ("scale-nan", lambda q, k, v, kw: (q, k, v, {**kw, "scale": float("nan")}), ValueError, ["scale"]),
     ("scale-type", lambda q, k, v, kw: (q, k, v, {**kw, "scale": "0.1"}), TypeError, ["scale"]),
+    ("scale-subnormal", lambda q, k, v, kw: (q, k, v, {**kw, "scale": 1e-39}), ValueError,
+     ["scale", "[2^-64, 2^64]", "flushes to zero"]),
+    ("scale-below-range", lambda q, k, v, kw: (q, k, v, {**kw, "scale": 2.0 ** -64 * 0.99}), ValueError,
+     ["scale", "[2^-64, 2^64]"]),
+    ("scale-huge", lambda q, k, v, kw: (q, k, v, {**kw, "scale": 1e38}), ValueError,
+     ["scale", "[2^-64, 2^64]", "overflows"]),
+    ("block_n-float", lambda q, k, v, kw: (q, k, v, {**kw, "block_n": 64.0}), TypeError, ["block_n", "int"]),
     ("causal-type", lambda q, k, v, kw: (q, k, v, {**kw, "causal": 1}), TypeError, ["causal", "bool"]),
     ("return_lse-type", lambda q, k, v, kw: (q, k, v, {**kw, "return_lse": "yes"}), TypeError,
      ["return_lse"]),
@@ -154,16 +159,58 @@ def test_equal_knobs_of_another_type_are_checked_again(good, bad, exc):
         flashcupy.attention(q, k, v, **bad)
 
 
-def test_strides_are_part_of_what_is_remembered():
+def test_any_strides_give_the_contiguous_arrays_bits():
+    """Every layout is accepted (the kernels copy what they cannot read; the twin reads any): a strided
+    last axis, a (B, N, H, D) buffer viewed as (B, H, N, D), reversed and broadcast views give the bits of
+    the same values stored contiguously."""
     q, k, v = _qkv()
-    flashcupy.attention(q, k, v)
-    wide = np.concatenate([q, q], -1)[..., ::2]  # q's shape and dtype, last axis strided
-    assert wide.shape == q.shape
-    with pytest.raises(ValueError, match="contiguous"):
-        flashcupy.attention(wide, k, v)
-    # a (B, N, H, D) buffer viewed as (B, H, N, D): same shape, other strides, a valid problem
-    o = flashcupy.attention(np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3), k, v)
-    np.testing.assert_array_equal(o, flashcupy.attention(q, k, v))
+    want = flashcupy.attention(q, k, v)
+    wide = np.repeat(q, 2, axis=-1)[..., ::2]  # q's values, last axis strided
+    assert wide.strides[-1] == 2 * q.itemsize
+    np.testing.assert_array_equal(flashcupy.attention(wide, k, v), want)
+    bnhd = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(flashcupy.attention(bnhd, k, v), want)
+    rev = np.ascontiguousarray(k[:, :, ::-1])[:, :, ::-1]  # k's values through negative strides
+    assert rev.strides[2] < 0
+    np.testing.assert_array_equal(flashcupy.attention(q, rev, v), want)
+    kb = np.broadcast_to(k[:, :1], k.shape)  # stride 0 over heads
+    np.testing.assert_array_equal(flashcupy.attention(q, kb, v),
+                                  flashcupy.attention(q, np.ascontiguousarray(kb), v))
+
+
+def test_scale_range_is_the_same_for_every_entry_point():
+    """The edges of SCALE_RANGE are accepted and give finite, accurate outputs and LSEs on the twin (the
+    kernels: test_attention_gpu), what lies past them is refused, by attention, attention_backward and
+    attention_fp8 alike. The gradients at the lower edge are finite and accurate too; at the upper one
+    the softmax is one-hot and dS = P (dP - delta) cancels to the rounding of o, which dq and dk carry
+    times the scale (ill-conditioned in any FlashAttention backward, the naive one too), so only dv
+    (no scale factor) is held to the rule there."""
+    from flashcupy import fp8, naive, reference
+    from flashcupy._checks import SCALE_RANGE
+    from flashcupy.accuracy import assert_accurate, backward_reduction
+
+    q, k, v = _qkv()
+    do = np.random.default_rng(1).standard_normal(q.shape).astype(q.dtype)
+    for s in SCALE_RANGE:
+        o, lse = flashcupy.attention(q, k, v, scale=s, return_lse=True)
+        assert np.isfinite(o.astype(np.float32)).all() and np.isfinite(lse).all()
+        assert_accurate(o, reference.attention(q, k, v, scale=s), naive.attention(q, k, v, scale=s), "f16",
+                        "fp32", what=f"scale={s}")
+        grads = flashcupy.attention_backward(do, q, k, v, o, lse, scale=s)
+        refs = reference.attention_backward(do, q, k, v, scale=s)
+        naives = naive.attention_backward(do, q, k, v, scale=s)
+        for name, g, r, n in list(zip(("dq", "dk", "dv"), grads, refs, naives))[(s > 1) * 2:]:
+            assert np.isfinite(g.astype(np.float32)).all(), f"{name} at scale={s}"
+            assert_accurate(g, r, n, "f16", "fp32", kind="bwd", what=f"{name} at scale={s}",
+                            reduction=backward_reduction(q, k))
+    q8, k8, v8 = (fp8.quantize(np.concatenate([x] * 2, -1).astype(np.float32)) for x in (q, k, v))
+    for bad in (SCALE_RANGE[0] / 2, SCALE_RANGE[1] * 2):
+        with pytest.raises(ValueError, match=r"\[2\^-64, 2\^64\]"):
+            flashcupy.attention(q, k, v, scale=bad)
+        with pytest.raises(ValueError, match=r"\[2\^-64, 2\^64\]"):
+            flashcupy.attention_backward(q, q, k, v, q, np.zeros(q.shape[:3], np.float32), scale=bad)
+        with pytest.raises(ValueError, match=r"\[2\^-64, 2\^64\]"):
+            flashcupy.attention_fp8(q8, k8, v8, scale=bad)
 
 
 def test_a_remembered_problem_is_the_one_a_fresh_check_returns():

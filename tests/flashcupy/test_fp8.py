@@ -114,6 +114,23 @@ def test_bad_inputs_are_refused(rng):
     x[0, 0, 1, 2] = np.inf
     with pytest.raises(ValueError, match="inf or NaN"):
         fp8.quantize(x)
+    with pytest.raises(ValueError, match="extent >= 1"):
+        fp8.quantize(np.ones((1, 1, 0, 8), np.float32))
+
+
+@pytest.mark.parametrize("value,word", [(1e300, "a larger one"), (1e-300, "a smaller nonzero one")])
+def test_float64_values_float32_scales_cannot_carry_are_refused(rng, value, word):
+    """A finite float64 1e300 is not "inf or NaN", and 1e-300 would quantize to zeros silently: both are
+    refused with the range quantize takes; the edges of that range quantize and come back."""
+    x = _inputs(rng, (1, 1, 4, 8)).astype(np.float64)
+    x[0, 0, 1, 2] = value
+    with pytest.raises(ValueError, match=word) as info:
+        fp8.quantize(x)
+    assert "float32" in str(info.value)
+    for edge in (448.0 * 2.0 ** -149, float(np.finfo(np.float32).max)):
+        y = np.full((1, 1, 2, 8), edge)
+        back = fp8.dequantize(fp8.quantize(y))
+        assert np.isfinite(back).all() and np.allclose(back, y, rtol=2 ** -3)
 
 
 @pytest.mark.gpu

@@ -113,6 +113,10 @@ def test_single_level_accumulation_loses_bits_that_two_level_keeps(rng):
     ({"causal": 1}, TypeError, ["causal"]),
     ({"ablate": "max"}, ValueError, ["ablate", "rescaling"]),
     ({"block_m": 96}, ValueError, ["block_m", "192"]),
+    ({"block_m": 128.0}, TypeError, ["block_m", "int"]),
+    ({"block_n": 64.0}, TypeError, ["block_n", "int"]),
+    ({"out_dtype": np.float16}, ValueError, ["out_dtype", "names"]),
+    ({"scale": 1e38}, ValueError, ["scale", "2^64"]),
 ])
 def test_bad_arguments_are_refused(rng, kwargs, exc, words):
     q, k, v = (_quantized(rng, (1, 1, 8, 64)) for _ in range(3))
@@ -159,6 +163,29 @@ def test_bad_inputs_are_refused(rng):
         flashcupy.attention_fp8(_quantized(rng, (1, 3, 8, 64)), kv, kv)
     with pytest.raises(ValueError, match="k and v"):
         flashcupy.attention_fp8(q, k, _quantized(rng, (1, 1, 9, 64)))
+
+
+def test_magnitudes_past_float32_scores_are_refused_and_tiny_ones_are_exact(rng):
+    """q and k so large that the scores overflow float32 (448^2 D max(sq) max(sk) scale log2(e) past
+    float32's largest) and v so large that o overflows float16 are refused, naming the bound; inputs of
+    magnitude 1e-30 (scores ~ 1e-60: a uniform softmax) give the float64 reference's output."""
+    shape = (1, 2, 40, 64)
+    big = fp8.quantize((rng.standard_normal(shape) * 1e19).astype(np.float32))
+    small = fp8.quantize(rng.standard_normal(shape).astype(np.float32))
+    with pytest.raises(ValueError, match="too large for float32 scores"):
+        flashcupy.attention_fp8(big, big, small)
+    with pytest.raises(ValueError, match="exceeds the largest float16"):
+        flashcupy.attention_fp8(small, small, fp8.quantize(np.full(shape, 1e5, np.float32)))
+    flashcupy.attention_fp8(small, small, fp8.quantize(np.full(shape, 1e5, np.float32)), out_dtype="bfloat16")
+    x = [(rng.standard_normal(shape) * 1e-30).astype(np.float32) for _ in range(3)]
+    q8, k8 = (fp8.quantize(t, "e4m3", "token") for t in x[:2])
+    v8 = fp8.quantize(x[2] * 1e30, "e4m3", "head")  # v of order 1, so that o is visible in float16
+    o, lse = flashcupy.attention_fp8(q8, k8, v8, causal=True, return_lse=True)
+    ref_o, ref_lse = reference.attention(*(fp8.dequantize(t) for t in (q8, k8, v8)), causal=True,
+                                         return_lse=True)
+    assert np.isfinite(o.astype(np.float32)).all() and np.isfinite(lse).all()
+    assert np.abs(o.astype(np.float64) - ref_o).max() < 0.05  # e4m3's P and V roundings
+    assert np.abs(lse - ref_lse).max() < 1e-5
 
 
 @pytest.mark.parametrize("ablate", ["max_subtraction", "rescaling"])

@@ -74,6 +74,50 @@ def main() -> None:
         q, k = e4m3((1, 2, 77, 256), "tensor"), e4m3((1, 1, 203, 256), "token")
         v = e4m3((1, 1, 203, 256), "head")
         flashcupy.attention_fp8(q, k, v, causal=causal)  # D=256
+    # layouts the kernels copy or read in place (issue 33): a misaligned q, a broadcast k, a reversed v,
+    # a misaligned o and a stride-0 do, every family, both directions; the fp8 forward on misaligned and
+    # reversed data
+    def misaligned(x):
+        flat = cupy.empty(x.size + 8, dtype=x.dtype)
+        view = flat[1:1 + x.size].reshape(x.shape)
+        view[...] = x
+        return view
+
+    def randn(shape, dt):
+        return cupy.asarray(rng.standard_normal(shape).astype(dt))
+
+    for kernel, dt in (("wgmma", np.float16), ("mma", np.float16), ("simt", np.float32)):
+        for causal in (False, True):
+            q = misaligned(randn((1, 4, 77, 64), dt))
+            k = cupy.broadcast_to(randn((1, 1, 130, 64), dt), (1, 2, 130, 64))
+            v = cupy.ascontiguousarray(randn((1, 2, 130, 64), dt)[:, :, ::-1])[:, :, ::-1]
+            o, lse = flashcupy.attention(q, k, v, causal=causal, kernel=kernel, return_lse=True)
+            do = cupy.broadcast_to(randn((1, 1, 1, 64), dt), q.shape)
+            for det in (False, True):
+                flashcupy.attention_backward(do, q, k, v, misaligned(o), lse, causal=causal, kernel=kernel,
+                                             deterministic=det)
+    for causal in (False, True):
+        q, k = e4m3((1, 4, 77, 128), "token"), e4m3((1, 2, 203, 128), "token")
+        v = e4m3((1, 2, 203, 128), "head")
+        v = fp8.Quantized(misaligned(v.data), v.scale, v.fmt, v.granularity)
+        k = fp8.Quantized(k.data[:, :, ::-1], k.scale[:, :, ::-1], k.fmt, k.granularity)
+        flashcupy.attention_fp8(q, k, v, causal=causal)
+    # a forward and backward captured into a CUDA graph (layout copies inside), replayed twice
+    stream = cupy.cuda.Stream(non_blocking=True)
+    q = misaligned(randn((1, 4, 77, 64), np.float16))
+    k = cupy.broadcast_to(randn((1, 1, 130, 64), np.float16), (1, 2, 130, 64))
+    do = randn(q.shape, np.float16)
+    for kernel in ("wgmma", "mma"):
+        with stream:
+            o, lse = flashcupy.attention(q, k, k, kernel=kernel, return_lse=True)
+            flashcupy.attention_backward(do, q, k, k, o, lse, kernel=kernel, deterministic=True)
+            stream.begin_capture()
+            o, lse = flashcupy.attention(q, k, k, kernel=kernel, return_lse=True)
+            flashcupy.attention_backward(do, q, k, k, o, lse, kernel=kernel, deterministic=True)
+            graph = stream.end_capture()
+        for _ in range(2):
+            graph.launch(stream)
+        stream.synchronize()
     cupy.cuda.Device().synchronize()
     print("sanitizer driver: all launches done")
 
