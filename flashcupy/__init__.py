@@ -31,9 +31,11 @@ def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, 
         families read those in place.
     causal : key j is visible to query i iff j <= i + (Nk - Nq) (bottom-right aligned). A query row
         that sees no key gets output 0 and LSE -inf.
-    scale : score scale, default 1/sqrt(D); must lie in [2^-64, 2^64] (``flashcupy._checks.SCALE_RANGE``:
-        the kernels fold scale * log2(e) into one float32 factor, which stays normal there; outside it
-        a ValueError names the range).
+    scale : score scale, default 1/sqrt(D); must lie in [2^-64, 2^12] (``flashcupy._checks.SCALE_RANGE``;
+        outside it a ValueError names the range). The kernels fold scale * log2(e) into one float32
+        factor and exponentiate the float32 product with the scores: results are finite and accurate
+        while the scaled scores |scale q.k| stay below 2^20, which unit-variance inputs do at every
+        accepted scale.
     block_m, block_n : tile sizes (query rows per block, keys per inner step); None picks a default per
         (kernel, dtype, D, accum, causal) and, for the wgmma forward, the query length (D=64 causal:
         128 rows up to 1024 query rows, 192 above) (a block_m given alone keeps the default key tile

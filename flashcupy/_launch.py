@@ -88,7 +88,8 @@ class _Scratch:
             self.capturing = self.stream.is_capturing()
         if not self.capturing:
             return cupy.empty(shape, dtype=dtype)
-        self.taken += ((tuple(shape), np.dtype(dtype).str),)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        self.taken += ((shape, np.dtype(dtype).str),)
         key = (threading.get_ident(), cupy.cuda.runtime.getDevice(), self.stream.ptr, self.taken)
         x = _CAPTURE_WORKSPACE.get(key)
         if x is None:
@@ -422,8 +423,8 @@ class _BackwardPlan:
                 n_qt = (p.nq + var.block_m - 1) // var.block_m
                 self.sem_shape = (p.batch, p.heads_q, n_qt)
                 # non-causal: the (batch, KV head) pairs in sections of this many heads, key tile slowest
-                self.sem_tail = (np.int32(bwd_wgmma_ordered_heads(p.batch * p.heads_kv, p.group * n_qt,
-                                                                  _sm_count(p.device))),)
+                self.sem_tail = (np.int32(bwd_wgmma_ordered_heads(p.batch * p.heads_kv, self.kv_grid[0],
+                                                                  p.group * n_qt, _sm_count(p.device))),)
 
 
 _BACKWARD_PLANS: dict = {}

@@ -82,10 +82,10 @@ class _TorchScratch:
         self.capturing = torch.cuda.is_current_stream_capturing()
 
     def empty(self, shape, dtype):
-        return _cp(torch.empty(tuple(shape), dtype=_TORCH_DTYPES[np.dtype(dtype)], device=self.device))
+        return _cp(torch.empty(shape, dtype=_TORCH_DTYPES[np.dtype(dtype)], device=self.device))
 
     def zeros(self, shape, dtype):
-        return _cp(torch.zeros(tuple(shape), dtype=_TORCH_DTYPES[np.dtype(dtype)], device=self.device))
+        return _cp(torch.zeros(shape, dtype=_TORCH_DTYPES[np.dtype(dtype)], device=self.device))
 
     def copy(self, x):
         out = self.empty(x.shape, x.dtype)
