@@ -173,9 +173,13 @@ def bwd_wgmma_ordered_heads(heads: int, key_tiles: int, tiles_per_cta: int, sms:
     this number, every CTA waits only on CTAs of lower block index.
     The rule: about one section's worth of CTAs starts per tile-step, sms / tiles_per_cta heads (rounded;
     at least 1), and every head when the grid fits in two waves of the SMs, where the first wave's start
-    dominates. More heads cost L2 reuse of Q and dO (a head's key tiles then run far apart), fewer cost
-    waits. Swept on an H200 (fp16, non-causal, sections of 1 to 16 heads and all): B=4, H=32 at
-    N = 1024 to 16384, D 64 and 128, the best section of each cell within 2% of this rule's."""
+    dominates. More heads cost L2 reuse of Q and dO (a head's key tiles then run far apart: all 128
+    heads in one section ran at 0.47x to 0.65x the atomic path), fewer cost waits (one head per section,
+    FlashAttention-3's order, 0.76x to 0.97x). Measured (fp16, non-causal, against the atomic path in
+    alternating rounds; docs/design/wgmma_backward.md): on an H200, sections of 1 to 16 heads, the
+    best of each B=4, H=32 cell near sms / tiles_per_cta; on an H100 this rule at 0.91x to 0.97x for
+    B=4, H=32, N = 1024 to 16384, D 64 and 128, 0.88x to 0.90x at B * H = 8 and 16, and 0.65x for one
+    head of 16384 queries (128 key tiles that all start at once and queue at every query tile)."""
     if heads * key_tiles <= 2 * sms:
         return max(1, heads)
     return max(1, min(heads, round(sms / max(tiles_per_cta, 1))))

@@ -111,25 +111,28 @@ def _check(x, fmt, granularity, block):
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _check_range(x, fmt: str) -> None:
-    """ValueError unless every value of a float64 (or wider) x is finite and fits float32, and every
-    nonzero one is at least fmax * 2^-149 (below it its group's float32 scale would be 0 and the group
-    would quantize to zeros silently). Narrower floats are in range by their type."""
+def _check_range(x, fmt: str, granularity: str, block: int | None) -> None:
+    """ValueError unless a float64 (or wider) x is finite and fits what float32 scales carry: every value
+    at most float32's largest, and every group's largest magnitude 0 or at least fmax * 2^-149 (below it
+    the group's float32 scale amax / fmax would be 0 and the group would quantize to zeros silently).
+    Narrower floats are in range by their type. (A value far below its group's maximum rounds to fp8's
+    zero as any value below half its smallest subnormal does.)"""
     if np.dtype(x.dtype).itemsize <= 4:
         return
     xp = _xp(x)
     ax = xp.abs(x)
     fmax = FORMATS[fmt][1]
     tiny = fmax * 2.0 ** -149
-    bad = xp.stack([~xp.isfinite(ax).all(), (ax > _F32_MAX).any(), ((ax > 0) & (ax < tiny)).any()])
+    amax = _group_amax(ax, granularity, block)
+    bad = xp.stack([~xp.isfinite(ax).all(), (amax > _F32_MAX).any(), ((amax > 0) & (amax < tiny)).any()])
     nonfinite, big, small = (bool(b) for b in (bad if xp is np else bad.get()))
     if nonfinite:
         raise ValueError("x holds inf or NaN; fp8 scales cannot represent them")
     if big or small:
-        raise ValueError(f"quantize takes values whose magnitude is 0 or in [{tiny:.3g}, {_F32_MAX:.4g}] "
-                         f"({fmt}'s largest value times float32's smallest subnormal, and float32's largest "
-                         "value): its scales are float32; x holds "
-                         + ("a larger one" if big else "a smaller nonzero one"))
+        raise ValueError("quantize takes groups whose largest magnitude is 0 or in "
+                         f"[{tiny:.3g}, {_F32_MAX:.4g}] ({fmt}'s largest value times float32's smallest "
+                         "subnormal, and float32's largest value): its scales are float32; x holds "
+                         + ("a larger value" if big else "a group whose largest magnitude is smaller"))
 
 
 def _group_amax(x, granularity: str, block: int | None):
@@ -191,10 +194,10 @@ def quantize(x, fmt: str = "e4m3", granularity: str = "tensor", block: int | Non
     for the math, the groups and the rounding). Raises ValueError/TypeError for an unknown format or
     granularity, a missing or stray ``block``, a non-4-D, empty or non-float array, and ValueError when x
     holds inf or NaN (no scale can represent them) or, for float64 inputs, a magnitude outside what a
-    float32 scale can carry: above float32's largest value, or nonzero below fmax * 2^-149 (e4m3:
-    6.3e-43)."""
+    float32 scale can carry: a value above float32's largest, or a group whose largest magnitude is
+    nonzero but below fmax * 2^-149 (e4m3: 6.3e-43). x / s is computed in float32."""
     _check(x, fmt, granularity, block)
-    _check_range(x, fmt)
+    _check_range(x, fmt, granularity, block)
     xp = _xp(x)
     if xp is not np and _gpu_rounding(x):
         out = _quantize_on_gpu(x, fmt, granularity, block)

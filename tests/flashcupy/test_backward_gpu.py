@@ -199,7 +199,8 @@ def test_wgmma_noncausal_deterministic_orders(rng, monkeypatch, nq, nk, d):
     (plan,) = [p for p in _launch._BACKWARD_PLANS.values() if p.sem_shape is not None]
     n_qt = plan.q_grid[0]
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    assert int(plan.sem_tail[0]) == bwd_wgmma_ordered_heads(bh[0] * bh[2], bh[1] // bh[2] * n_qt, sms)
+    n_kt = plan.kv_grid[0]
+    assert int(plan.sem_tail[0]) == bwd_wgmma_ordered_heads(bh[0] * bh[2], n_kt, bh[1] // bh[2] * n_qt, sms)
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
