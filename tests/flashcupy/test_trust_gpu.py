@@ -495,3 +495,18 @@ def test_torch_compile_reduce_overhead_replays_correctly(rng):
             assert torch.equal(g.grad, w.grad), f"{name} at step {i}"
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
+
+
+def test_tile_counters_are_kept_for_64_streams_at_most():
+    """Item 6: a thread that launches on many streams keeps the tile counters of at most 64 of them (a
+    dropped one returns to the pool in its stream's order); a stream's counter reads zero."""
+    import cupy
+
+    from flashcupy import _launch
+
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(70)]
+    for s in streams:
+        with s:
+            counter = _launch._tile_counter(s, _launch._Scratch(s))
+            assert counter.tolist() == [0, 0]
+    assert 0 < len(_launch._THREAD.tile_counters) <= _launch._COUNTERS_LIMIT
