@@ -230,3 +230,38 @@ def test_a_build_of_another_tile_sets_the_default_tile():
     with kernel_build({"FC_BLOCK_M": 64}):  # block_n from the family's rule for block_m=64
         assert default_tile("bwd_wgmma", "f16", 64, "fp32", False, n=4096) == (64, 128)
     assert default_tile("bwd_wgmma", "f16", 64, "fp32", False, n=4096) == plain
+
+
+def _sectioned_tile(lin: int, n_kt: int, n_hb: int, hs: int) -> tuple[int, int]:
+    """kernels_cu/bwd_wgmma.cu's sectioned_tile, written again: the (key tile, (batch, KV head) pair)
+    of linear block index lin."""
+    sec = lin // (hs * n_kt)
+    first = sec * hs
+    in_sec = min(hs, n_hb - first)
+    r = lin - first * n_kt
+    return r // in_sec, first + r % in_sec
+
+
+@pytest.mark.parametrize("n_kt,n_hb", [(1, 1), (7, 1), (3, 5), (128, 128), (9, 13), (64, 16)])
+def test_the_ordered_backward_waits_only_on_lower_blocks(n_kt, n_hb):
+    """The deterministic wgmma backward without a mask adds into each query tile in ascending key tiles,
+    so key tile kt waits for key tile kt - 1 of its head. With the blocks in sections of any size (the
+    rule's and every other), each (key tile, head) is one block's, and that predecessor's block index is
+    lower: no CTA waits on one that may not have started. The rule's section size lies in 1..heads and
+    is every head where the grid fits in two waves of the SMs."""
+    from flashcupy._build import bwd_wgmma_ordered_heads
+
+    for hs in sorted({1, 2, 3, n_hb, n_hb + 4, bwd_wgmma_ordered_heads(n_hb, n_kt, 40, 132)}):
+        block = {}
+        for lin in range(n_kt * n_hb):
+            tile = _sectioned_tile(lin, n_kt, n_hb, hs)
+            assert tile not in block and 0 <= tile[0] < n_kt and 0 <= tile[1] < n_hb
+            block[tile] = lin
+        assert len(block) == n_kt * n_hb
+        for (kt, hb), lin in block.items():
+            assert kt == 0 or block[(kt - 1, hb)] < lin, (hs, kt, hb)
+    for tiles in (1, 8, 52, 205, 10 ** 4):
+        g = bwd_wgmma_ordered_heads(n_hb, n_kt, tiles, 132)
+        assert 1 <= g <= n_hb
+        if n_hb * n_kt <= 2 * 132:
+            assert g == n_hb
