@@ -59,9 +59,10 @@ def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, 
     O = e^(m - m') O + P V_j; finally o = O / l and lse = m + ln(l), with S = scale * q k^T.
 
     A call on CuPy arrays can be captured into a CUDA graph (``cupy.cuda.Stream.begin_capture``) and
-    replayed: its temporaries (copies, the scheduler's tile counter) then come from memory the graph
-    keeps for the life of the process, shared by the graphs captured on one stream (replay those one at
-    a time); the outputs are the caller's to keep alive.
+    replayed: its temporaries (copies, the scheduler's tile counter) then come from memory kept for the
+    life of the process (never returned to the pool; one set per thread, stream and call signature),
+    shared by the graphs captured on one stream (replay those one at a time); the outputs are the
+    caller's to keep alive.
     """
     _check_bool("return_lse", return_lse)
     problem = forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,

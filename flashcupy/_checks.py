@@ -108,10 +108,11 @@ def check_scale(scale, d: int) -> float:
         raise ValueError(f"scale must be finite and > 0, got {scale}")
     lo, hi = SCALE_RANGE
     if not lo <= scale <= hi:
-        raise ValueError(f"scale must lie in [2^-64, 2^12] = [{lo:.3g}, {hi:.4g}], got {scale:.3g}: the "
-                         "kernels fold scale * log2(e) into one float32 factor, which flushes to zero "
-                         "below that range, and above it the float32 exponent scale * q.k * log2(e) of "
-                         "ordinary scores rounds by more than the softmax tolerates")
+        why = ("the kernels fold scale * log2(e) into one float32 factor, which flushes to zero below about "
+               "8e-39; 2^-64 keeps a wide margin above that" if scale < lo else
+               "above it the float32 exponent scale * q.k * log2(e) of ordinary scores rounds by more than "
+               "the softmax tolerates")
+        raise ValueError(f"scale must lie in [2^-64, 2^12] = [{lo!r}, {hi!r}], got {scale!r}: {why}")
     return scale
 
 

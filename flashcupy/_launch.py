@@ -19,6 +19,7 @@ from ._build import (
     wgmma_persistent,
 )
 from ._checks import Problem, numpy_dtype
+from ._tma import STRIDE_LIMIT
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -26,18 +27,17 @@ _LOG2E = 1.0 / math.log(2.0)
 # --------------------------------------------------------------------------------------------------
 # layouts: what the kernels read in place, and one copy of what they cannot
 
-_TMA_STRIDE_LIMIT = 1 << 40
-
-
 def _strides_readable(shape, strides, itemsize: int, tma: bool) -> bool:
     """Whether the kernels read an array of these shape and strides (bytes) in place, its start aside:
     the last axis contiguous and every step along another axis of extent > 1 a multiple of 16 bytes
-    (every family moves 16 bytes at a time: cp.async, TMA, the prep kernel's vector loads); zero and
-    negative steps are fine for pointer arithmetic, but ``tma`` (the wgmma family and the fp8 forward,
-    whose TMA maps take positive strides below 2^40 bytes) rules them out."""
+    (the families move 16 bytes at a time: cp.async, TMA, the backward prep kernel's vector loads; only
+    the simt forward has a scalar fallback, and it takes the same rule, so that one rule serves every
+    call); zero and negative steps are fine for pointer arithmetic, but ``tma`` (the wgmma family and the
+    fp8 forward, whose TMA maps take positive strides below 2^40 bytes: ``_tma.tensor_map``) rules them
+    out."""
     if shape[-1] > 1 and strides[-1] != itemsize:
         return False
-    return all(s % 16 == 0 and (not tma or 0 < s < _TMA_STRIDE_LIMIT)
+    return all(s % 16 == 0 and (not tma or 0 < s < STRIDE_LIMIT)
                for s, n in zip(strides[:-1], shape[:-1]) if n > 1)
 
 
@@ -68,8 +68,9 @@ class _Scratch:
     being captured into a CUDA graph that would be wrong: the graph keeps their addresses and every
     replay writes them, long after the pool has given them to other arrays. There each request comes
     from a workspace that is never freed, one array per (thread, device, stream, and the call's requests
-    up to this one): a graph's addresses stay its own for the life of the process, and capturing the same
-    call on the same stream again reuses that memory instead of growing. Graphs captured on one stream
+    up to this one): a graph's addresses stay its own for the life of the process (destroying the graph
+    frees nothing), and capturing the same call on the same stream again reuses that memory; each new
+    (thread, stream, call signature) captured adds its temporaries' size. Graphs captured on one stream
     therefore share their temporaries: replay them one at a time (on one stream), as the forward's tile
     counter already asked. The torch bridge passes its own scratch (torch's allocator, whose graph pools
     keep a capture's memory for as long as the graph lives)."""

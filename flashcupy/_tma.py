@@ -22,7 +22,7 @@ import numpy as np
 __all__ = ["TMA_MAP_BYTES", "tensor_map"]
 
 TMA_MAP_BYTES = 128
-_STRIDE_LIMIT = 1 << 40   # strides must be below 2^40 bytes
+STRIDE_LIMIT = 1 << 40    # strides must be below 2^40 bytes
 _DIM_LIMIT = 1 << 32      # extents at most 2^32
 _BOX_LIMIT = 256          # each box dimension at most 256 elements
 _SWIZZLE_SPAN = {0: None, 32: 32, 64: 64, 128: 128}
@@ -81,7 +81,7 @@ def tensor_map(x, box_rows: int, *, box_cols: int = 64, swizzle: int = 128, name
         st = int(x.strides[axis])
         if x.shape[axis] == 1:
             st = max(16, -(-abs(st) // 16) * 16) if st else d * item
-        if st <= 0 or st % 16 or st >= _STRIDE_LIMIT:
+        if st <= 0 or st % 16 or st >= STRIDE_LIMIT:
             raise ValueError(f"{name}: TMA needs the {label} stride to be a positive multiple of 16 bytes "
                              f"below 2^40; got {x.strides[axis]} bytes (strides {tuple(x.strides)})")
         strides.append(st)

@@ -115,8 +115,9 @@ def _check_range(x, fmt: str, granularity: str, block: int | None) -> None:
     """ValueError unless a float64 (or wider) x is finite and fits what float32 scales carry: every value
     at most float32's largest, and every group's largest magnitude 0 or at least fmax * 2^-149 (below it
     the group's float32 scale amax / fmax would be 0 and the group would quantize to zeros silently).
-    Narrower floats are in range by their type. (A value far below its group's maximum rounds to fp8's
-    zero as any value below half its smallest subnormal does.)"""
+    float32 and narrower inputs fit float32 by their type; a float32 group below that bound is refused
+    when its scale (0) is checked (``Quantized``). (A value far below its group's maximum rounds to
+    fp8's zero as any value below half its smallest subnormal does.)"""
     if np.dtype(x.dtype).itemsize <= 4:
         return
     xp = _xp(x)
@@ -287,7 +288,7 @@ def _check_magnitudes(q: Quantized, k: Quantized, v: Quantized, scale: float, d:
     (the twin and the kernel hold them in float32), and o, at most 448 max(sv), must fit ``out_dtype``.
     Tiny magnitudes need no check: the kernel keeps its folded descale at least FLT_MIN (fwd_wgmma.cu),
     and scores that small give P = 1, as the true ones do."""
-    f32_max = float(np.finfo(np.float32).max)
+    f32_max = _F32_MAX
     score_max = 448.0 ** 2 * d * q.scale_max * k.scale_max * scale / np.log(2.0)
     if not score_max < f32_max:
         raise ValueError(f"q's and k's magnitudes are too large for float32 scores: 448^2 * D * max(q.scale) "
@@ -338,7 +339,8 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     the result; default 192 at D=128, the fastest measured on the H200, and 128 for two-level
     accumulation, which does not run 192), accumulation "single" or "tile" (D=256: single-level with
     block_m 128 only); it reads V transposed (a second, small kernel writes V^T first: e4m3 wgmma takes
-    K-major operands only). On the twin ``block_m`` is ignored.
+    K-major operands only). On the twin ``block_m`` is ignored. Unlike ``flashcupy.attention``, a call on
+    CuPy inputs is not safe to capture in a CUDA graph: its flattened descales come from CuPy's pool.
     """
     from ._checks import _check_bool, check_scale, check_tile
 
