@@ -527,8 +527,10 @@ def _figure_ms(ctx: Context, raw, names):
 # ---------------------------------------------------------------------------------------------------
 # small calls: host overhead per call (wall time), flashcupy against torch SDPA
 
-SMALL_SHAPES = [(1, 1, 128, 64), (1, 8, 256, 64), (2, 8, 512, 128), (8, 16, 512, 128)]  # (B, H, N, D)
+SMALL_SHAPES = [(1, 1, 128, 64), (1, 8, 256, 64), (2, 8, 512, 128), (8, 16, 512, 128),
+                (4, 16, 2048, 128)]  # (B, H, N, D)
 SMALL_ROUNDS, SMALL_CALLS = 7, 400
+SMALL_DIRECTIONS = ("fwd", "bwd", "step")
 
 
 def _wall_us(ctx: Context, fns, calls: int = SMALL_CALLS, rounds: int = SMALL_ROUNDS) -> list:
@@ -579,41 +581,53 @@ def _device_us(fn, calls: int = 50) -> float:
 
 def _small_calls(ctx: Context, torch) -> list:
     """Rows (B, H, N, D, direction, flashcupy us, SDPA us, ratio, flashcupy min us, SDPA min us, ratio of the
-    minima, flashcupy device us, SDPA device us, flashcupy.torch us) on fp16 inputs, non-causal, default
-    knobs (what a user's loop runs): wall times are the median (and the fastest) of the rounds of
-    ``_wall_us``; SDPA picks its own backend; a backward is ``torch.autograd.grad`` of one retained graph
-    (SDPA's and the torch bridge's custom operator's)."""
+    minima, flashcupy device us, SDPA device us, flashcupy.torch us, flashcupy.torch / SDPA) on fp16 inputs
+    with a causal mask and default knobs (what a language model's training loop runs): wall times are the
+    median (and the fastest) of the rounds of ``_wall_us``; SDPA picks its own backend. "bwd" is
+    ``torch.autograd.grad`` of one retained graph (SDPA's, the torch bridge's); "step" a training step's
+    attention: a forward of inputs that require grad, then ``backward`` with a given dO into the inputs'
+    ``.grad`` (flashcupy: ``attention`` then ``attention_backward``)."""
     import cupy
 
     rows = []
     rng = np.random.default_rng(ctx.seed)
     for b, h, n, d in SMALL_SHAPES:
         q, k, v, do = (cupy.asarray(rng.standard_normal((b, h, n, d)).astype(np.float16)) for _ in range(4))
-        o, lse = flashcupy.attention(q, k, v, return_lse=True)
-        mine = {"fwd": lambda: flashcupy.attention(q, k, v),
-                "bwd": lambda: flashcupy.attention_backward(do, q, k, v, o, lse)}
-        peer = {}
+        o, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)
+
+        def step():
+            o, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)
+            flashcupy.attention_backward(do, q, k, v, o, lse, causal=True)
+
+        mine = {"fwd": lambda: flashcupy.attention(q, k, v, causal=True),
+                "bwd": lambda: flashcupy.attention_backward(do, q, k, v, o, lse, causal=True), "step": step}
+        peer, bridge = {}, {}
         if torch is not None:
-            tq, tk, tv, tdo = sdpa.to_torch(torch, (q, k, v, do))
-            rq, rk, rv = (t.clone().requires_grad_() for t in (tq, tk, tv))
-            out = torch.nn.functional.scaled_dot_product_attention(rq, rk, rv)
-            peer = {"fwd": lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv),
-                    "bwd": lambda: torch.autograd.grad(out, (rq, rk, rv), tdo, retain_graph=True)}
             import flashcupy.torch as fct
 
+            sdpa_fn = torch.nn.functional.scaled_dot_product_attention
+            tq, tk, tv, tdo = sdpa.to_torch(torch, (q, k, v, do))
+            rq, rk, rv = (t.clone().requires_grad_() for t in (tq, tk, tv))
+            out = sdpa_fn(rq, rk, rv, is_causal=True)
+            peer = {"fwd": lambda: sdpa_fn(tq, tk, tv, is_causal=True),
+                    "bwd": lambda: torch.autograd.grad(out, (rq, rk, rv), tdo, retain_graph=True),
+                    "step": lambda: sdpa_fn(rq, rk, rv, is_causal=True).backward(tdo)}
             bq, bk, bv = (t.clone().requires_grad_() for t in (tq, tk, tv))
-            bout = fct.attention(bq, bk, bv)
-            bridge = {"fwd": lambda: fct.attention(tq, tk, tv),
-                      "bwd": lambda: torch.autograd.grad(bout, (bq, bk, bv), tdo, retain_graph=True)}
-        for direction in ("fwd", "bwd"):
+            bout = fct.attention(bq, bk, bv, causal=True)
+            bridge = {"fwd": lambda: fct.attention(tq, tk, tv, causal=True),
+                      "bwd": lambda: torch.autograd.grad(bout, (bq, bk, bv), tdo, retain_graph=True),
+                      "step": lambda: fct.attention(bq, bk, bv, causal=True).backward(tdo)}
+        for direction in SMALL_DIRECTIONS:
             fns = [mine[direction]] + ([peer[direction], bridge[direction]] if peer else [])
             walls = _wall_us(ctx, fns)
             (ours, ours_min), (theirs, theirs_min), (bridged, _) = walls + [(None, None)] * (3 - len(walls))
             rows.append([b, h, n, d, direction, ours, theirs, ours / theirs if theirs else None,
                          ours_min, theirs_min, ours_min / theirs_min if theirs_min else None,
-                         _device_us(mine[direction]), _device_us(peer[direction]) if peer else None, bridged])
+                         _device_us(mine[direction]), _device_us(peer[direction]) if peer else None, bridged,
+                         bridged / theirs if theirs else None])
             log(f"small call {(b, h, n, d)} {direction}: flashcupy {ours:.1f} us, SDPA "
-                f"{'-' if theirs is None else f'{theirs:.1f}'} us")
+                f"{'-' if theirs is None else f'{theirs:.1f}'} us, flashcupy.torch "
+                f"{'-' if bridged is None else f'{bridged:.1f}'} us")
     return rows
 
 
@@ -670,11 +684,13 @@ def run_bench(ctx: Context, cells=None) -> Report:
     if small:
         tables.append(Table("Small calls: wall time per call (us; host and device, median and fastest of "
                             f"{SMALL_ROUNDS} rounds of {SMALL_CALLS} synchronized calls, the providers' "
-                            "rounds alternating, garbage collection paused), fp16, non-causal, default "
-                            "knobs; device us: the GPU's own time per call",
+                            "rounds alternating, garbage collection paused), fp16, causal, default "
+                            "knobs; bwd: autograd.grad of a retained graph; step: forward of inputs that "
+                            "require grad, then backward(dO) into .grad; device us: the GPU's own time per "
+                            "call",
                             ["B", "H", "N", "D", "direction", "flashcupy us", "SDPA us", "flashcupy / SDPA",
                              "flashcupy min us", "SDPA min us", "min / min", "flashcupy device us",
-                             "SDPA device us", "flashcupy.torch us"], small))
+                             "SDPA device us", "flashcupy.torch us", "flashcupy.torch / SDPA"], small))
     return Report("bench", "Speed: flashcupy against naive attention and torch SDPA, same run", finding,
                   setup, tables, data={"cells": raw, "batch": b, "heads": h, "small_calls": small},
                   figure=fig,

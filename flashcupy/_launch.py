@@ -19,7 +19,7 @@ from ._build import (
     wgmma_persistent,
 )
 from ._checks import Problem, numpy_dtype
-from ._tma import STRIDE_LIMIT
+from ._tma import STRIDE_LIMIT, TMA_MAP_BYTES, MapTemplate
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -75,19 +75,24 @@ class _Scratch:
     counter already asked. The torch bridge passes its own scratch (torch's allocator, whose graph pools
     keep a capture's memory for as long as the graph lives)."""
 
-    __slots__ = ("stream", "capturing", "taken")
+    __slots__ = ("stream", "capturing", "taken", "keep")
 
     def __init__(self, stream):
         self.stream = stream
         self.capturing = None  # asked on the first request
         self.taken = ()
+        self.keep = []  # buffer()'s arrays
+
+    def is_capturing(self) -> bool:
+        """Whether the stream is being captured into a CUDA graph (asked once)."""
+        if self.capturing is None:
+            self.capturing = self.stream.is_capturing()
+        return self.capturing
 
     def empty(self, shape, dtype):
         import cupy
 
-        if self.capturing is None:
-            self.capturing = self.stream.is_capturing()
-        if not self.capturing:
+        if not self.is_capturing():
             return cupy.empty(shape, dtype=dtype)
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         self.taken += ((shape, np.dtype(dtype).str),)
@@ -101,6 +106,13 @@ class _Scratch:
         x = self.empty(shape, dtype)
         x.fill(0)
         return x
+
+    def buffer(self, shape, dtype, zero: bool = False) -> int:
+        """The device address of a temporary (zeroed if ``zero``) that lives as long as this scratch
+        (one call): the launch plans' form of ``empty`` and ``zeros``."""
+        x = self.zeros(shape, dtype) if zero else self.empty(shape, dtype)
+        self.keep.append(x)
+        return x.data.ptr
 
     def copy(self, x):
         """A C-contiguous copy of x (any strides: zero, negative, misaligned)."""
@@ -122,31 +134,30 @@ def _wgmma_ctas(tiles: int) -> int:
 _COUNTERS_LIMIT = 64  # streams whose tile counter a thread keeps; past that the cache starts over
 
 
-def _tile_counter(stream, scratch: "_Scratch"):
-    """The tile counter of the wgmma forward's dynamic scheduler (FC_WG_PERSISTENT 2) for a launch on
-    ``stream`` from this thread: two int32, zero before each launch and zero again after it (the kernel's
-    last CTA resets them). Launches that run one after another share one: those of a thread on one
-    stream (another thread, whose per-thread default stream has the same handle, gets its own; a thread
-    keeps those of its last 64 streams: a dropped one returns to the pool in its stream's order). While
-    the stream is captured into a CUDA graph the launch takes one from ``scratch`` (memory the graph
-    keeps) and a memset to zero is captured before it, so that each replay starts from zero whatever ran
-    before."""
+def _tile_counter(stream: int, scratch: "_Scratch") -> int:
+    """The device address of the tile counter of the wgmma forward's dynamic scheduler
+    (FC_WG_PERSISTENT 2) for a launch on the stream with handle ``stream`` from this thread: two int32,
+    zero before each launch and zero again after it (the kernel's last CTA resets them). Launches that
+    run one after another share one: those of a thread on one stream (another thread, whose per-thread
+    default stream has the same handle, gets its own; a thread keeps those of its last 64 streams: a
+    dropped one returns to the pool in its stream's order). While the stream is captured into a CUDA
+    graph the launch takes one from ``scratch`` (memory the graph keeps) and a memset to zero is
+    captured before it, so that each replay starts from zero whatever ran before."""
     import cupy
 
-    if scratch.capturing is None:
-        scratch.capturing = stream.is_capturing()
-    if scratch.capturing:
-        return scratch.zeros((2,), cupy.int32)
+    if scratch.is_capturing():
+        return scratch.buffer((2,), cupy.int32, zero=True)
     counters = getattr(_THREAD, "tile_counters", None)
     if counters is None:
         counters = _THREAD.tile_counters = {}
-    key = (cupy.cuda.runtime.getDevice(), stream.ptr)
+    key = (cupy.cuda.runtime.getDevice(), stream)
     counter = counters.get(key)
     if counter is None:
         if len(counters) >= _COUNTERS_LIMIT:
             counters.clear()
-        counter = counters[key] = cupy.zeros(2, dtype=cupy.int32)
-    return counter
+        with cupy.cuda.ExternalStream(stream):  # zeroed, and one day freed, in that stream's order
+            counter = counters[key] = cupy.zeros(2, dtype=cupy.int32)
+    return counter.data.ptr
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,53 +183,71 @@ def _element_strides(strides, itemsize: int) -> tuple[np.int64, np.int64, np.int
 # depends on its arrays' addresses (the TMA maps, remembered per address) and its outputs.
 
 _PLAN_LIMIT = 1024   # plans remembered; past that the memo starts over
-_MAPS_LIMIT = 64     # TMA map triples remembered per plan (one per (q, k, v) address triple)
+_MAPS_LIMIT = 64     # TMA maps remembered per mapped argument of a plan (one per address)
+
+
+PTR, MAP = "ptr", "map"  # the argument kinds of a launch layout besides fixed scalars
+DRIVER_LAUNCH = True     # False: launchers made from now on launch through CuPy (a test compares the two)
 
 
 class _Launcher:
-    """One kernel's launches with a fixed argument layout through the driver's ``cuLaunchKernel``
-    (``cuda.bindings``) on an argument array built once from the first call's arguments; a later call
-    writes only what changes: the arrays' addresses and, when the q, k, v addresses change, the TMA maps.
-    CuPy's launch converts every argument on every call: 10.4 us against 6.0 us for the 23 arguments of
-    the Hopper forward (measured on the H200); the bits are the same (the same kernel, the same bytes)."""
+    """One kernel's launches with a fixed argument layout: ``layout`` lists each argument as ``PTR`` (a
+    device address), ``MAP`` (a 128-byte TMA map, by value) or a NumPy scalar of a fixed width (written
+    once). A call passes the stream handle, the addresses and the maps' bytes, in layout order.
 
-    def __init__(self, kern, grid, args):
-        import cupy
-        from cuda.bindings import driver
+    With ``cuda.bindings``: the driver's ``cuLaunchKernel`` on an argument array built once, of which a
+    call rewrites only the addresses and the maps that changed (CuPy's launch converts every argument on
+    every call: 10.4 us against 6.0 us for the 23 arguments of the Hopper forward, measured on the
+    H200). Without it: CuPy's launch of the same bytes on the same stream."""
 
+    def __init__(self, kern, grid, layout):
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        self._kern, self._grid = kern, grid
+        self._layout = tuple(layout)
+        self._lock = threading.Lock()  # one argument array: one launch at a time
+        try:
+            import cupy
+            from cuda.bindings import driver
+        except ImportError:
+            driver = None
+        if driver is None or not DRIVER_LAUNCH:
+            self._driver = None
+            return
         self._driver = driver
         self._device = cupy.cuda.runtime.getDevice()
         self._fn = driver.CUfunction(kern.function.kernel.ptr)  # the kernel on the current device
-        grid = tuple(grid) + (1,) * (3 - len(grid))
         self._dims = (*grid, kern.threads, 1, 1, kern.smem_bytes)
-        self._slots = [_c_value(a) for a in args]
-        self._arrays = [s for a, s in zip(args, self._slots) if _is_device_array(a)]
-        self._maps = [s for a, s in zip(args, self._slots) if isinstance(a, np.void)]
-        self._params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, self._slots))
+        self._slots = [_c_value(a) for a in self._layout]
+        self._ptrs = [s for a, s in zip(self._layout, self._slots) if a is PTR]
+        self._maps = [s for a, s in zip(self._layout, self._slots) if a is MAP]
+        self._last_maps = [None] * len(self._maps)
+        self._params = (ctypes.c_void_p * len(self._slots))(*map(ctypes.addressof, self._slots))
         self._addr = ctypes.addressof(self._params)
-        self._last_maps = tuple(args[i] for i, a in enumerate(args) if isinstance(a, np.void))
-        self._lock = threading.Lock()  # one argument array: one launch at a time
+        self._ok = driver.CUresult.CUDA_SUCCESS
 
-    def __call__(self, stream: int, pointers: tuple, maps: tuple = ()) -> None:
+    def __call__(self, stream: int, pointers, maps=()) -> None:
+        if self._driver is None:
+            return self._cupy_launch(stream, pointers, maps)
         _bind_context(self._device)
         with self._lock:
-            for slot, ptr in zip(self._arrays, pointers):
+            for slot, ptr in zip(self._ptrs, pointers):
                 slot.value = ptr
-            if maps and maps is not self._last_maps:
-                for slot, m in zip(self._maps, maps):
-                    ctypes.memmove(slot, m.tobytes(), len(slot))
-                self._last_maps = maps
+            for i, (slot, m) in enumerate(zip(self._maps, maps)):
+                if m is not self._last_maps[i]:
+                    ctypes.memmove(slot, m, len(slot))
+                    self._last_maps[i] = m
             err, = self._driver.cuLaunchKernel(self._fn, *self._dims, stream, self._addr, 0)
-        if err != self._driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernel failed: {err}")
+        if err != self._ok:
+            raise RuntimeError(f"cuLaunchKernel of {self._kern.name} failed: {err}")
 
-    @staticmethod
-    def make(kern, grid, args):
-        """A launcher, or None where cuda.bindings is not installed (CuPy launches then)."""
-        try:
-            return _Launcher(kern, grid, args)
-        except ImportError:
-            return None
+    def _cupy_launch(self, stream: int, pointers, maps) -> None:
+        import cupy
+
+        ptrs, tmaps = iter(pointers), iter(maps)
+        args = tuple(np.uint64(next(ptrs)) if a is PTR else
+                     np.frombuffer(next(tmaps), dtype=_MAP_DTYPE)[0] if a is MAP else a for a in self._layout)
+        with cupy.cuda.ExternalStream(stream):
+            self._kern(self._grid, args)
 
 
 _THREAD = threading.local()
@@ -241,28 +270,58 @@ def _bind_context(device: int) -> None:
 
 _C_SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
               np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float}
-
-
-def _is_device_array(a) -> bool:
-    return hasattr(getattr(a, "data", None), "ptr")
+_MAP_DTYPE = np.dtype((np.void, TMA_MAP_BYTES))
 
 
 def _c_value(a):
-    """A kernel argument as the ctypes object whose bytes the kernel receives: an array's device address,
-    a 128-byte TMA map, or a NumPy scalar of a fixed width."""
-    if _is_device_array(a):
-        return ctypes.c_uint64(a.data.ptr)
-    if isinstance(a, np.void):
-        return (ctypes.c_ubyte * a.dtype.itemsize).from_buffer_copy(a.tobytes())
+    """A layout entry as the ctypes object whose bytes the kernel receives: a device address (``PTR``),
+    a 128-byte TMA map (``MAP``), or a NumPy scalar of a fixed width."""
+    if a is PTR:
+        return ctypes.c_uint64(0)
+    if a is MAP:
+        return (ctypes.c_ubyte * TMA_MAP_BYTES)()
     if isinstance(a, np.generic) and a.dtype in _C_SCALARS:
         return _C_SCALARS[a.dtype](a.item())
     raise TypeError(f"kernel argument of type {type(a).__name__} ({getattr(a, 'dtype', '')}) has no fixed "
                     "C layout here")
 
 
+def _contiguous_strides(shape, itemsize: int) -> tuple:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+class _MapSlot:
+    """One TMA-mapped argument of a plan: the map's template (everything but the address, checked when
+    the plan is made) and the maps of the last addresses seen (at most ``_MAPS_LIMIT``)."""
+
+    __slots__ = ("template", "maps")
+
+    def __init__(self, shape, strides, dtype, box, name: str):
+        rows, cols = box if isinstance(box, tuple) else (box, 64)
+        self.template = MapTemplate(shape, strides, dtype, rows, box_cols=cols, name=name)
+        self.maps = {}
+
+    def __call__(self, ptr: int) -> bytes:
+        m = self.maps.get(ptr)
+        if m is None:
+            m = self.template.encode(ptr)
+            if len(self.maps) >= _MAPS_LIMIT:
+                self.maps.clear()
+            self.maps[ptr] = m
+        return m
+
+
 class _ForwardPlan:
-    __slots__ = ("tma", "readable", "kern", "grid", "args", "tail", "maps", "boxes", "o_shape", "lse_shape",
-                 "launcher", "dynamic")
+    """A forward call's launch, made from its Problem and the strides of q, k, v (bytes): the kernel, its
+    grid and argument layout (``_Launcher``), and, for the wgmma family, the TMA map templates.
+    ``run`` then takes only addresses. ``readable``: whether the kernels read arrays of these strides in
+    place (a plan that is not is never run: the call copies its inputs first)."""
+
+    __slots__ = ("tma", "readable", "kern", "o_shape", "lse_shape", "dynamic", "map_slots", "launcher")
 
     def __init__(self, p: Problem, q_strides, k_strides, v_strides, itemsize: int):
         var = p.variant
@@ -273,56 +332,56 @@ class _ForwardPlan:
             (q_shape, q_strides), (kv_shape, k_strides), (kv_shape, v_strides)))
         self.kern = get_kernel(var, "fwd")  # compiled (and checked against the device) before any allocation
         self.o_shape, self.lse_shape = q_shape, q_shape[:3]
-        self.grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
-        self.args = (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
-                     *_element_strides(q_strides, itemsize), *_element_strides(k_strides, itemsize),
-                     *_element_strides(v_strides, itemsize), np.float32(p.scale * _LOG2E))
-        self.tail, self.maps, self.boxes, self.launcher, self.dynamic = (), None, None, None, False
-        if var.fam.kind == "wgmma":
+        grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
+        scalars = (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
+                   *_element_strides(q_strides, itemsize), *_element_strides(k_strides, itemsize),
+                   *_element_strides(v_strides, itemsize), np.float32(p.scale * _LOG2E))
+        maps, tail, self.dynamic, self.map_slots = (), (), False, ()
+        if self.tma:
             # The Hopper kernels load q, k, v by TMA from tensor maps over their real strides, passed
             # first, by value, and store o through a fourth (64 x 64 boxes); they also take the head and
-            # batch counts, and a persistent variant loops
-            # over the tiles on one CTA per SM, with the dynamic scheduler taking them from a counter (a
-            # call's own, _tile_counter; the others get a null pointer).
+            # batch counts, and a persistent variant loops over the tiles on one CTA per SM, with the
+            # dynamic scheduler taking them from a counter (a call's own, _tile_counter; the others get
+            # a null pointer).
             self.dynamic = wgmma_persistent(var) == 2
-            self.tail = (np.int32(p.heads_q), np.int32(p.batch)) + (() if self.dynamic else (np.uint64(0),))
-            self.maps, self.boxes = {}, (var.block_m, var.block_n, var.block_n, 64)
+            maps = (MAP,) * 4
+            tail = (np.int32(p.heads_q), np.int32(p.batch), PTR if self.dynamic else np.uint64(0))
+            if self.readable:
+                dtype = numpy_dtype(var.dtype)
+                self.map_slots = tuple(_MapSlot(shape, st, dtype, box, name) for shape, st, box, name in (
+                    (q_shape, q_strides, var.block_m, "q"), (kv_shape, k_strides, var.block_n, "k"),
+                    (kv_shape, v_strides, var.block_n, "v"),
+                    (q_shape, _contiguous_strides(q_shape, itemsize), 64, "o")))
             if wgmma_persistent(var):
-                self.grid = (_wgmma_ctas(self.grid[0] * self.grid[1] * self.grid[2]), 1, 1)
+                grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
+        self.launcher = _Launcher(self.kern, grid, maps + (PTR,) * 5 + scalars + tail)
 
-    def tensor_maps(self, q, k, v, o) -> tuple:
-        return _tensor_maps(self.maps, (q, k, v, o), self.boxes, ("q", "k", "v", "o"))
-
-
-def _tensor_maps(cache: dict, arrays: tuple, boxes: tuple, names: tuple) -> tuple:
-    """The TMA maps of ``arrays`` (boxes: rows, or (rows, columns) where not 64 columns): a function of
-    their addresses, shapes, strides and dtype, of which only the addresses can change under one plan, so
-    ``cache`` (the plan's) remembers them per address tuple."""
-    ptrs = tuple(x.data.ptr for x in arrays)
-    maps = cache.get(ptrs)
-    if maps is None:
-        from ._tma import tensor_map
-
-        maps = tuple(tensor_map(x, box[0], box_cols=box[1], name=name) if isinstance(box, tuple)
-                     else tensor_map(x, box, name=name) for x, box, name in zip(arrays, boxes, names))
-        if len(cache) >= _MAPS_LIMIT:
-            cache.clear()
-        cache[ptrs] = maps
-    return maps
+    def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int, scratch) -> None:
+        """Launch on the stream with handle ``stream``, the arrays at these device addresses: q, k, v with
+        the plan's strides and 16-byte aligned, o and lse C-contiguous. ``scratch`` (``_Scratch``'s
+        interface) gives the dynamic scheduler's counter under stream capture."""
+        ptrs = (q, k, v, o, lse, _tile_counter(stream, scratch)) if self.dynamic else (q, k, v, o, lse)
+        slots = self.map_slots
+        self.launcher(stream, ptrs, (slots[0](q), slots[1](k), slots[2](v), slots[3](o)) if slots else ())
 
 
 _FORWARD_PLANS: dict = {}
 
 
-def _forward_plan(p: Problem, q, k, v) -> _ForwardPlan:
-    key = (p, q.strides, k.strides, v.strides)
+def forward_plan(p: Problem, q_strides, k_strides, v_strides, itemsize: int) -> _ForwardPlan:
+    """The plan of a forward call (remembered per problem and strides, at most ``_PLAN_LIMIT``)."""
+    key = (p, q_strides, k_strides, v_strides)
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
-        plan = _ForwardPlan(p, q.strides, k.strides, v.strides, q.itemsize)
+        plan = _ForwardPlan(p, q_strides, k_strides, v_strides, itemsize)
         if len(_FORWARD_PLANS) >= _PLAN_LIMIT:
             _FORWARD_PLANS.clear()
         _FORWARD_PLANS[key] = plan
     return plan
+
+
+def _forward_plan(p: Problem, q, k, v) -> _ForwardPlan:
+    return forward_plan(p, q.strides, k.strides, v.strides, q.itemsize)
 
 
 def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None):
@@ -358,23 +417,17 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None):
         if not (lse.flags.c_contiguous and lse.shape == plan.lse_shape and lse.dtype == cupy.float32):
             raise ValueError(f"lse must be C-contiguous {plan.lse_shape} float32; got {lse.shape} "
                              f"{lse.dtype}")
-    maps = plan.tensor_maps(q, k, v, o) if plan.maps is not None else ()  # the arrays outlive the launch
-    counter = (_tile_counter(stream, scratch),) if plan.dynamic else ()
-    if plan.launcher is not None:
-        plan.launcher(stream.ptr, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr,
-                                   *(c.data.ptr for c in counter)), maps)
-        return o, lse
-    args = maps + (q, k, v, o, lse) + plan.args + plan.tail + counter
-    launcher = _Launcher.make(plan.kern, plan.grid, args)  # first: a layout error raises before any launch
-    plan.kern(plan.grid, args)
-    plan.launcher = launcher  # the next calls launch through it
+    plan.run(stream.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, scratch)
     return o, lse
 
 
 class _BackwardPlan:
-    __slots__ = ("tma", "readable", "prep", "prep_grid", "prep_tail", "k_kv", "k_q", "kv_grid", "q_grid",
-                 "args", "atomic", "conv_grid", "conv_tail", "q_shape", "kv_shape", "rows_shape", "maps",
-                 "boxes", "sem_shape", "sem_tail", "ld_size")
+    """A backward call's launches, made from its Problem, ``deterministic`` and the strides of do, q, k,
+    v, o (bytes): the prep kernel's, the two kernels' of ``backward_roles`` (grids and argument layouts)
+    and, for the wgmma family, the TMA map templates. ``run`` then takes only addresses."""
+
+    __slots__ = ("tma", "readable", "prep", "q_shape", "kv_shape", "atomic", "delta_size", "ld_size", "boxes",
+                 "sem_shape", "ordered_heads", "map_slots", "prep_launch", "kv_launch", "q_launch")
 
     def __init__(self, p: Problem, deterministic: bool, strides: tuple, itemsize: int):
         var = p.variant
@@ -387,9 +440,9 @@ class _BackwardPlan:
             (kv_shape, v_s, self.tma), (q_shape, o_s, False)))
         roles = backward_roles(var, deterministic, p.nq)
         self.prep = get_kernel(var, "prep")
-        self.k_kv, self.k_q = (get_kernel(var, role) for role in roles)
+        k_kv, k_q = (get_kernel(var, role) for role in roles)
         self.atomic = roles != DETERMINISTIC_DQ_ROLES  # an fp32 dQ buffer, converted at the end
-        self.q_shape, self.kv_shape, self.rows_shape = q_shape, kv_shape, q_shape[:3]
+        self.q_shape, self.kv_shape = q_shape, kv_shape
         rows = p.batch * p.heads_q * p.nq
         # wgmma: prep writes L (log2 units) and delta tiled by query tile and padded to whole tiles, which
         # the producer copies into its stage with one bulk copy a tile (FC_BWD_PREP_TILE in bwd_prep.cuh)
@@ -398,45 +451,105 @@ class _BackwardPlan:
         # bwd_wgmma.cu turns it into FC_BWD_PREP_TILE (the mma and simt preps stay untiled)
         tiled = var.family == "bwd_wgmma" and bool(self.prep.defines.get("FC_BWD_LD_TMA", 0))
         self.ld_size = p.batch * p.heads_q * n_qt * 2 * var.block_m if tiled else 0
+        self.delta_size = self.ld_size or rows
         prep_rows = p.batch * p.heads_q * n_qt * var.block_m if tiled else rows
-        self.prep_grid = ((8 * prep_rows + var.threads - 1) // var.threads,)
-        self.prep_tail = (np.int64(prep_rows), np.int32(p.heads_q), np.int32(p.nq),
-                          *_element_strides(do_s, itemsize), *_element_strides(o_s, itemsize))
+        # prep (do, o, delta, dq_accum, strides..., [lse,] dlse)
+        self.prep_launch = _Launcher(self.prep, ((8 * prep_rows + var.threads - 1) // var.threads,), (
+            PTR, PTR, PTR, PTR, np.int64(prep_rows), np.int32(p.heads_q), np.int32(p.nq),
+            *_element_strides(do_s, itemsize), *_element_strides(o_s, itemsize),
+            *(PTR,) * (2 if tiled else 1)))
         scale_log2 = np.float32(p.scale * _LOG2E)
-        self.args = (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
-                     *(x for st in (q_s, k_s, v_s, do_s) for x in _element_strides(st, itemsize)), scale_log2)
-        self.kv_grid = ((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch)
-        self.q_grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
+        # the main kernels: (q, k, v, do, lse, delta, dq, dk, dv, sizes, strides, scale, ...)
+        main = (PTR,) * 9 + (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
+                             *(x for st in (q_s, k_s, v_s, do_s) for x in _element_strides(st, itemsize)),
+                             scale_log2)
+        kv_grid = ((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch)
         n4 = rows * p.head_dim // 4
-        self.conv_grid = (min((n4 + 255) // 256, 65536),)
-        self.conv_tail = (np.int64(n4), scale_log2)
-        self.maps, self.boxes, self.sem_shape, self.sem_tail = None, None, None, ()
-        if var.fam.kind == "wgmma":
+        convert = (k_q, (min((n4 + 255) // 256, 65536),), (PTR, PTR, np.int64(n4), scale_log2))
+        self.boxes, self.sem_shape, self.ordered_heads, self.map_slots = None, None, None, ()
+        if self.tma:
             # q, k, v, dout loaded, the fp32 dQ buffer reduced into and dk, dv stored by TMA (maps first,
             # by value; the buffer's box is 32 fp32 columns, 128 bytes, dk's and dv's a consumer
             # warpgroup's 64 keys); deterministic: one counter per query tile and the heads per section
             # of its block order (the ordered kernel's last two arguments)
-            self.maps = {}
             # the dQ buffer's box rows as the module was compiled (bwd_wgmma_dq_box_rows in _build.py)
-            dq_box_rows = self.k_kv.defines["FC_BWD_DQ_BOX_ROWS"]
+            dq_box_rows = k_kv.defines["FC_BWD_DQ_BOX_ROWS"]
             self.boxes = (var.block_m, var.block_n, var.block_n, var.block_m, (dq_box_rows, 32), 64, 64)
+            tail = ()
             if deterministic:
-                n_qt = (p.nq + var.block_m - 1) // var.block_m
                 self.sem_shape = (p.batch, p.heads_q, n_qt)
                 # non-causal: the (batch, KV head) pairs in sections of this many heads, key tile slowest
-                self.sem_tail = (np.int32(bwd_wgmma_ordered_heads(p.batch * p.heads_kv, self.kv_grid[0],
-                                                                  p.group * n_qt, _sm_count(p.device))),)
+                self.ordered_heads = bwd_wgmma_ordered_heads(p.batch * p.heads_kv, kv_grid[0], p.group * n_qt,
+                                                             _sm_count(p.device))
+                tail = (PTR, np.int32(self.ordered_heads))
+            if self.readable:
+                dtype, f32 = numpy_dtype(var.dtype), np.dtype(np.float32)
+                kv_c = _contiguous_strides(kv_shape, itemsize)
+                self.map_slots = tuple(_MapSlot(*slot) for slot in zip(
+                    (q_shape, kv_shape, kv_shape, q_shape, q_shape, kv_shape, kv_shape),
+                    (q_s, k_s, v_s, do_s, _contiguous_strides(q_shape, 4), kv_c, kv_c),
+                    (dtype,) * 4 + (f32, dtype, dtype), self.boxes,
+                    ("q", "k", "v", "do", "dq_accum", "dk", "dv")))
+            self.kv_launch = _Launcher(k_kv, kv_grid, (MAP,) * 7 + main + tail)
+            self.q_launch = _Launcher(*convert)
+        elif self.atomic:
+            self.kv_launch = _Launcher(k_kv, kv_grid, main + (PTR,))
+            self.q_launch = _Launcher(*convert)
+        else:
+            self.kv_launch = _Launcher(k_kv, kv_grid, main)
+            q_grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
+            self.q_launch = _Launcher(k_q, q_grid, main)
+
+    def run(self, stream: int, do: int, q: int, k: int, v: int, o: int, lse: int, dlse: int, dq: int, dk: int,
+            dv: int, scratch) -> None:
+        """Launch on the stream with handle ``stream``, the arrays at these device addresses: do, q, k,
+        v, o with the plan's strides and 16-byte aligned; lse, dlse (0: none) C-contiguous and 4-byte
+        aligned; dq, dk, dv C-contiguous. The temporaries (the fp32 dQ buffer, delta, the ordered
+        path's counters) come from ``scratch``."""
+        # one fp32 temporary: the dQ buffer (atomic paths), then delta (16-byte aligned: D is a multiple of 8)
+        dq_floats = math.prod(self.q_shape) if self.atomic else 0
+        delta = scratch.buffer((dq_floats + self.delta_size,), np.float32) + 4 * dq_floats
+        dq_accum = delta - 4 * dq_floats if self.atomic else 0
+        self.prep_launch(stream, (do, o, delta, dq_accum, lse, dlse) if self.ld_size else
+                         (do, o, delta, dq_accum, dlse))
+        main = (q, k, v, do, lse, delta, dq, dk, dv)
+        if self.tma:
+            maps = tuple(slot(x) for slot, x in zip(self.map_slots, (q, k, v, do, dq_accum, dk, dv)))
+            if self.sem_shape is not None:
+                main += (scratch.buffer(self.sem_shape, np.int32, zero=True),)
+            self.kv_launch(stream, main, maps)
+            self.q_launch(stream, (dq_accum, dq))
+        elif self.atomic:
+            self.kv_launch(stream, main + (dq_accum,))
+            self.q_launch(stream, (dq_accum, dq))
+        else:
+            self.kv_launch(stream, main)
+            self.q_launch(stream, main)
 
 
 _BACKWARD_PLANS: dict = {}
 
 
+def backward_plan(p: Problem, deterministic: bool, strides: tuple, itemsize: int) -> _BackwardPlan:
+    """The plan of a backward call (remembered per problem, ``deterministic`` and the strides of do, q,
+    k, v, o; at most ``_PLAN_LIMIT``)."""
+    key = (p, deterministic, *strides)
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None:
+        plan = _BackwardPlan(p, deterministic, strides, itemsize)
+        if len(_BACKWARD_PLANS) >= _PLAN_LIMIT:
+            _BACKWARD_PLANS.clear()
+        _BACKWARD_PLANS[key] = plan
+    return plan
+
+
 def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None, dlse=None, scratch=None):
     """dq, dk, dv of the variant of ``p`` on the current CuPy stream of the GPU that holds the arrays.
 
-    First flash_bwd_prep computes delta_i = rowsum(dO_i * O_i) in fp32 (O(N) memory) and zeroes the
-    atomic path's fp32 dQ buffer (wgmma: it also writes L_i = lse_i log2 e, and lays L and delta out by
-    query tile, padded, for the producer's bulk copies). Then:
+    First flash_bwd_prep computes delta_i = rowsum(dO_i * O_i) - dlse_i in fp32 (O(N) memory; dlse, the
+    LSE's gradient, where given) and zeroes the atomic path's fp32 dQ buffer (wgmma: it also writes
+    L_i = lse_i log2 e, and lays L and delta out by query tile, padded, for the producer's bulk copies).
+    Then:
 
     * ``deterministic=True``, or fp16 accumulators, or a family without the atomic kernel: the dK/dV
       kernel (key-tile outer) and the dQ kernel (query-tile outer), neither with atomics: bitwise
@@ -446,7 +559,6 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
       a conversion kernel scales and rounds it into dq. The order of the additions varies between
       runs, so dq may differ in the last bits from run to run.
 
-    ``dlse`` (the LSE's gradient) is subtracted from delta after the prep kernel (wgmma: inside it).
     ``grads`` may hold preallocated (dq, dk, dv) (poisoned by tests). Inputs the kernels cannot read in
     place are copied once, as in ``forward`` (o, read by the prep kernel alone, takes any step). The
     temporaries (the fp32 dQ buffer, delta, the ordered path's counters, copies) come from ``scratch``
@@ -458,52 +570,21 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
         with cupy.cuda.Device(p.device):
             return backward(do, q, k, v, o, lse, p, deterministic=deterministic, grads=grads, dlse=dlse,
                             scratch=scratch)
-    scratch = _Scratch(cupy.cuda.get_current_stream()) if scratch is None else scratch
-    arrays = (do, q, k, v, o)
-    key = (p, deterministic, *(x.strides for x in arrays))
-    plan = _BACKWARD_PLANS.get(key)
-    if plan is None or not plan.readable or (do.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr
-                                             | o.data.ptr) & 15:
-        tma = p.variant.fam.kind == "wgmma"
-        do, q, k, v = (_as_readable(x, tma, scratch) for x in (do, q, k, v))
+    stream = cupy.cuda.get_current_stream()
+    scratch = _Scratch(stream) if scratch is None else scratch
+    plan = backward_plan(p, deterministic, tuple(x.strides for x in (do, q, k, v, o)), q.itemsize)
+    if not plan.readable or (do.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr | o.data.ptr) & 15:
+        do, q, k, v = (_as_readable(x, plan.tma, scratch) for x in (do, q, k, v))
         o = _as_readable(o, False, scratch)
-        key = (p, deterministic, *(x.strides for x in (do, q, k, v, o)))
-        plan = _BACKWARD_PLANS.get(key)
-        if plan is None:
-            plan = _BackwardPlan(p, deterministic, key[2:], q.itemsize)
-            if len(_BACKWARD_PLANS) >= _PLAN_LIMIT:
-                _BACKWARD_PLANS.clear()
-            _BACKWARD_PLANS[key] = plan
+        plan = backward_plan(p, deterministic, tuple(x.strides for x in (do, q, k, v, o)), q.itemsize)
     lse = _as_rows(lse, scratch)
-    dq_accum = scratch.empty(plan.q_shape, cupy.float32) if plan.atomic else None
-    accum_arg = np.uint64(0) if dq_accum is None else dq_accum
-    if plan.ld_size:  # wgmma: L and delta (minus dlse) tiled for the producer's bulk copies
-        delta = scratch.empty(plan.ld_size, cupy.float32)
-        dlse_arg = np.uint64(0) if dlse is None else _as_rows(dlse, scratch)
-        plan.prep(plan.prep_grid, (do, o, delta, accum_arg) + plan.prep_tail + (lse, dlse_arg))
-    else:
-        delta = scratch.empty(plan.rows_shape, cupy.float32)
-        plan.prep(plan.prep_grid, (do, o, delta, accum_arg) + plan.prep_tail)
-        if dlse is not None:
-            delta -= dlse
+    dlse = None if dlse is None else _as_rows(dlse, scratch)
     if grads is None:
         grads = (cupy.empty(plan.q_shape, dtype=q.dtype), cupy.empty(plan.kv_shape, dtype=q.dtype),
                  cupy.empty(plan.kv_shape, dtype=q.dtype))
     dq, dk, dv = grads
-    args = (q, k, v, do, lse, delta, dq, dk, dv) + plan.args
-    if plan.maps is not None:  # wgmma: the maps; the ordered twin: the counters, whether rotated
-        maps = _tensor_maps(plan.maps, (q, k, v, do, dq_accum, dk, dv), plan.boxes,
-                            ("q", "k", "v", "do", "dq_accum", "dk", "dv"))
-        if plan.sem_shape is not None:
-            args += (scratch.zeros(plan.sem_shape, cupy.int32),) + plan.sem_tail
-        plan.k_kv(plan.kv_grid, maps + args)
-        plan.k_q(plan.conv_grid, (dq_accum, dq) + plan.conv_tail)
-    elif plan.atomic:
-        plan.k_kv(plan.kv_grid, args + (dq_accum,))
-        plan.k_q(plan.conv_grid, (dq_accum, dq) + plan.conv_tail)
-    else:
-        plan.k_kv(plan.kv_grid, args)
-        plan.k_q(plan.q_grid, args)
+    plan.run(stream.ptr, do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr,
+             0 if dlse is None else dlse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, scratch)
     return dq, dk, dv
 
 
@@ -579,7 +660,7 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
     grid = ((nq + var.block_m - 1) // var.block_m, hq, b)
     if wgmma_persistent(var):
         grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
-    counter = _tile_counter(stream, scratch) if wgmma_persistent(var) == 2 else np.uint64(0)
+    counter = np.uint64(_tile_counter(stream.ptr, scratch) if wgmma_persistent(var) == 2 else 0)
     args = maps + (q8, k8, vt, o, lse, np.int32(nq), np.int32(nk), np.int32(hq // hkv),
                    *element_strides(q8), *element_strides(k8), *element_strides(v8),
                    np.float32(scale * _LOG2E), np.int32(hq), np.int32(b), counter,

@@ -23,11 +23,13 @@ import numpy as np
 import torch
 
 from . import _launch
+from ._build import current_build
 from ._checks import backward_problem, forward_problem, numpy_dtype
 
 __all__ = ["attention"]
 
 _FWD_KNOBS = ("block_m", "block_n", "accum", "kernel", "ablate")
+_FWD_KNOBS_ORDER = ("causal", "scale", "block_m", "block_n", "accum", "kernel", "ablate")  # _forward's
 _BWD_KNOBS = ("accum", "kernel", "deterministic")  # the backward runs its own default tiles
 LAYOUTS = ("bhnd", "bnhd")
 
@@ -75,20 +77,26 @@ class _TorchScratch:
     them for as long as the graph lives; CuPy's pool would give them to other arrays after the call (and
     may not even allocate there: a cudaMalloc inside torch's capture is refused)."""
 
-    __slots__ = ("device", "capturing")
+    __slots__ = ("device", "capturing", "keep")
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.capturing = torch.cuda.is_current_stream_capturing()
+        self.capturing = None  # asked when a launch needs to know
+        self.keep = []
 
-    def empty(self, shape, dtype):
-        return _cp(torch.empty(shape, dtype=_TORCH_DTYPES[np.dtype(dtype)], device=self.device))
+    def is_capturing(self) -> bool:
+        if self.capturing is None:
+            self.capturing = torch.cuda.is_current_stream_capturing()
+        return self.capturing
 
-    def zeros(self, shape, dtype):
-        return _cp(torch.zeros(shape, dtype=_TORCH_DTYPES[np.dtype(dtype)], device=self.device))
+    def buffer(self, shape, dtype, zero: bool = False) -> int:
+        make = torch.zeros if zero else torch.empty
+        t = make(shape, dtype=_TORCH_DTYPES[np.dtype(dtype)], device=self.device)
+        self.keep.append(t)
+        return t.data_ptr()
 
     def copy(self, x):
-        out = self.empty(x.shape, x.dtype)
+        out = _cp(torch.empty(x.shape, dtype=_TORCH_DTYPES[x.dtype], device=self.device))
         cupy.copyto(out, x)
         return out
 
@@ -107,20 +115,152 @@ def _cp(t: torch.Tensor):
                         tuple(st * dt.itemsize for st in t.stride()))
 
 
+# --------------------------------------------------------------------------------------------------
+# the calls: launch plans remembered per signature of the tensors and knobs, as the CuPy entry points
+# remember their checks and plans; a call with a known signature checks nothing again, makes no CuPy
+# objects and launches on torch's current stream by its raw handle. The first call of a signature makes
+# its entry (CuPy views of the tensors, the checks, the plan); a call whose tensors start off the
+# 16-byte grid takes the general path (views, checks, ``_launch.forward`` / ``backward``, copies).
+
+_SIGNATURES: dict = {}
+_SIGNATURE_LIMIT = 4096  # signatures remembered; past that the memo starts over
+
+
+def _signature(tensors, knobs) -> tuple:
+    """What a call's checks and plan read: every tensor's shape, strides, dtype and device, every knob's
+    value and type, and the enclosing ``kernel_build``."""
+    return (*(x for t in tensors for x in (t.shape, t.stride(), t.dtype, t.get_device())), knobs,
+            tuple(map(type, knobs)), current_build())
+
+
+class _Entry:
+    """A remembered signature: its launch plan (None: the general path on every call) and which inputs
+    the plan reads as contiguous copies (those whose strides the kernels cannot read: one
+    ``contiguous()`` each, on torch's side; None: none)."""
+
+    __slots__ = ("plan", "copies")
+
+    def __init__(self, plan, copies):
+        self.plan, self.copies = plan, (copies if any(copies) else None)
+
+
+def _entry(key, make) -> _Entry:
+    """The entry of signature ``key``, made by ``make`` on a miss (and not remembered where a knob is
+    unhashable: the checks then say what is allowed)."""
+    try:
+        entry = _SIGNATURES.get(key)
+    except TypeError:
+        return make()
+    if entry is None:
+        entry = make()
+        if len(_SIGNATURES) >= _SIGNATURE_LIMIT:
+            _SIGNATURES.clear()
+        _SIGNATURES[key] = entry
+    return entry
+
+
+def _readable_strides(views, tmas) -> tuple[tuple, tuple]:
+    """Per view (and whether TMA reads it): whether the kernels need a contiguous copy of it, and the
+    strides they then read."""
+    copies = tuple(not _launch._strides_readable(x.shape, x.strides, x.itemsize, tma)
+                   for x, tma in zip(views, tmas))
+    strides = tuple(_launch._contiguous_strides(x.shape, x.itemsize) if c else x.strides
+                    for x, c in zip(views, copies))
+    return copies, strides
+
+
+def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized C-contiguous tensor of t's shape, dtype and device (``empty_like`` keeps the
+    strides of a permuted t, and costs half of ``torch.empty``'s keyword parsing where t is contiguous)."""
+    return torch.empty_like(t) if t.is_contiguous() else t.new_empty(t.shape)
+
+
+def _forward_entry(q, k, v, knobs) -> _Entry:
+    views = tuple(map(_cp, (q, k, v)))
+    p = forward_problem(*views, **dict(zip(_FWD_KNOBS_ORDER, knobs)))
+    copies, strides = _readable_strides(views, (p.variant.fam.kind == "wgmma",) * 3)
+    with cupy.cuda.Device(p.device):
+        return _Entry(_launch.forward_plan(p, *strides, views[0].itemsize), copies)
+
+
+def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate):
+    """(o, lse) of ``flashcupy.attention`` on tensors (the custom op's and the eager path's body)."""
+    knobs = (causal, scale, block_m, block_n, accum, kernel, ablate)
+    entry = _entry(_signature((q, k, v), knobs), lambda: _forward_entry(q, k, v, knobs))
+    device = q.get_device()
+    if torch._C._cuda_getDevice() != device:  # the driver launches on the current device's context
+        with torch.cuda.device(device):
+            return _forward(q, k, v, *knobs)
+    if entry.copies:
+        q, k, v = (t.contiguous() if c else t for t, c in zip((q, k, v), entry.copies))
+    o = _contiguous_like(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if (qp | kp | vp) & 15:  # off the 16-byte grid: the general path (copies)
+        views = tuple(map(_cp, (q, k, v)))
+        p = forward_problem(*views, **dict(zip(_FWD_KNOBS_ORDER, knobs)))
+        with _stream(q.device):
+            _launch.forward(*views, p, o=_cp(o), lse=_cp(lse), scratch=_TorchScratch(q.device))
+    else:
+        entry.plan.run(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, o.data_ptr(), lse.data_ptr(),
+                       _TorchScratch(q.device))
+    return o, lse
+
+
+def _backward_entry(tensors, knobs) -> _Entry:
+    causal, scale, accum, kernel, deterministic = knobs
+    views = [_cp(x) for x in tensors] + [None]
+    p = backward_problem(*views[:6], causal=causal, scale=scale, block_m=None, block_n=None, accum=accum,
+                         kernel=kernel, deterministic=deterministic, dlse=views[6])
+    tma = p.variant.fam.kind == "wgmma"
+    copies, strides = _readable_strides(views[:5], (tma,) * 4 + (False,))  # o: read by the prep kernel
+    # lse and dlse are read as rows: C-contiguous, else the general path copies them on every call
+    if not all(x.flags.c_contiguous for x in views[5:-1]):
+        return _Entry(None, copies)
+    with cupy.cuda.Device(p.device):
+        return _Entry(_launch.backward_plan(p, deterministic, strides, views[1].itemsize), copies)
+
+
+def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic):
+    """(dq, dk, dv) of ``flashcupy.attention_backward`` on tensors (``dlse`` may be None)."""
+    knobs = (causal, scale, accum, kernel, deterministic)
+    tensors = (do, q, k, v, o, lse) if dlse is None else (do, q, k, v, o, lse, dlse)
+    entry = _entry(_signature(tensors, knobs), lambda: _backward_entry(tensors, knobs))
+    device = q.get_device()
+    if torch._C._cuda_getDevice() != device:
+        with torch.cuda.device(device):
+            return _backward(do, q, k, v, o, lse, dlse, *knobs)
+    if entry.copies:
+        do, q, k, v, o = (t.contiguous() if c else t for t, c in zip((do, q, k, v, o), entry.copies))
+    grads = (_contiguous_like(q), _contiguous_like(k), _contiguous_like(v))
+    ptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
+    rows = (lse.data_ptr(), 0 if dlse is None else dlse.data_ptr())
+    misaligned = (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or (rows[0] | rows[1]) & 3
+    if entry.plan is None or misaligned:
+        # the general path (copies): off the 16-byte grid, lse or dlse not C-contiguous
+        arrays = [_cp(x) for x in (do, q, k, v, o, lse)]
+        cdlse = None if dlse is None else _cp(dlse)
+        p = backward_problem(*arrays, causal=causal, scale=scale, block_m=None, block_n=None, accum=accum,
+                             kernel=kernel, deterministic=deterministic, dlse=cdlse)
+        with _stream(q.device):
+            _launch.backward(*arrays, p, deterministic=deterministic, grads=tuple(map(_cp, grads)),
+                             dlse=cdlse, scratch=_TorchScratch(q.device))
+    else:
+        entry.plan.run(torch._C._cuda_getCurrentRawStream(device), *ptrs, *rows, grads[0].data_ptr(),
+                       grads[1].data_ptr(), grads[2].data_ptr(), _TorchScratch(q.device))
+    return grads
+
+
+# --------------------------------------------------------------------------------------------------
+# the custom operators: what torch.compile traces, opcheck checks and CUDA graphs of compiled code run
+
+
 @torch.library.custom_op("flashcupy::attention", mutates_args=(), device_types="cuda")
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
                   block_m: Optional[int], block_n: Optional[int], accum: str, kernel: str,
                   ablate: Optional[str], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # ``deterministic`` is the backward's knob, kept by the forward for its autograd context. The outputs
-    # come from torch's allocator; the kernels write them through CuPy views.
-    cq, ck, cv = _cp(q), _cp(k), _cp(v)
-    p = forward_problem(cq, ck, cv, causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum,
-                        kernel=kernel, ablate=ablate)
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    with cupy.cuda.Device(q.device.index), _stream(q.device):
-        _launch.forward(cq, ck, cv, p, o=_cp(o), lse=_cp(lse), scratch=_TorchScratch(q.device))
-    return o, lse
+    # ``deterministic`` is the backward's knob, kept by the forward for its autograd context
+    return _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate)
 
 
 @_attention_op.register_fake
@@ -133,17 +273,9 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                            o: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
                            scale: Optional[float], accum: str, kernel: str,
                            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # do may come with any strides (autograd hands o.mean()'s a stride-0 one): the launch copies what the
-    # kernels cannot read
-    arrays = [_cp(x) for x in (do, q, k, v, o, lse)]
-    cdlse = None if dlse is None else _cp(dlse)
-    p = backward_problem(*arrays, causal=causal, scale=scale, block_m=None, block_n=None, accum=accum,
-                         kernel=kernel, deterministic=deterministic, dlse=cdlse)
-    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    with cupy.cuda.Device(q.device.index), _stream(q.device):
-        _launch.backward(*arrays, p, deterministic=deterministic, grads=tuple(map(_cp, grads)), dlse=cdlse,
-                         scratch=_TorchScratch(q.device))
-    return grads
+    # do may come with any strides (autograd hands o.mean()'s a stride-0 one): what the kernels cannot
+    # read is copied
+    return _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic)
 
 
 @_attention_backward_op.register_fake
@@ -165,7 +297,7 @@ def _no_backward(ablate) -> str:
             "break without gradients (torch.no_grad(), or inputs that do not require grad)")
 
 
-def _backward(ctx, do, dlse):
+def _backward_of_op(ctx, do, dlse):
     if ctx.ablate is not None:
         raise RuntimeError(_no_backward(ctx.ablate))
     q, k, v, o, lse = ctx.saved_tensors
@@ -173,7 +305,45 @@ def _backward(ctx, do, dlse):
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd("flashcupy::attention", _backward, setup_context=_setup_context)
+torch.library.register_autograd("flashcupy::attention", _backward_of_op, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# eager autograd: the same two functions under a plain autograd.Function, without the dispatcher's
+# custom-op machinery (its alias checks, dynamo guards and generated autograd node cost about as much as
+# the whole attention call at small shapes); gradients of unused outputs arrive as None (no zeros made)
+
+
+class _EagerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, deterministic):
+        o, lse = _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.knobs = (causal, scale, accum, kernel, deterministic)
+        ctx.ablate = ablate
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlse):
+        if ctx.ablate is not None:
+            raise RuntimeError(_no_backward(ctx.ablate))
+        q, k, v, o, lse = ctx.saved_tensors
+        if do is None and dlse is None:
+            return (None,) * 11
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = _backward(do, q, k, v, o, lse, dlse, *ctx.knobs)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _eager(q, k, v) -> bool:
+    """Whether a call may bypass the custom operator: plain CUDA tensors, outside torch.compile's
+    tracing, functorch transforms and torch function or dispatch modes (which see the operator)."""
+    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor and type(k) is torch.Tensor
+            and type(v) is torch.Tensor and not torch._C._are_functorch_transforms_active()
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._len_torch_function_stack())
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -202,9 +372,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     backward's delta; where the LSE is not used, autograd hands the backward a zero gradient, which costs
     one subtraction).
     """
-    unknown = set(knobs) - set(_FWD_KNOBS)
-    if unknown:
-        raise TypeError(f"unknown knobs {sorted(unknown)}; allowed: {sorted(_FWD_KNOBS + _BWD_KNOBS)}")
+    if knobs and not set(knobs) <= set(_FWD_KNOBS):
+        raise TypeError(f"unknown knobs {sorted(set(knobs) - set(_FWD_KNOBS))}; allowed: "
+                        f"{sorted(_FWD_KNOBS + _BWD_KNOBS)}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -213,13 +383,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                             f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.device}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    kw = {"block_m": None, "block_n": None, "accum": "fp32", "kernel": "auto", "ablate": None, **knobs}
-    if kw["ablate"] is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError(_no_backward(kw["ablate"]))
+    ablate = knobs.get("ablate")
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if ablate is not None and grad:
+        raise ValueError(_no_backward(ablate))
     if layout == "bnhd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    o, lse = _attention_op(q, k, v, causal, scale, kw["block_m"], kw["block_n"], kw["accum"], kw["kernel"],
-                           kw["ablate"], deterministic)
+    args = (q, k, v, causal, scale, knobs.get("block_m"), knobs.get("block_n"), knobs.get("accum", "fp32"),
+            knobs.get("kernel", "auto"), ablate, deterministic)
+    if not _eager(q, k, v):
+        o, lse = _attention_op(*args)
+    elif grad:
+        o, lse = _EagerAttention.apply(*args)
+    else:
+        o, lse = _forward(*args[:-1])
     if layout == "bnhd":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o

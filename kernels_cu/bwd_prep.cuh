@@ -1,6 +1,7 @@
 // bwd_prep.cuh: the backward's preprocessing kernel, shared by bwd_mma.cu, bwd_simt.cu and bwd_wgmma.cu.
 //
-//   flash_bwd_prep  delta_r = sum_d dO[r, d] * O[r, d]   (fp32 products and sums) for every query row
+//   flash_bwd_prep  delta_r = sum_d dO[r, d] * O[r, d] - dlse_r  (fp32 products and sums; dlse, the LSE's
+//                   gradient, only where not null) for every query row
 //                   r = (b, h, i) of the rows = B * Hq * nq rows (FC_BWD_PREP_TILE: rows padded to whole
 //                   tiles, and L_r beside delta_r, below), and, when dq_accum is not null, the zeroing of
 //                   dq_accum row r (the fp32 buffer the atomic-dQ path adds into).
@@ -27,9 +28,9 @@ extern "C" __global__ void flash_bwd_prep(const elem_t *__restrict__ dout, const
                                           const long long do_sb, const long long do_sh, const long long do_sn,
                                           const long long o_sb, const long long o_sh, const long long o_sn
 #if FC_BWD_PREP_TILE
-                                          , const float *__restrict__ lse, const float *__restrict__ dlse
+                                          , const float *__restrict__ lse
 #endif
-) {
+                                          , const float *__restrict__ dlse) {
     constexpr int G = 8;                                // threads per row (divides the warp size)
     constexpr int EPC = 16 / (int)sizeof(elem_t);      // elements per 16-byte chunk
     constexpr int CHUNKS = FC_HEAD_DIM / EPC;
@@ -79,7 +80,7 @@ extern "C" __global__ void flash_bwd_prep(const elem_t *__restrict__ dout, const
         tile[T + ip % T] = real ? (dlse != nullptr ? acc - dlse[r] : acc) : 0.f;
     }
 #else
-    if (real && c0 == 0) delta[r] = acc;
+    if (real && c0 == 0) delta[r] = dlse != nullptr ? acc - dlse[r] : acc;
 #endif
 }
 

@@ -43,13 +43,14 @@ def test_bench_small_call_table(tmp_path):
 
     ctx = Context.make("cuda", True, 0, str(tmp_path))
     rows = bench._small_calls(ctx, bench._load_torch())
-    assert len(rows) == 2 * len(bench.SMALL_SHAPES)
+    assert len(rows) == len(bench.SMALL_DIRECTIONS) * len(bench.SMALL_SHAPES)
     for b, h, n, d, direction, ours, theirs, ratio, ours_min, theirs_min, ratio_min, dev_ours, dev_theirs, \
-            bridge in rows:
+            bridge, bridge_ratio in rows:
         assert ours >= ours_min > 0 and dev_ours > 0
         if theirs is not None:
             assert ratio == pytest.approx(ours / theirs)
             assert theirs >= theirs_min > 0 and ratio_min == pytest.approx(ours_min / theirs_min)
+            assert bridge > 0 and bridge_ratio == pytest.approx(bridge / theirs)
 
 
 def test_bench_fp8_table(tmp_path):

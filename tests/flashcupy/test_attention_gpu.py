@@ -120,10 +120,15 @@ def test_block_sizes(rng, kernel, dname, bm, bn):
 
 
 def _counter(stream):
-    """The tile counter this thread's eager launches on ``stream`` use."""
+    """The tile counter this thread's eager launches on ``stream`` use (the array at its address)."""
+    import cupy
+
     from flashcupy import _launch
 
-    return _launch._tile_counter(stream, _launch._Scratch(stream))
+    ptr = _launch._tile_counter(stream.ptr, _launch._Scratch(stream))
+    counter = _launch._THREAD.tile_counters[(cupy.cuda.runtime.getDevice(), stream.ptr)]
+    assert counter.data.ptr == ptr
+    return counter
 
 
 @pytest.mark.parametrize("nq,nk", [(333, 517), (517, 333)], ids=["333x517", "517x333"])

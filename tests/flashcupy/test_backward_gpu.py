@@ -197,10 +197,10 @@ def test_wgmma_noncausal_deterministic_orders(rng, monkeypatch, nq, nk, d):
     _launch._BACKWARD_PLANS.clear()
     runs = [run_backward_poisoned(do, q, k, v, o, lse, kernel="wgmma", deterministic=True) for _ in range(3)]
     (plan,) = [p for p in _launch._BACKWARD_PLANS.values() if p.sem_shape is not None]
-    n_qt = plan.q_grid[0]
+    n_qt = plan.sem_shape[2]
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    n_kt = plan.kv_grid[0]
-    assert int(plan.sem_tail[0]) == bwd_wgmma_ordered_heads(bh[0] * bh[2], n_kt, bh[1] // bh[2] * n_qt, sms)
+    n_kt = -(-nk // plan.boxes[1])  # key tiles of block_n keys
+    assert plan.ordered_heads == bwd_wgmma_ordered_heads(bh[0] * bh[2], n_kt, bh[1] // bh[2] * n_qt, sms)
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())

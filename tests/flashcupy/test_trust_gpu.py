@@ -507,6 +507,7 @@ def test_tile_counters_are_kept_for_64_streams_at_most():
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(70)]
     for s in streams:
         with s:
-            counter = _launch._tile_counter(s, _launch._Scratch(s))
-            assert counter.tolist() == [0, 0]
+            _launch._tile_counter(s.ptr, _launch._Scratch(s))
+            counter = _launch._THREAD.tile_counters.get((cupy.cuda.runtime.getDevice(), s.ptr))
+            assert counter is not None and counter.tolist() == [0, 0]
     assert 0 < len(_launch._THREAD.tile_counters) <= _launch._COUNTERS_LIMIT
