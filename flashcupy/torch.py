@@ -1,15 +1,22 @@
-"""``flashcupy.torch.attention``: flashcupy's kernels as torch custom operators with autograd.
+"""``flashcupy.torch.attention``: flashcupy's kernels on CUDA tensors, with autograd.
 
-The forward and the backward are registered as ``torch.library.custom_op`` s (``flashcupy::attention``
-and ``flashcupy::attention_backward``) with fake (meta) implementations and ``register_autograd``, so
-``loss.backward()`` works and ``torch.compile(fullgraph=True)`` traces a model that calls them without a
-graph break. The kernels read torch's tensors through CuPy views of their memory and write outputs that
-torch allocated (no copies; the memory stays with torch's caching allocator), on torch's current CUDA
-stream of the tensors' device (wrapped with ``cupy.cuda.Stream.from_external``), so they order correctly
-with the surrounding torch work, inside ``torch.cuda.stream(...)`` too. Their temporaries (the backward's
-fp32 dQ buffer, delta and counters, copies of layouts a kernel cannot read) come from torch's allocator
-as well, so that under torch's CUDA graphs (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``)
-they live in the graph's own memory pool for as long as the graph does.
+Two paths run the same two functions (``_forward``, ``_backward``), so they give the same bits:
+
+* eager calls: a plain ``torch.autograd.Function`` (or, without gradients, the forward alone), without
+  the dispatcher's custom-op machinery, whose alias checks, dynamo guards and generated autograd node
+  cost about as much as a whole small call;
+* under ``torch.compile`` (and functorch transforms, torch function and dispatch modes): the custom
+  operators ``flashcupy::attention`` and ``flashcupy::attention_backward``, with fake implementations and
+  ``register_autograd``, so ``torch.compile(fullgraph=True)`` traces a model that calls them without a
+  graph break and ``mode="reduce-overhead"`` replays them in CUDA graphs.
+
+A call remembers its launch plan per signature of its tensors and knobs (as the CuPy entry points
+remember their checks and plans): a known signature is not checked again, and its kernels are launched by
+address on torch's current CUDA stream of the tensors' device, so they order with the surrounding torch
+work, inside ``torch.cuda.stream(...)`` too. Outputs and temporaries (the backward's fp32 buffer, the
+counters, contiguous copies of what a kernel cannot read) come from torch's caching allocator, so that
+under torch's CUDA graphs they live in the graph's own memory pool for as long as the graph does. The
+design and its measured host costs: ``docs/design/torch_bridge.md``.
 
 Import this module only where torch is installed (``pip install "flashcupy[torch]"``); nothing else in
 flashcupy imports torch.
