@@ -636,7 +636,9 @@ def kernel_build(defines: dict[str, int] | None = None, kernels_dir: str | None 
     package's kernels), compiles with these extra ``defines`` and from ``kernels_dir`` (see ``Build``);
     its modules, plans and memoized checks are their own, apart from the package's. Blocks do not nest
     into a merge: the inner one replaces the outer. With neither argument the block runs the package's
-    own kernels."""
+    own kernels. A ``kernels_dir`` must take the arguments this host passes (``_launch``'s argument
+    layouts): a folder from a commit whose kernels have other parameter lists runs with wrong arguments
+    (e.g. ``flash_bwd_prep`` takes ``dlse`` in every family since 215ec27)."""
     if defines is not None and not isinstance(defines, dict):
         raise TypeError(f"defines must be a dict of name -> int, got {type(defines).__name__}")
     build = Build(tuple((defines or {}).items()), kernels_dir)

@@ -36,7 +36,6 @@ from ._checks import backward_problem, forward_problem, numpy_dtype
 __all__ = ["attention"]
 
 _FWD_KNOBS = ("block_m", "block_n", "accum", "kernel", "ablate")
-_FWD_KNOBS_ORDER = ("causal", "scale", "block_m", "block_n", "accum", "kernel", "ablate")  # _forward's
 _BWD_KNOBS = ("accum", "kernel", "deterministic")  # the backward runs its own default tiles
 LAYOUTS = ("bhnd", "bnhd")
 
@@ -129,8 +128,9 @@ def _cp(t: torch.Tensor):
 # its entry (CuPy views of the tensors, the checks, the plan); a call whose tensors start off the
 # 16-byte grid takes the general path (views, checks, ``_launch.forward`` / ``backward``, copies).
 
-_SIGNATURES: dict = {}
-_SIGNATURE_LIMIT = 4096  # signatures remembered; past that the memo starts over
+_FORWARD_SIGNATURES: dict = {}
+_BACKWARD_SIGNATURES: dict = {}
+_SIGNATURE_LIMIT = 1024  # signatures remembered per direction; past that the memo starts over
 
 
 def _signature(tensors, knobs) -> tuple:
@@ -141,32 +141,32 @@ def _signature(tensors, knobs) -> tuple:
 
 
 class _Entry:
-    """A remembered signature: its launch plan (None: the general path on every call) and which inputs
-    the plan reads as contiguous copies (those whose strides the kernels cannot read: one
-    ``contiguous()`` each, on torch's side; None: none)."""
+    """A remembered signature: its checked Problem, its launch plan and which inputs the plan reads as
+    contiguous copies (those whose strides the kernels cannot read: one ``contiguous()`` each, on torch's
+    side; None: none)."""
 
-    __slots__ = ("plan", "copies")
+    __slots__ = ("problem", "plan", "copies")
 
-    def __init__(self, plan, copies):
-        self.plan, self.copies = plan, (copies if any(copies) else None)
+    def __init__(self, problem, plan, copies):
+        self.problem, self.plan, self.copies = problem, plan, (copies if any(copies) else None)
 
 
-def _entry(key, make) -> _Entry:
-    """The entry of signature ``key``, made by ``make`` on a miss (and not remembered where a knob is
-    unhashable: the checks then say what is allowed)."""
+def _entry(memo: dict, key, make) -> _Entry:
+    """The entry of signature ``key`` in ``memo``, made by ``make`` on a miss (and not remembered where a
+    knob is unhashable: the checks then say what is allowed)."""
     try:
-        entry = _SIGNATURES.get(key)
+        entry = memo.get(key)
     except TypeError:
         return make()
     if entry is None:
         entry = make()
-        if len(_SIGNATURES) >= _SIGNATURE_LIMIT:
-            _SIGNATURES.clear()
-        _SIGNATURES[key] = entry
+        if len(memo) >= _SIGNATURE_LIMIT:
+            memo.clear()
+        memo[key] = entry
     return entry
 
 
-def _readable_strides(views, tmas) -> tuple[tuple, tuple]:
+def _copies(views, tmas) -> tuple[tuple, tuple]:
     """Per view (and whether TMA reads it): whether the kernels need a contiguous copy of it, and the
     strides they then read."""
     copies = tuple(not _launch._strides_readable(x.shape, x.strides, x.itemsize, tma)
@@ -182,18 +182,19 @@ def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t) if t.is_contiguous() else t.new_empty(t.shape)
 
 
-def _forward_entry(q, k, v, knobs) -> _Entry:
-    views = tuple(map(_cp, (q, k, v)))
-    p = forward_problem(*views, **dict(zip(_FWD_KNOBS_ORDER, knobs)))
-    copies, strides = _readable_strides(views, (p.variant.fam.kind == "wgmma",) * 3)
-    with cupy.cuda.Device(p.device):
-        return _Entry(_launch.forward_plan(p, *strides, views[0].itemsize), copies)
-
-
 def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate):
     """(o, lse) of ``flashcupy.attention`` on tensors (the custom op's and the eager path's body)."""
+
+    def make() -> _Entry:
+        views = tuple(map(_cp, (q, k, v)))
+        p = forward_problem(*views, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                            accum=accum, kernel=kernel, ablate=ablate)
+        copies, strides = _copies(views, (p.variant.fam.kind == "wgmma",) * 3)
+        with cupy.cuda.Device(p.device):
+            return _Entry(p, _launch.forward_plan(p, *strides, views[0].itemsize), copies)
+
     knobs = (causal, scale, block_m, block_n, accum, kernel, ablate)
-    entry = _entry(_signature((q, k, v), knobs), lambda: _forward_entry(q, k, v, knobs))
+    entry = _entry(_FORWARD_SIGNATURES, _signature((q, k, v), knobs), make)
     device = q.get_device()
     if torch._C._cuda_getDevice() != device:  # the driver launches on the current device's context
         with torch.cuda.device(device):
@@ -203,55 +204,50 @@ def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate):
     o = _contiguous_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    if (qp | kp | vp) & 15:  # off the 16-byte grid: the general path (copies)
-        views = tuple(map(_cp, (q, k, v)))
-        p = forward_problem(*views, **dict(zip(_FWD_KNOBS_ORDER, knobs)))
+    if (qp | kp | vp) & 15:  # off the 16-byte grid: the general path, which copies
         with _stream(q.device):
-            _launch.forward(*views, p, o=_cp(o), lse=_cp(lse), scratch=_TorchScratch(q.device))
+            _launch.forward(_cp(q), _cp(k), _cp(v), entry.problem, o=_cp(o), lse=_cp(lse),
+                            scratch=_TorchScratch(q.device))
     else:
         entry.plan.run(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, o.data_ptr(), lse.data_ptr(),
                        _TorchScratch(q.device))
     return o, lse
 
 
-def _backward_entry(tensors, knobs) -> _Entry:
-    causal, scale, accum, kernel, deterministic = knobs
-    views = [_cp(x) for x in tensors] + [None]
-    p = backward_problem(*views[:6], causal=causal, scale=scale, block_m=None, block_n=None, accum=accum,
-                         kernel=kernel, deterministic=deterministic, dlse=views[6])
-    tma = p.variant.fam.kind == "wgmma"
-    copies, strides = _readable_strides(views[:5], (tma,) * 4 + (False,))  # o: read by the prep kernel
-    # lse and dlse are read as rows: C-contiguous, else the general path copies them on every call
-    if not all(x.flags.c_contiguous for x in views[5:-1]):
-        return _Entry(None, copies)
-    with cupy.cuda.Device(p.device):
-        return _Entry(_launch.backward_plan(p, deterministic, strides, views[1].itemsize), copies)
-
-
 def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic):
     """(dq, dk, dv) of ``flashcupy.attention_backward`` on tensors (``dlse`` may be None)."""
-    knobs = (causal, scale, accum, kernel, deterministic)
     tensors = (do, q, k, v, o, lse) if dlse is None else (do, q, k, v, o, lse, dlse)
-    entry = _entry(_signature(tensors, knobs), lambda: _backward_entry(tensors, knobs))
+
+    def make() -> _Entry:
+        views = [_cp(x) for x in tensors]
+        dlse_view = views[6] if dlse is not None else None
+        p = backward_problem(*views[:6], causal=causal, scale=scale, block_m=None, block_n=None,
+                             accum=accum, kernel=kernel, deterministic=deterministic, dlse=dlse_view)
+        tma = p.variant.fam.kind == "wgmma"
+        copies, strides = _copies(views[:5], (tma,) * 4 + (False,))  # o: read by the prep kernel alone
+        # lse and dlse: read as rows, C-contiguous
+        copies += tuple(not x.flags.c_contiguous for x in views[5:])
+        with cupy.cuda.Device(p.device):
+            return _Entry(p, _launch.backward_plan(p, deterministic, strides, views[1].itemsize), copies)
+
+    knobs = (causal, scale, accum, kernel, deterministic)
+    entry = _entry(_BACKWARD_SIGNATURES, _signature(tensors, knobs), make)
     device = q.get_device()
     if torch._C._cuda_getDevice() != device:
         with torch.cuda.device(device):
             return _backward(do, q, k, v, o, lse, dlse, *knobs)
     if entry.copies:
-        do, q, k, v, o = (t.contiguous() if c else t for t, c in zip((do, q, k, v, o), entry.copies))
+        do, q, k, v, o, lse, *dlse_ = (t.contiguous() if c else t for t, c in zip(tensors, entry.copies))
+        dlse = dlse_[0] if dlse_ else None
     grads = (_contiguous_like(q), _contiguous_like(k), _contiguous_like(v))
     ptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
     rows = (lse.data_ptr(), 0 if dlse is None else dlse.data_ptr())
-    misaligned = (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or (rows[0] | rows[1]) & 3
-    if entry.plan is None or misaligned:
-        # the general path (copies): off the 16-byte grid, lse or dlse not C-contiguous
-        arrays = [_cp(x) for x in (do, q, k, v, o, lse)]
-        cdlse = None if dlse is None else _cp(dlse)
-        p = backward_problem(*arrays, causal=causal, scale=scale, block_m=None, block_n=None, accum=accum,
-                             kernel=kernel, deterministic=deterministic, dlse=cdlse)
+    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or (rows[0] | rows[1]) & 3:
+        # off the 16-byte grid: the general path, which copies
         with _stream(q.device):
-            _launch.backward(*arrays, p, deterministic=deterministic, grads=tuple(map(_cp, grads)),
-                             dlse=cdlse, scratch=_TorchScratch(q.device))
+            _launch.backward(*map(_cp, (do, q, k, v, o, lse)), entry.problem, deterministic=deterministic,
+                             grads=tuple(map(_cp, grads)), dlse=None if dlse is None else _cp(dlse),
+                             scratch=_TorchScratch(q.device))
     else:
         entry.plan.run(torch._C._cuda_getCurrentRawStream(device), *ptrs, *rows, grads[0].data_ptr(),
                        grads[1].data_ptr(), grads[2].data_ptr(), _TorchScratch(q.device))
@@ -341,16 +337,25 @@ class _EagerAttention(torch.autograd.Function):
             return (None,) * 11
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = _backward(do, q, k, v, o, lse, dlse, *ctx.knobs)
+        # a backward run under a mode or compiled autograd goes through the operator those can see
+        backward = _backward if _plain_torch() else _attention_backward_op
+        dq, dk, dv = backward(do, q, k, v, o, lse, dlse, *ctx.knobs)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
+def _plain_torch() -> bool:
+    """Whether nothing above this call needs to see the custom operators: no torch.compile (dynamo) or
+    TorchScript tracing, no functorch transform, no torch function or dispatch mode (FlopCounterMode,
+    ``with torch.device(...)``, compiled autograd's tracing). Elsewhere the operators run."""
+    return (not torch.compiler.is_compiling() and not torch._C._is_tracing()
+            and not torch._C._are_functorch_transforms_active() and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._len_torch_function_stack())
+
+
 def _eager(q, k, v) -> bool:
-    """Whether a call may bypass the custom operator: plain CUDA tensors, outside torch.compile's
-    tracing, functorch transforms and torch function or dispatch modes (which see the operator)."""
-    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor and type(k) is torch.Tensor
-            and type(v) is torch.Tensor and not torch._C._are_functorch_transforms_active()
-            and not torch._C._len_torch_dispatch_stack() and not torch._C._len_torch_function_stack())
+    """Whether a call may bypass the custom operator: plain CUDA tensors, and ``_plain_torch()``."""
+    return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and _plain_torch())
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -368,6 +373,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     the same accum and kernel with its own default tiles, and ``deterministic`` as in
     ``flashcupy.attention_backward``. ``ablate`` (a broken forward) has no backward: with gradients
     enabled and an input that requires grad it raises ValueError.
+
+    Eager calls run a plain autograd.Function; under torch.compile, TorchScript tracing, functorch
+    transforms and torch function or dispatch modes (``torch.set_default_device`` and ``with
+    torch.device(...)`` are such modes) the custom operators run instead: the same results, with the
+    dispatcher's host cost (``docs/design/torch_bridge.md``).
 
     Any strides are accepted (``expand`` for GQA, storage offsets, stride-0 gradients from autograd);
     what a kernel family cannot read is copied once (``flashcupy.attention``'s docstring says when). The

@@ -55,6 +55,8 @@ def test_a_known_signature_is_not_checked_again(rng, monkeypatch):
     CuPy views; another stride pattern is a new signature and is checked."""
     import flashcupy.torch as fct
 
+    monkeypatch.setattr(fct, "_FORWARD_SIGNATURES", {})  # whatever earlier tests remembered
+    monkeypatch.setattr(fct, "_BACKWARD_SIGNATURES", {})
     q, k, v = _tensors(rng, [(1, 4, 100, 64)] * 3)
     first = fct.attention(q, k, v, causal=True, deterministic=True)
     first.backward(torch.ones_like(first))
@@ -76,9 +78,9 @@ def test_a_known_signature_is_not_checked_again(rng, monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["wgmma", "mma"])
 def test_general_paths_give_the_fast_paths_bits(rng, kernel):
-    """Inputs that start off the 16-byte grid, a non-contiguous lse handed to the backward operator and
-    autograd's stride-0 dO (``o.sum()``) take the general or the copying path: the bits of contiguous
-    inputs."""
+    """Inputs that start off the 16-byte grid (forward and backward), a non-contiguous lse or dlse
+    handed to the backward operator and autograd's stride-0 dO (``o.sum()``) take the general or the
+    copying path: the bits of contiguous inputs, which are also the CuPy entry point's bits."""
     import flashcupy.torch as fct
 
     if kernel == "wgmma" and not _hopper():
@@ -99,11 +101,32 @@ def test_general_paths_give_the_fast_paths_bits(rng, kernel):
     args = ("fp32", kernel, True)
     o, lse = torch.ops.flashcupy.attention(q, k, v, True, None, None, None, "fp32", kernel, None, True)
     do, = _tensors(rng, [shape], grad=False)
-    strided_lse = torch.empty(lse.shape + (2,), device="cuda")[..., 0]
-    strided_lse.copy_(lse)
-    assert not strided_lse.is_contiguous()
-    base = torch.ops.flashcupy.attention_backward(do, q, k, v, o, lse, None, True, None, *args)
-    moved = torch.ops.flashcupy.attention_backward(do, q, k, v, o, strided_lse, None, True, None, *args)
+    dlse = torch.from_numpy(rng.standard_normal(lse.shape)).float().cuda()
+
+    def strided(x):  # every other float of a buffer: not contiguous
+        out = torch.empty(x.shape + (2,), device="cuda")[..., 0]
+        out.copy_(x)
+        assert not out.is_contiguous()
+        return out
+
+    for g in (None, dlse):
+        base = torch.ops.flashcupy.attention_backward(do, q, k, v, o, lse, g, True, None, *args)
+        moved = torch.ops.flashcupy.attention_backward(do, q, k, v, o, strided(lse),
+                                                       None if g is None else strided(g), True, None, *args)
+        assert all(torch.equal(a, b) for a, b in zip(base, moved))
+        # the CuPy entry point (its own checks and copies) on the same memory
+        cupy = pytest.importorskip("cupy")
+        import flashcupy
+
+        views = [cupy.from_dlpack(x.detach()) for x in (do, q, k, v, o, lse)]
+        ref = flashcupy.attention_backward(*views, causal=True, kernel=kernel, deterministic=True,
+                                           dlse=None if g is None else cupy.from_dlpack(g))
+        torch.cuda.synchronize()
+        for a, b in zip(base, ref):
+            assert bool((cupy.from_dlpack(a.detach()) == b).all())
+    off_grid = buf[1: 1 + n].view(shape)  # dO off the 16-byte grid: the backward's general path
+    off_grid.copy_(do)
+    moved = torch.ops.flashcupy.attention_backward(off_grid, q, k, v, o, lse, dlse, True, None, *args)
     assert all(torch.equal(a, b) for a, b in zip(base, moved))
 
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -182,7 +205,9 @@ def test_a_two_layer_transformer_trains_like_with_sdpa():
     def leaky(q, k, v):
         return fct.attention(q, k, v, causal=False, layout="bnhd")
 
-    ref = _train(sdpa)
+    fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    with sdpa_kernel(fast):  # not the math backend, the noise's other end
+        ref = _train(sdpa)
     with sdpa_kernel(SDPBackend.MATH):
         math = _train(sdpa)
     mine = _train(ours)
