@@ -1,4 +1,4 @@
-"""Shared pytest setup: the gpu marker's auto-skip and a per-test seeded generator."""
+"""Shared pytest setup: the gpu and cupy markers' auto-skips and a per-test seeded generator."""
 from __future__ import annotations
 
 import zlib
@@ -7,11 +7,24 @@ import numpy as np
 import pytest
 
 
-def _gpu_reason() -> str | None:
+def _cupy_reason() -> str | None:
     try:
-        import cupy
-    except Exception as e:  # pragma: no cover - cupy is a dependency
-        return f"cupy not importable: {e}"
+        import cupy  # noqa: F401
+        from cupy_backends.cuda.libs import nvrtc  # noqa: F401
+    except Exception as e:
+        return (f"needs CuPy and its NVRTC (pip install 'flashcupy[cuda13]' or '[cuda12]'; no GPU needed): "
+                f"{type(e).__name__}: {e}")
+    return None
+
+
+CUPY_SKIP_REASON = _cupy_reason()
+
+
+def _gpu_reason() -> str | None:
+    if CUPY_SKIP_REASON is not None:
+        return CUPY_SKIP_REASON.replace("no GPU needed", "and a CUDA device")
+    import cupy
+
     try:
         if cupy.cuda.is_available():
             return None
@@ -24,12 +37,13 @@ GPU_SKIP_REASON = _gpu_reason()
 
 
 def pytest_collection_modifyitems(config, items):
-    if GPU_SKIP_REASON is None:
-        return
-    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for marker, reason in (("gpu", GPU_SKIP_REASON), ("cupy", CUPY_SKIP_REASON)):
+        if reason is None:
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture

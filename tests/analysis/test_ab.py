@@ -144,6 +144,7 @@ def test_a_define_no_kernel_reads_is_named(tmp_path):
     assert ab.parse_arm(f"x@{tmp_path}:FC_ONLY_HERE=1").unread_defines() == []
 
 
+@pytest.mark.cupy
 def test_measure_records_an_arm_that_cannot_build_and_rotates_the_first_arm(monkeypatch):
     """measure() with the device faked (no GPU here): an arm whose build is refused is recorded for the
     cell and left out of the timing, the others run in every round with the first arm rotating, each
@@ -232,6 +233,7 @@ def test_clock_samples_parse_and_summarize_per_window():
     assert clocks.summarize(parsed[:2], t1 + 0.01, t1 + 1) == {"mhz": None, "w": None, "c": None, "n": 0}
 
 
+@pytest.mark.cupy
 @pytest.mark.skipif(GPU_SKIP_REASON is None, reason="fakes the device, which a GPU machine has")
 def test_measure_samples_the_clock_of_each_timing_and_the_table_divides_by_it(monkeypatch):
     """With a sampler, each round of each arm and of the peer gets the samples taken while it ran (here

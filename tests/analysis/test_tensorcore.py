@@ -100,6 +100,7 @@ def test_fit_recovers_a_narrow_e4m3_accumulator(rng, bits, group):
         assert np.mean(tc.accumulate(a, b, c, 26, "fp32", "rz") == d) < 0.9
 
 
+@pytest.mark.cupy
 @pytest.mark.parametrize("dname,acc", tc.CONFIGS)
 def test_probe_compiles_for_every_configuration(dname, acc):
     """kernels_cu/tc_probe.cu builds with NVRTC for sm_90a (ptxas included) in every configuration the

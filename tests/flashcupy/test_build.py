@@ -79,6 +79,7 @@ def test_modules_are_memoized_per_build(monkeypatch):
     assert built == [plain.key, probe.key]
 
 
+@pytest.mark.cupy
 def test_defines_reach_the_compiler():
     """A define replaced by the build is what NVRTC compiles: the forward kernels assert at compile time
     that their layout needs exactly FC_SMEM_FWD bytes, so a wrong FC_SMEM_FWD must fail there; the right
@@ -95,6 +96,7 @@ def test_defines_reach_the_compiler():
     assert rep["key"].endswith(f"+FC_SMEM_FWD={real}")
 
 
+@pytest.mark.cupy
 def test_a_kernels_folder_replaces_the_package_sources(tmp_path):
     """The family's source and its headers come from the build's folder: an #error planted in the
     folder's copy of a header is what NVRTC reports, with the folder's path."""
@@ -133,6 +135,7 @@ def test_an_empty_build_is_the_package_build():
     assert Variant("fwd_simt", "f16", "fp32", 64, 64, 64, build=Build()) == _simt()
 
 
+@pytest.mark.cupy
 def test_module_build_launches_each_kernel_with_its_compiled_shared_memory(monkeypatch):
     """_build_module's Python, with CuPy's device and module faked (no GPU here): the source and options
     handed to RawModule are the variant's, and each kernel's handle carries the module's defines and the
@@ -176,6 +179,7 @@ def test_module_build_launches_each_kernel_with_its_compiled_shared_memory(monke
         _build._build_module(huge, 0)
 
 
+@pytest.mark.cupy
 @pytest.mark.parametrize("family, knobs, switch, value", [
     ("bwd_wgmma", dict(block_m=64, block_n=128, head_dim=128), "FC_BWD_STAGES", 3),
     ("fwd_wgmma", dict(block_m=128, block_n=64, head_dim=64), "FC_KV_STAGES", 3),

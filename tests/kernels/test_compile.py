@@ -12,6 +12,8 @@ import pytest
 
 from flashcupy._build import FAMILIES, compile_report, covering_variants, ptx, source_text, toolkit_ptxas
 
+pytestmark = pytest.mark.cupy  # NVRTC comes with CuPy
+
 VARIANTS = [pytest.param(v, id=v.key) for fam in FAMILIES for v in covering_variants(fam)]
 
 
