@@ -9,7 +9,7 @@ import time
 import traceback
 
 from . import EXPERIMENTS, OTHER_REPORTS_PREFIX, run_experiment
-from .common import Context, log
+from .common import Context, log, reports_root
 
 
 def write_index(ctx, results, elapsed):
@@ -60,6 +60,19 @@ def rebuild_index(out: str) -> str:
                                          for p, _, _ in results.values()))
 
 
+def experiment_help(name: str, parser: argparse.ArgumentParser) -> str:
+    """``python -m analysis <name> --help``: what the experiment measures (its line and its module's
+    description), what it writes, and the options."""
+    import importlib
+    import inspect
+
+    module, _, line = EXPERIMENTS[name]
+    doc = inspect.getdoc(importlib.import_module(f"analysis.{module}")) or ""
+    options = parser.format_help().split("options:", 1)[-1].split("experiments:", 1)[0].rstrip()
+    return (f"python -m analysis {name} [options]: {line}\n\n{doc}\n\nWrites {name}.json, {name}.md and "
+            f"(most experiments) {name}.png into the output folder.\n\noptions:{options}\n")
+
+
 def main(argv=None) -> int:
     width = max(len(n) for n in EXPERIMENTS) + 2
     listing = "\n".join(f"  {name:<{width}}{desc}" for name, (_, _, desc) in EXPERIMENTS.items())
@@ -78,14 +91,20 @@ def main(argv=None) -> int:
                     help="cuda: the GPU kernels; numpy: the NumPy twin (no GPU needed); auto (default): "
                          "cuda when a CUDA device is present")
     ap.add_argument("--quick", action="store_true", help="small sizes (always on for the NumPy backend)")
-    ap.add_argument("--out", default=None, help="output folder (default reports/, or reports/quick/ "
-                                                "with --quick)")
+    ap.add_argument("--out", default=None, help="output folder (default: the checkout's reports/, or "
+                                                "reports/quick/ with --quick)")
     ap.add_argument("--seed", type=int, default=0, help="seed of every random input (default 0)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = [a for a in argv if a in EXPERIMENTS]
+    if named and {"-h", "--help"} & set(argv):
+        print(experiment_help(named[0], ap))
+        return 0
     args = ap.parse_args(argv)
     if args.experiment == "index":
-        print(f"index: {rebuild_index(args.out or 'reports')}")
+        print(f"index: {rebuild_index(args.out or reports_root())}")
         return 0
     ctx = Context.make(args.backend, args.quick, args.seed, args.out)
+    log(f"writing into {os.path.abspath(ctx.out)}")
     if ctx.forced_quick:
         log("NumPy backend (no CUDA device or --backend numpy): running the --quick sizes")
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]

@@ -52,6 +52,15 @@ def cuda_available() -> bool:
         return False
 
 
+def reports_root() -> str:
+    """The default output folder: the checkout's ``reports/`` when this package runs from a checkout
+    (where the README's commands put them, whatever the current directory), else ``./reports``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "setup.cfg")) and os.path.isdir(os.path.join(root, "reports")):
+        return os.path.join(root, "reports")
+    return os.path.abspath("reports")
+
+
 @dataclasses.dataclass
 class Context:
     backend: str            # "cuda" or "numpy"
@@ -71,7 +80,7 @@ class Context:
         forced = backend == "numpy" and not quick
         quick = quick or backend == "numpy"
         if out is None:
-            out = os.path.join("reports", "quick") if quick else "reports"
+            out = os.path.join(reports_root(), "quick") if quick else reports_root()
         os.makedirs(out, exist_ok=True)
         return cls(backend, quick, seed, out, forced)
 

@@ -6,16 +6,31 @@ NumPy arrays. ``flashcupy.reference`` is the float64 truth everything is measure
 """
 from __future__ import annotations
 
+import typing as _typing
+
 from . import _launch, _twin, reference
-from ._checks import _check_bool, backward_problem, forward_problem
+from ._checks import _check_bool
+from ._checks import backward_problem as _backward_problem
+from ._checks import forward_problem as _forward_problem
 from .fp8 import attention_fp8, dequantize, quantize
 
 __all__ = ["attention", "attention_backward", "attention_fp8", "dequantize", "quantize", "reference"]
 __version__ = "0.1.0"
 
+if _typing.TYPE_CHECKING:  # the annotations' names (not evaluated at run time)
+    from typing import Literal, Union
 
-def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, accum="fp32",
-              kernel="auto", ablate=None, return_lse=False):
+    import cupy
+    import numpy
+
+    Array = Union[numpy.ndarray, cupy.ndarray]
+
+
+def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
+              block_m: int | None = None, block_n: int | None = None, accum: Literal["fp32", "fp16"] = "fp32",
+              kernel: Literal["auto", "wgmma", "mma", "simt"] = "auto",
+              ablate: Literal["max_subtraction", "rescaling"] | None = None,
+              return_lse: bool = False) -> Array | tuple[Array, Array]:
     """FlashAttention forward: ``o = softmax(scale * q k^T) v`` computed tile by tile.
 
     Parameters
@@ -65,14 +80,17 @@ def attention(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, 
     caller's to keep alive.
     """
     _check_bool("return_lse", return_lse)
-    problem = forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+    problem = _forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                               accum=accum, kernel=kernel, ablate=ablate)
     o, lse = (_twin if problem.backend == "numpy" else _launch).forward(q, k, v, problem)
     return (o, lse) if return_lse else o
 
 
-def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m=None, block_n=None,
-                       accum="fp32", kernel="auto", deterministic=False, dlse=None):
+def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: Array, *, causal: bool = False,
+                       scale: float | None = None, block_m: int | None = None, block_n: int | None = None,
+                       accum: Literal["fp32", "fp16"] = "fp32",
+                       kernel: Literal["auto", "wgmma", "mma", "simt"] = "auto", deterministic: bool = False,
+                       dlse: Array | None = None) -> tuple[Array, Array, Array]:
     """FlashAttention backward: the gradients (dq, dk, dv) of ``sum(do * attention(q, k, v))``
     (plus ``sum(dlse * lse)`` when ``dlse`` is given).
 
@@ -116,7 +134,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, block_m
     replacing delta_i by delta_i - dlse_i: dS = P * (dP - (delta - dlse)). The torch bridge passes it
     when its caller differentiates through the returned LSE.
     """
-    problem = backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
+    problem = _backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
                                block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic,
                                dlse=dlse)
     if problem.backend == "numpy":  # one fixed order: deterministic either way

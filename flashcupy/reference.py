@@ -45,6 +45,12 @@ def _prepare(q, k, v, scale):
         raise ValueError("q, k, v must be 4-D (B, H, N, D)")
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be (B, Hkv, Nk, D) with q's B and D; got q {q.shape}, k {k.shape}, "
+                         f"v {v.shape}")
+    if min(b, hq, nq, d, hkv, nk) < 1:
+        raise ValueError(f"every extent must be >= 1 (an empty sequence has no softmax); got q {q.shape}, "
+                         f"k {k.shape}")
     if hq % hkv:
         raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
     if scale is None:

@@ -71,6 +71,9 @@ def smooth_keys(k):
     xp = _xp(k)
     if k.ndim != 4:
         raise ValueError(f"k must be a 4-D (B, Hkv, Nk, D) array, got shape {k.shape}")
+    if not (np.issubdtype(k.dtype, np.floating) or k.dtype.name == "bfloat16"):
+        raise TypeError(f"k must be a floating-point array (the smoothed keys keep k's dtype: integers "
+                        f"would truncate them); got {k.dtype}")
     kf = k.astype(_wide(xp, k.dtype))
     mean = kf.mean(axis=2, keepdims=True)
     return (kf - mean).astype(k.dtype), mean

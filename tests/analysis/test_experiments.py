@@ -201,12 +201,28 @@ def test_bench_tiny_config_positive_numbers(reports):
 
 
 def test_default_output_folders(tmp_path, monkeypatch):
+    """From any directory, a checkout's experiments write into the checkout's reports/ (quick runs into
+    reports/quick/), and create nothing where they were started."""
     from analysis.common import Context
 
+    repo_reports = os.path.join(os.path.dirname(__file__), "..", "..", "reports")
     monkeypatch.chdir(tmp_path)
-    assert Context.make("numpy", True).out == os.path.join("reports", "quick")
+    assert os.path.samefile(Context.make("numpy", True).out, os.path.join(repo_reports, "quick"))
     ctx = Context.make("numpy", False)   # the NumPy backend forces the quick sizes (and says so)
-    assert ctx.quick and ctx.forced_quick and ctx.out == os.path.join("reports", "quick")
+    assert ctx.quick and ctx.forced_quick and os.path.samefile(ctx.out, os.path.join(repo_reports, "quick"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_experiments_help_describes_it(capsys):
+    """``python -m analysis overflow --help``: the experiment's own description and the options, not
+    the general listing."""
+    from analysis import EXPERIMENTS
+    from analysis.__main__ import main
+
+    assert main(["overflow", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("python -m analysis overflow") and EXPERIMENTS["overflow"][2] in text
+    assert "--backend" in text and "rescaling  " not in text
 
 
 def test_fp8_arms_lose_to_fp16_and_single_level_accumulation_grows_with_n(reports):

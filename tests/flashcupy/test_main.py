@@ -27,3 +27,13 @@ def test_demo_prints_intact_and_both_breaks():
     assert intact[0] < 1e-2 and intact[1] == 0
     assert nomax[1] > 0                       # overflowed rows
     assert noresc[0] > 1e-1 and noresc[1] == 0  # finite and wrong
+
+
+def test_the_package_namespace_shows_the_public_api_only():
+    """``dir(flashcupy)``: the entry points and public modules, not the private checks."""
+    import flashcupy
+
+    public = {n for n in dir(flashcupy) if not n.startswith("_")} - {"annotations"}
+    assert public == {"attention", "attention_backward", "attention_fp8", "dequantize", "quantize", "fp8",
+                      "reference", "transforms"}
+    assert set(flashcupy.__all__) <= public

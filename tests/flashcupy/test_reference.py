@@ -58,6 +58,19 @@ def test_seed_worked_example():
     assert round(float(o[0, 0, 0, 0]), 4) == 5.4329
 
 
+@pytest.mark.parametrize("q_shape,k_shape,words", [
+    ((1, 2, 9, 8), (1, 2, 0, 8), ["every extent", "(1, 2, 0, 8)"]),
+    ((1, 2, 0, 8), (1, 2, 4, 8), ["every extent"]),
+    ((1, 2, 9, 8), (1, 2, 4, 16), ["q's B and D"]),
+])
+def test_empty_or_mismatched_shapes_are_refused_clearly(rng, q_shape, k_shape, words):
+    q, k = rng.standard_normal(q_shape), rng.standard_normal(k_shape)
+    for call in (lambda: reference.attention(q, k, k), lambda: reference.attention_backward(q, q, k, k)):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert all(w in str(e.value) for w in words), str(e.value)
+
+
 def test_empty_rows_are_zero_with_neg_inf_lse(rng):
     """Causal with Nq > Nk: the first Nq - Nk rows see no key."""
     q = rng.standard_normal((1, 2, 9, 8))

@@ -64,6 +64,7 @@ def test_smoothing_keys_keeps_the_output_and_shifts_the_lse(rng, causal):
     (lambda q, k: incoherent(q[0], k), ValueError, ["4-D"]),
     (lambda q, k: incoherent(q.tolist(), k), TypeError, ["numpy.ndarray or cupy.ndarray", "list"]),
     (lambda q, k: smooth_keys(k[0]), ValueError, ["k", "4-D"]),
+    (lambda q, k: smooth_keys((k * 10).astype(np.int32)), TypeError, ["floating-point", "int32"]),
 ])
 def test_bad_input_is_refused_clearly(rng, bad, exc, words):
     q, k, _ = _f64_inputs(rng, (1, 2, 1, 8, 8, 64))
