@@ -153,7 +153,7 @@ def bwd_wgmma_rotated(d: int, causal: bool, n: int | None = None) -> bool:
     for ``n`` query rows (None: any length): CTA kt starts at query tile kt * n_qt / n_kt instead of 0,
     so that the CTAs of a head do not add into the same dQ rows at the same time. Without a causal mask
     only (the causal order is FlashAttention-3's LPT), and up to 2048 query rows. Measured (same process,
-    fp16, B=4, H=32; reports/wgmma_bwd_plan.md): D=64 1.053x / 1.003x / 0.989x / 0.962x at N = 1024 /
+    fp16, B=4, H=32; docs/design/wgmma_backward.md): D=64 1.053x / 1.003x / 0.989x / 0.962x at N = 1024 /
     2048 / 4096 / 16384 (H200, before dQ by rows), 1.13x / 1.08x at N = 1024 / 2048 (H100), and with dQ
     by rows 1.042x / 1.007x / 0.985x at N = 1024 / 4096 / 16384 (H100); D=128 1.013x / 1.018x / 1.031x /
     1.019x at the four lengths (H200, 2026-11-24's kernels), then 0.984x / 0.979x at N = 4096 / 16384
@@ -235,7 +235,7 @@ def wgmma_o_stage(v: "Variant") -> int:
     (one tile per CTA), 2 through a buffer of its own and a TMA store (the tile loops, where it fits in
     shared memory), 0 straight from registers (4 bytes of half a 32-byte sector per lane and store).
     Measured on the H200 against the register stores (same process, fp16, B=4, H=32, o bitwise equal;
-    reports/wgmma_notes.md): one tile per CTA +2.2% / +2.6% at D=128 N=4096 (non-causal / causal), +3.2%
+    docs/design/wgmma_forward.md): one tile per CTA +2.2% / +2.6% at D=128 N=4096 (non-causal / causal), +3.2%
     at N=16384, +5.2% / +6.4% at D=256 N=4096; the dynamic scheduler +14% at D=128 causal N=1024, +6.8% /
     +3.2% at D=64 causal N = 1024 / 4096. Register stores stay for e4m3 variants, loops on tiles that
     leave no room (128 x 176, D=256 with 128 rows), and the static split at D=64, where the TMA store
@@ -390,7 +390,7 @@ SCHEDULES = ("tile", "static", "dynamic")
 def wgmma_schedule(d: int, causal: bool, n: int | None = None, tile: tuple[int, int] = (128, 128)) -> str:
     """The default schedule of the wgmma forward at head dim ``d`` for ``n`` query rows (None: any) on
     ``tile`` (block_m, block_n).
-    Measured on the H200 (same process, fp16 and bf16, B=4, H=32; reports/wgmma_notes.md):
+    Measured on the H200 (same process, fp16 and bf16, B=4, H=32; docs/design/wgmma_forward.md):
     - D=64 without a causal mask, "static": 1.11x / 1.04x one tile per CTA at N = 1024 / 4096, 0.99x
       at 16384; "dynamic" 0.95-0.97x "static" there (the static order runs a head's query tiles side
       by side, so the CTAs running at once share its K and V in L2).
@@ -544,10 +544,10 @@ _FAMILIES = (
         threads=lambda v: 128 * (1 + v.block_n // 64),
         smem_bytes=_bwd_wgmma_smem,
         # D=64: 128 queries a tile, twice the products for the same per-tile waits and barriers (measured
-        # on the H200: 1.07-1.14x the 64-query tile, 1.15-1.26x deterministic; reports/wgmma_bwd_plan.md).
+        # on the H200: 1.07-1.14x the 64-query tile, 1.15-1.26x deterministic; docs/design/wgmma_backward.md).
         # D=128: FlashAttention-3's 80-query tile (dQ formed transposed), on an H100 without a causal mask
-        # 1.01-1.04x the 64-query tile and 1.06-1.07x deterministic (reports/h100/bm80.md); with one from
-        # N=4096 (1.00-1.04x; 0.98x at N=1024, 0.995x at 2048: reports/h100/bm80_causal*.md)
+        # 1.01-1.04x the 64-query tile and 1.06-1.07x deterministic (a6c6dc3:reports/h100/bm80.md); with
+        # one above N=2048 (1.00-1.04x; 0.98x at N=1024, 0.995x at 2048: a6c6dc3:reports/h100/bm80_causal*.md)
         default_blocks=lambda dtype, d, accum, causal, n=None: (
             (128, 128) if d == 64 else (80, 128) if not causal or n is None or n > 2048 else (64, 128)),
         no_spill=lambda v: True,

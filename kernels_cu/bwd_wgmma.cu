@@ -113,7 +113,7 @@
 // FC_BWD_EARLY_DV 1: dV += P^T dO is issued as soon as P^T is formed, so that the tensor cores run it while
 // the warpgroup forms dS^T and waits at barrier 1; 0: dV is issued with dK after barrier 1. The same
 // products in the same order (the same bits either way). Measured on the H200 at D = 128, before the dQ
-// writer warp: 1.006x to 1.018x (reports/wgmma_bwd_plan.md). P^T's fp32 values stay live beside its fragments until dS^T is
+// writer warp: 1.006x to 1.018x (docs/design/wgmma_backward.md). P^T's fp32 values stay live beside its fragments until dS^T is
 // formed: at BM = 128 (D = 64) that spills 144 bytes, so the default is 1 at BM = 64 only.
 #ifndef FC_BWD_EARLY_DV
 #define FC_BWD_EARLY_DV (FC_BLOCK_M == 64)
@@ -124,7 +124,7 @@
 // barrier after the last query tile), in the tiles' 128-byte swizzle (conflict-free 4-byte stores), and
 // one of its threads stores them by TMA (whole 128-byte lines; rows past nk are not written); 0: straight
 // from registers, 4 bytes of half a 32-byte sector per lane and store. The same values either way.
-// Measured: reports/wgmma_bwd_plan.md.
+// Measured: docs/design/wgmma_backward.md.
 #ifndef FC_BWD_KV_STAGE
 #define FC_BWD_KV_STAGE 1
 #endif
@@ -134,7 +134,7 @@
 // product (DS_READY below, instead of one barrier of both), so that one may form P^T and dS^T while the
 // other's products run. Each accumulator sees the same products in the same order (dQ now after dV and
 // dK, into its own registers), so the bits are the same. 0: barrier 1, in step. Measured on the H100
-// (reports/wgmma_bwd_plan.md, Sessions of 2026-11-26, second and third; two runs): +1.8% to +3.2% on
+// (docs/design/wgmma_backward.md; two runs): +1.8% to +3.2% on
 // the atomic path at D = 64 (BM = 128) and N <= 4096 (N = 16384: +1.1% and -0.9%, within that cell's
 // noise), -2.1% to -5% at D = 128 (BM = 64, where early dV already fills the stretch and dQ's staging no
 // longer runs under dK), so the default is 1 at BM = 128 (and at BM = 80, which needs it: DQT below).
@@ -150,7 +150,7 @@
 // which is within the 128 bytes a cycle shared memory delivers. The writer adds each share as two boxes
 // of 32 columns x 64 rows, so the host builds the buffer's map with 64-row boxes (flashcupy/_launch.py
 // reads FC_BWD_DQ_BOX_ROWS, which the build layer derives and the kernel checks below). Measured on the H100
-// (reports/wgmma_bwd_plan.md, Session of 2026-11-26, third): +2.9% to +6.1% on the atomic path at D = 64,
+// (docs/design/wgmma_backward.md): +2.9% to +6.1% on the atomic path at D = 64,
 // +2.4% to +5.0% deterministic (N = 16384: -0.8%, within that cell's noise); under ncu at N = 4096 the
 // kernel went from 3081 to 2877 us, tensor pipe active 46.9% -> 50.2%. dk, dv and the deterministic dq
 // are bit for bit those of the column split.
@@ -178,7 +178,7 @@ constexpr int DQB = DQ_ROWS ? 1 : MB;          // its 64-query blocks (one: bloc
 // BM = 80 (the tile FlashAttention-3 runs at D = 128 without a causal mask): dQ formed
 // transposed, dQ^T_c = K[:, c-th 64 columns]^T dS^T (m64n80k16 over the keys, A = K MN-major, B = dS
 // stored by query rows through transposing stmatrix, K-major), staged as BM query rows of the share's 64
-// columns. On an H100: 1.01-1.04x the 64-query tile, 1.06-1.07x deterministic (reports/h100/bm80.md); the
+// columns. On an H100: 1.01-1.04x the 64-query tile, 1.06-1.07x deterministic (a6c6dc3:reports/h100/bm80.md); the
 // default without a causal mask, and with one from 2048 query rows up (flashcupy/_build.py).
 constexpr bool DQT = BM == 80;
 static_assert(!DQT || SKEW, "bwd_wgmma: block_m 80 needs FC_BWD_SKEW (in step, ptxas serializes every wgmma)");
@@ -242,7 +242,7 @@ constexpr int KV_OUT = DQ_EMPTY + NCWG;
 // other has waited: c's tile it + 2 needs the other's dS^T of tile it + 1, stored after its wait for
 // tile it). The sync on the other's DS_READY also waits for all four warps of c, each past its own dS^T
 // stores, so c's dQ product needs no barrier of its own (measured with one: 0.985x to 1.006x, three rounds
-// on the H100 at D = 64, reports/h100/wgds.md).
+// on the H100 at D = 64, a6c6dc3:reports/h100/wgds.md).
 constexpr int DS_READY = KV_OUT + NCWG;
 static_assert(KV_OUT + NCWG <= 16 && (!SKEW || DS_READY + 4 <= 16), "named barriers");
 
@@ -305,7 +305,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     // dk, dv through shared memory and TMA stores (FC_BWD_KV_STAGE) everywhere but on the atomic path at
     // D = 64 without a causal mask and unrotated, where the register stores measured faster (rows of dk
     // and dv of 128 bytes, whose register stores fill whole sectors, and CTAs in lock-step; a hypothesis,
-    // reports/wgmma_bwd_plan.md)
+    // docs/design/wgmma_backward.md)
     constexpr bool KV_STAGE = FC_BWD_KV_STAGE && (ORDERED || ROTATE || FC_CAUSAL || HD != 64);
     // the linear block index, the key tiles and the (batch, KV head) pairs (for the sectioned orders)
     const int n_kt = gridDim.x, n_hb = gridDim.y * gridDim.z;
@@ -617,7 +617,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 //   dS^T (key rows): key row 64 cw + 16 wq + 8 (m % 2) + c (row % 8 = c), chunk ii of the
                 //       queries: panel ii / 8, chunk (ii % 8) ^ c (measured on the H100 with the one-select dQ
                 //       staging below, against a 4-byte store per thread and value: +4.6% to +6.4% at D = 64,
-                //       N = 4096 without a mask, +2.8% to +3.3% with one, reports/h100/d64instr.md);
+                //       N = 4096 without a mask, +2.8% to +3.3% with one, a6c6dc3:reports/h100/d64instr.md);
                 //   DQT, dS (query rows; .trans): query row 8 ii + c of panel cw, chunk (2 wq + m % 2) ^ c.
                 if (i & 1) {
                     const int m = lane >> 3, c = lane & 7, ii = i - 1 + (m >> 1);
@@ -737,7 +737,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 // DQT: the P^T, dS^T fragments free before dQ^T's 40 accumulators; without this wait, or in
                 // step (dQ and dV, dK in flight together), ptxas serializes every wgmma (C7512), measured locally.
                 // FlashAttention-3's order (dV, dQ^T, dK from shared memory, so no fragment outlives dV)
-                // compiles clean but measured 0.95-0.98x this one (reports/h100/bm80_fa3_order.md; not profiled)
+                // compiles clean but measured 0.95-0.98x this one (a6c6dc3:reports/h100/bm80_fa3_order.md; not profiled)
                 if constexpr (DQT) {
                     wg_wait<0>();
                     dv_dk_done();

@@ -107,7 +107,7 @@
 //                   them with TMA (whole 128-byte lines; rows past nq are not written): 1 into its own rows
 //                   of the Q buffer (one tile per CTA: Q is not read after the warpgroup's last S), 2 into
 //                   a buffer of its own (the tile loops, whose next Q loads during this tile's end);
-//                   measured on the H200 (reports/wgmma_notes.md). 0: straight from registers, 4-byte
+//                   measured on the H200 (docs/design/wgmma_forward.md). 0: straight from registers, 4-byte
 //                   stores of half 32-byte sectors (fp8, and loops whose tile leaves no room for a buffer).
 #ifndef FC_WG_O_STAGE
 #error "fwd_wgmma: FC_WG_O_STAGE (0, 1 or 2) must be defined by the build layer"

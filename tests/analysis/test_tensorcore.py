@@ -1,6 +1,7 @@
-"""The tensor-core accumulation model of analysis/tensorcore.py on the CPU: it reproduces the committed
-H200 measurement of the directed cases, and its fit recovers a model from cases that model produced.
-Plus the analysis command line: --help lists every experiment, a single run says where its files went."""
+"""The tensor-core accumulation model of analysis/tensorcore.py on the CPU: it reproduces the H200
+measurement of the directed cases (frozen in data/), and its fit recovers a model from cases that model
+produced. Plus the analysis command line: --help lists every experiment, a single run says where its
+files went."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,9 @@ from analysis import tensorcore as tc
 from analysis.__main__ import main
 from flashcupy import _tensorcore as tcm
 
-REPORT = os.path.join(os.path.dirname(__file__), "..", "..", "reports", "tensorcore.json")
+# the H200 measurement the model was fitted to, frozen here (reports/tensorcore.json is rewritten by each
+# run of the experiment)
+REPORT = os.path.join(os.path.dirname(__file__), "data", "tensorcore_h200.json")
 
 
 def test_round_to_bits_rz_rn_and_subnormals():
@@ -27,7 +30,7 @@ def test_round_to_bits_rz_rn_and_subnormals():
 
 @pytest.mark.parametrize("acc,mode", [("fp32", "rz"), ("fp16", "rn")])
 def test_model_reproduces_the_measured_directed_cases(acc, mode):
-    """The directed cases measured on the H200 (reports/tensorcore.json) follow from the fitted model."""
+    """The directed cases measured on the H200 (data/tensorcore_h200.json) follow from the fitted model."""
     with open(REPORT) as f:
         data = json.load(f)["data"]
     names, a, b, c = tc.directed_cases(acc)
@@ -127,7 +130,7 @@ def test_probe_compiles_for_every_configuration(dname, acc):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dname,acc", tc.CONFIGS)
 def test_probe_measures_what_the_report_says(rng, dname, acc):
-    """On the GPU: the measured facts (reports/tensorcore.json, H200) explain every directed case and
+    """On the GPU: the measured facts (data/tensorcore_h200.json, H200) explain every directed case and
     1000 fresh random ones: 16-bit inputs align to the largest exponent sum with 24 + 2 bits (fp16
     accumulators too), rz into fp32 and rn into fp16, mma.sync and wgmma bit for bit alike; e4m3 on
     wgmma aligns with 14 bits and truncates the sum to 14 bits into fp32, rounds to nearest into fp16.
