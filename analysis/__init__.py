@@ -5,7 +5,9 @@ experiment (``all`` runs every one and writes ``index.md``). Each writes ``<name
 ``<name>.md`` (the table a person reads, with a one-line finding) and ``<name>.png``.
 
 Experiments use only the public API of ``flashcupy`` (``attention``, ``attention_backward``,
-``reference``, ``naive``) plus the build layer's variant table and compile report for the benchmark.
+``reference``, ``naive``, ``fp8``, ``transforms``), ``flashcupy.inspect`` (variants, family table,
+compile reports, builds) and, for the tensor-core experiment, the accumulation model the NumPy twin uses
+(``flashcupy._tensorcore``, one place for it).
 """
 from __future__ import annotations
 

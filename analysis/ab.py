@@ -2,7 +2,7 @@
 same inputs, in alternating rounds, with their outputs compared bit for bit and their ptxas reports side
 by side. For a kernel writer's question "is this change faster, and does it keep the bits?".
 
-An *arm* is a build of the kernels (``flashcupy._build.Build``): extra ``-D`` values, which replace the
+An *arm* is a build of the kernels (``flashcupy.inspect.Build``): extra ``-D`` values, which replace the
 variant's own (a compile-time switch of the source such as FC_WG_PINGPONG), and/or a folder that holds a
 changed copy of kernels_cu/. The tile may be an arm through FC_BLOCK_M / FC_BLOCK_N: inside a build
 that sets them they are the calls' default tile (``default_tile``), so the variant is made with that tile
@@ -77,14 +77,14 @@ class Arm:
         return ", ".join(parts) or "the package's kernels"
 
     def build(self):
-        """The context in which flashcupy's calls run this arm's build (flashcupy._build.kernel_build)."""
-        from flashcupy._build import kernel_build
+        """The context in which flashcupy's calls run this arm's build (flashcupy.inspect.kernel_build)."""
+        from flashcupy.inspect import kernel_build
 
         return kernel_build(dict(self.defines), self.kernels_dir)
 
     def unread_defines(self) -> list[str]:
         """The arm's defines that no file of its kernels folder (default kernels_cu/) mentions."""
-        from flashcupy._build import _kernels_dir
+        from flashcupy.inspect import kernels_dir as _kernels_dir
 
         folder = self.kernels_dir or _kernels_dir()
         text = ""
@@ -117,7 +117,7 @@ def parse_arm(spec: str) -> Arm:
             raise ValueError(f"--arm {spec!r}: each define must be NAME=INT, got {item!r}")
     if ":" in spec and not defines:
         raise ValueError(f"--arm {spec!r}: ':' must be followed by NAME=INT[,NAME=INT...]")
-    from flashcupy._build import Build
+    from flashcupy.inspect import Build
 
     build = Build(tuple(defines), folder or None)  # checks the names and values
     return Arm(name, build.defines, build.kernels_dir)
@@ -138,7 +138,7 @@ def parse_arms(specs) -> list[Arm]:
 
 def parse_cells(text: str) -> list[tuple[str, int, int, bool]]:
     """``dtype:N:D:causal,...`` (causal 0 or 1) -> [(dtype, N, D, causal)]."""
-    from flashcupy._build import DTYPES
+    from flashcupy.inspect import DTYPES
 
     cells = []
     for item in filter(None, (x.strip() for x in text.split(","))):
@@ -241,29 +241,28 @@ class _CellRun:
     def variant_row(self, direction) -> list:
         """[key, kernels launched, registers, smem, spill bytes] of the variant the call runs (bench's
         compile-report summary), in the current build."""
-        from flashcupy._checks import backward_problem, forward_problem
+        from flashcupy.inspect import backward_variant, forward_variant
 
         from .bench import _summarize_report
 
         s = self.bsets[0]
-        knobs = dict(causal=self.causal, scale=None, block_m=None, block_n=None, accum="fp32",
-                     kernel=self.kernel)
+        knobs = dict(causal=self.causal, kernel=self.kernel)
         if direction == "fwd":
-            p = forward_problem(s[0], s[1], s[2], ablate=None, **knobs)
+            var = forward_variant(s[0], s[1], s[2], **knobs)
         else:
-            p = backward_problem(s[3], s[0], s[1], s[2], s[4], s[5], deterministic=direction == "bwd_det",
-                                 **knobs)
+            var = backward_variant(s[3], s[0], s[1], s[2], s[4], s[5], deterministic=direction == "bwd_det",
+                                   **knobs)
         try:
-            rep = _compile_report(p.variant)
+            rep = _compile_report(var)
         except Exception as e:
-            return [p.variant.key, f"{type(e).__name__}: {str(e)[:80]}", None, None, None]
-        return _summarize_report(p.variant, rep, direction == "bwd_det", p.nq)
+            return [var.key, f"{type(e).__name__}: {str(e)[:80]}", None, None, None]
+        return _summarize_report(var, rep, direction == "bwd_det", int(s[0].shape[2]))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_report(variant):
     """compile_report, once per variant (a build's variant is its own; bwd and bwd_det share one)."""
-    from flashcupy._build import compile_report
+    from flashcupy.inspect import compile_report
 
     return compile_report(variant)
 
@@ -280,7 +279,7 @@ def _build_errors():
     NVRTC's errors. A CUDA error at run time is not among them: it leaves the context unusable."""
     from cupy.cuda.compiler import CompileException
 
-    from flashcupy._build import CompileError
+    from flashcupy.inspect import CompileError
 
     return (ValueError, TypeError, CompileError, CompileException)
 

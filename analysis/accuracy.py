@@ -6,8 +6,7 @@ import numpy as np
 
 import flashcupy
 from flashcupy import naive, reference
-from flashcupy._build import FAMILIES
-from flashcupy._checks import numpy_dtype
+from flashcupy.inspect import FAMILIES, numpy_dtype
 from flashcupy.reference import to_float64
 
 from .common import UNIT_ROUNDOFF, Context, Report, Table, errors, log, new_figure, normal_inputs
@@ -177,8 +176,8 @@ def run_blocks(ctx: Context) -> Report:
     fig = blocks_figure(rows, naive_rows)
     setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal",
              "inputs": "q, k, v ~ N(0,1), rounded to the dtype",
-             "variants": "every (block_m, block_n) of every forward family in flashcupy._build.FAMILIES, per "
-                         "dtype and accumulator the family supports",
+             "variants": "every (block_m, block_n) of every forward family in flashcupy.inspect.FAMILIES, "
+                         "per dtype and accumulator the family supports",
              "Golden et al. 2024": "'Is Flash Attention Stable?' (arXiv 2405.02803) report less deviation "
                                    "with larger tiles and more when the tile dims are swapped"}
     notes = []

@@ -10,8 +10,8 @@ import numpy as np
 
 import flashcupy
 from flashcupy import naive, reference
-from flashcupy._build import FAMILIES
 from flashcupy.accuracy import FACTOR, tolerance
+from flashcupy.inspect import FAMILIES
 
 from .common import Context, Report, Table, errors, log, new_figure, normal_inputs
 

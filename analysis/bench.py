@@ -21,9 +21,7 @@ import numpy as np
 
 import flashcupy
 from flashcupy import naive
-from flashcupy._build import FAMILIES, WGMMA_HEAD_DIMS, Variant, compile_report
-from flashcupy._checks import numpy_dtype
-from flashcupy._launch import launch_roles
+from flashcupy.inspect import FAMILIES, WGMMA_HEAD_DIMS, Variant, compile_report, launch_roles, numpy_dtype
 
 from . import sdpa
 from .common import Context, Report, Table, log, new_figure
@@ -665,8 +663,8 @@ def run_bench(ctx: Context, cells=None) -> Report:
                        "5 to 50), inputs rotated through enough sets to exceed twice the L2 cache "
                        "(at most 4)",
              "flops": "fwd 4 B H N^2 D (halved when causal), bwd 2.5x fwd",
-             "compile": "NVRTC compile time from flashcupy._build.compile_report (no cache); first-call time "
-                        "separately (compile or CuPy's disk cache + load + one run)"}
+             "compile": "NVRTC compile time from flashcupy.inspect.compile_report (no cache); first-call "
+                        "time separately (compile or CuPy's disk cache + load + one run)"}
     tables = [Table("TFLOP/s per cell and ratios flashcupy mma / peer", columns, table_rows),
               Table("Per variant (default tiles, fp32 accumulators): compile report",
                     ["provider", "direction", "dtype", "D", "causal", "N", "variant key", "kernels launched",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 import flashcupy
-from flashcupy._checks import numpy_dtype
+from flashcupy.inspect import numpy_dtype
 from flashcupy.reference import to_float64
 
 from .accuracy import COMBOS

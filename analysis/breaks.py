@@ -8,7 +8,7 @@ import numpy as np
 
 import flashcupy
 from flashcupy import reference
-from flashcupy._checks import numpy_dtype
+from flashcupy.inspect import numpy_dtype
 from flashcupy.reference import to_float64
 
 from .common import MAX_FINITE, Context, Report, Table, errors, log, new_figure, normal_inputs
@@ -277,7 +277,7 @@ def run_overflow(ctx: Context) -> Report:
 
 
 def _rescaling_families(dname):
-    from flashcupy._build import FAMILIES
+    from flashcupy.inspect import FAMILIES
 
     fam = FAMILIES["fwd_simt"] if dname == "f32" else FAMILIES["fwd_mma"]
     return fam.kind, fam.block_n

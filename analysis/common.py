@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import flashcupy
-from flashcupy._checks import numpy_dtype
+from flashcupy.inspect import numpy_dtype
 from flashcupy.reference import to_float64
 
 # unit roundoff and largest finite value per storage type

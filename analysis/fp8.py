@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 
 import flashcupy
+import flashcupy.inspect
 from flashcupy import fp8, reference, transforms
 
 from .accuracy import outlier_inputs
@@ -105,7 +106,7 @@ def run_fp8(ctx: Context) -> Report:
         q, k, v = make(ctx.rng(f"fp8.{dist}"))
         ref = reference.attention(q, k, v)
         for dname in ("f16", "bf16"):
-            dt = flashcupy._checks.numpy_dtype(dname)
+            dt = flashcupy.inspect.numpy_dtype(dname)
             o = flashcupy.attention(*ctx.dev(*(x.astype(dt) for x in (q, k, v))))
             m = metrics(o.get() if hasattr(o, "get") else o, ref)
             rows.append([dist, f"{dname} ({'kernel' if ctx.backend == 'cuda' else 'twin'})", "n/a", False,

@@ -16,7 +16,7 @@ import numpy as np
 
 import flashcupy
 from flashcupy import naive
-from flashcupy._checks import numpy_dtype
+from flashcupy.inspect import numpy_dtype
 
 from .common import Context, Report, Table, log, new_figure
 

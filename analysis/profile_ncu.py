@@ -122,7 +122,7 @@ def _calls(cell, b, h, seed):
     import cupy
 
     import flashcupy
-    from flashcupy._checks import numpy_dtype
+    from flashcupy.inspect import numpy_dtype
 
     dname, n, d, causal = cell
     tag = f"{dname} N{n} D{d} causal{int(causal)}"

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcupy._checks import numpy_dtype
 from flashcupy._tensorcore import (  # the model, in one place
     K_STEP,
     MEASURED,
     PRECISION,
     accumulate,
 )
+from flashcupy.inspect import numpy_dtype
 
 from .common import Context, Report, Table, log, new_figure
 
@@ -173,7 +173,7 @@ def random_cases(rng, n: int, dname: str, acc: str):
 def probe_defines(dname: str, acc: str, hopper: bool = True) -> dict[str, int]:
     """The -D knobs of kernels_cu/tc_probe.cu for one configuration: a kernel variant's (so the shared
     headers apply), FC_FP8 for e4m3 inputs (the wgmma probe alone), FC_TC_PROBE_NO_WGMMA off Hopper."""
-    from flashcupy._build import DTYPES
+    from flashcupy.inspect import DTYPES
 
     defines = {"FC_DTYPE": DTYPES["f16" if dname == "e4m3" else dname][0], "FC_ACCUM_F16": int(acc == "fp16"),
                "FC_HEAD_DIM": 64, "FC_HEAD_DIM_PAD": 64, "FC_NUM_THREADS": 128,
@@ -194,7 +194,7 @@ def instructions(dname: str, hopper: bool) -> tuple[str, ...]:
 def _modules(dname: str, acc: str):
     import cupy
 
-    from flashcupy._build import nvrtc_options, source_text
+    from flashcupy.inspect import nvrtc_options, source_text
 
     hopper = int(cupy.cuda.Device().compute_capability) == 90
     arch = ("-arch=sm_90a",) if hopper else ()

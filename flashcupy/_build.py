@@ -158,9 +158,7 @@ def bwd_wgmma_rotated(d: int, causal: bool, n: int | None = None) -> bool:
     by rows 1.042x / 1.007x / 0.985x at N = 1024 / 4096 / 16384 (H100); D=128 1.013x / 1.018x / 1.031x /
     1.019x at the four lengths (H200, 2026-11-24's kernels), then 0.984x / 0.979x at N = 4096 / 16384
     (H100, 54d6950's kernels), so D=128 no longer rotates from N = 4096 (its 1024 and 2048 keep the
-    earlier gain, not remeasured). A build's FC_BWD_ROTATE (0 or 1; the kernels do not read it)
-    overrides this rule for its calls (``backward_roles`` in _launch.py), so that
-    ``python -m analysis.ab --arm plain:FC_BWD_ROTATE=0 --arm rotated:FC_BWD_ROTATE=1`` measures it."""
+    earlier gain, not remeasured)."""
     return not causal and n is not None and n <= 2048
 
 
@@ -324,10 +322,6 @@ def _wgmma_limits(v: "Variant") -> str | None:
 # bwd_wgmma.cu: Q, dO (with L and delta) stream through this many buffers (its FC_BWD_STAGES default).
 WGMMA_BWD_STAGES = 2
 WGMMA_BWD_HEAD_DIMS = (64, 128)
-# bwd_wgmma.cu's FC_BWD_LD_TMA: L and delta reach the producer's stage by one bulk TMA copy a tile from
-# flash_bwd_prep's tiled buffer (1) or by the producer lanes' loads of lse and delta (0); the host launches
-# prep accordingly (_launch.py reads the variant's define).
-WGMMA_BWD_LD_TMA = 1
 # bwd_wgmma.cu's FC_BWD_DQ_ROWS: at block_m=128 with two consumer warpgroups (D=64) each forms the dQ
 # share of its 64 query rows (1) or of its half of the columns (0).
 WGMMA_BWD_DQ_ROWS = 1
@@ -552,7 +546,7 @@ _FAMILIES = (
             (128, 128) if d == 64 else (80, 128) if not causal or n is None or n > 2048 else (64, 128)),
         no_spill=lambda v: True,
         limits=_bwd_wgmma_limits, arch="sm_90a",
-        extra_defines=lambda v: {"FC_BWD_LD_TMA": WGMMA_BWD_LD_TMA, "FC_BWD_DQ_ROWS": WGMMA_BWD_DQ_ROWS,
+        extra_defines=lambda v: {"FC_BWD_DQ_ROWS": WGMMA_BWD_DQ_ROWS,
                                  "FC_BWD_DQ_BOX_ROWS": bwd_wgmma_dq_box_rows(v)},
         # one kernel forms dQ both ways: its additions in any order, or in key-tile order (deterministic)
         ordered_dq=True,

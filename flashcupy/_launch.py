@@ -447,9 +447,7 @@ class _BackwardPlan:
         # wgmma: prep writes L (log2 units) and delta tiled by query tile and padded to whole tiles, which
         # the producer copies into its stage with one bulk copy a tile (FC_BWD_PREP_TILE in bwd_prep.cuh)
         n_qt = (p.nq + var.block_m - 1) // var.block_m
-        # as the module was compiled; a build's FC_BWD_LD_TMA reaches every family's defines, but only
-        # bwd_wgmma.cu turns it into FC_BWD_PREP_TILE (the mma and simt preps stay untiled)
-        tiled = var.family == "bwd_wgmma" and bool(self.prep.defines.get("FC_BWD_LD_TMA", 0))
+        tiled = self.tma
         self.ld_size = p.batch * p.heads_q * n_qt * 2 * var.block_m if tiled else 0
         self.delta_size = self.ld_size or rows
         prep_rows = p.batch * p.heads_q * n_qt * var.block_m if tiled else rows
@@ -602,10 +600,7 @@ def backward_roles(var, deterministic: bool, n: int | None = None) -> tuple[str,
     if var.fam.ordered_dq:
         if deterministic:
             return ORDERED_DQ_ROLES
-        # a build may force the choice (FC_BWD_ROTATE 0 or 1, e.g. an analysis.ab arm); causal: never
-        rotate = var.switch("FC_BWD_ROTATE", -1)
-        rotated = bwd_wgmma_rotated(var.head_dim, var.causal, n) if rotate < 0 else rotate and not var.causal
-        return ROTATED_DQ_ROLES if rotated else ATOMIC_DQ_ROLES
+        return ROTATED_DQ_ROLES if bwd_wgmma_rotated(var.head_dim, var.causal, n) else ATOMIC_DQ_ROLES
     if not deterministic and set(ATOMIC_DQ_ROLES) <= set(var.roles):
         return ATOMIC_DQ_ROLES
     return DETERMINISTIC_DQ_ROLES

@@ -232,12 +232,7 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
 
     // Query tiles [qt0, n_qt) hold a query that sees some key of this tile.
     const int n_qt = (nq + BM - 1) / BM;
-#if FC_CAUSAL
-    const int q_first = max(n0 - (nk - nq), 0);  // first query that sees key n0
-    const int qt0 = q_first < nq ? q_first / BM : n_qt;
-#else
-    const int qt0 = 0;
-#endif
+    const int qt0 = fc_first_query_tile(n0, nq, nk, BM, n_qt);
     const int qt_per_head = n_qt - qt0;
     const int n_it = group * qt_per_head;
 

@@ -218,14 +218,9 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
 #pragma unroll
         for (int i = 0; i < DPT; ++i) dk_acc[t][i] = dv_acc[t][i] = 0.f;
 
-    // Query rows that may see a key of this tile: causal, row >= n0 - (nk - nq); start at the
-    // query tile holding the first of them (none at all when it is past nq: dK = dV = 0).
-#if FC_CAUSAL
-    const int first_row = max(0, n0 - (nk - nq));
-#else
-    const int first_row = 0;
-#endif
-    const int m_start = first_row / BM * BM;
+    // Query rows that may see a key of this tile: start at the query tile holding the first of them
+    // (none at all when it is past nq: dK = dV = 0).
+    const int m_start = fc_first_query(n0, nq, nk) / BM * BM;
 
     for (int g = 0; g < group; ++g) {
         const long long h = (long long)hk * group + g;

@@ -84,9 +84,8 @@
 //
 // Kernel parameters: seven CUtensorMap (q, k, v, dout, dq_accum: fp32 (B, Hq, nq, D), zeroed, and dk, dv:
 // box (64, 64), read only by FC_BWD_KV_STAGE 1),
-// FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; with
-// FC_BWD_LD_TMA 1 lse is not read and delta is flash_bwd_prep's tiled buffer of L and delta; dq is not
-// touched); flash_bwd_dkdvdq_ordered_wgmma also dq_sem and dq_heads (>= 1; read without a causal mask).
+// FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; lse is not
+// read and delta is flash_bwd_prep's tiled buffer of L and delta; dq is not touched); flash_bwd_dkdvdq_ordered_wgmma also dq_sem and dq_heads (>= 1; read without a causal mask).
 // Grid: (ceil(nk / BN), Hkv, B). Block: FC_NUM_THREADS = 128 * (1 + BN / 64).
 // Dynamic shared memory (bytes), FC_SMEM_DKDVDQ:
 //     1024 (alignment slack) + 2 BN D 2 (K, V) + STAGES (2 BM D 2 + 8 BM) (Q, dO, L, delta)
@@ -96,15 +95,10 @@
 
 #include "flash_common.cuh"
 #include "wgmma_common.cuh"
-// FC_BWD_LD_TMA 1: flash_bwd_prep writes L (log2 units) and delta laid out by query tile and padded
-// (FC_BWD_PREP_TILE), and the producer copies a tile of both with one bulk TMA copy; 0: the producer
-// warp's lanes load them from lse and delta (B, Hq, nq), a row at a time. The same values either way.
-// The host launches prep by the value the module was compiled with (flashcupy/_launch.py), so the build
-// layer always passes it.
-#ifndef FC_BWD_LD_TMA
-#error "bwd_wgmma: FC_BWD_LD_TMA must be defined by the build layer (flashcupy/_build.py)"
-#endif
-#define FC_BWD_PREP_TILE (FC_BWD_LD_TMA ? FC_BLOCK_M : 0)
+// flash_bwd_prep writes L (log2 units) and delta laid out by query tile and padded (FC_BWD_PREP_TILE), and
+// the producer copies a tile of both with one bulk TMA copy (measured against the producer lanes' row
+// loads: docs/design/wgmma_backward.md).
+#define FC_BWD_PREP_TILE FC_BLOCK_M
 #include "bwd_prep.cuh"
 
 #ifndef FC_BWD_STAGES
@@ -334,12 +328,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 
     // Query tiles [qt0, n_qt) of each of the group's heads hold a query that sees some key of this tile.
     const int n_qt = (nq + BM - 1) / BM;
-#if FC_CAUSAL
-    const int q_first = fc_first_query(n0, nq, nk);
-    const int qt0 = q_first < nq ? q_first / BM : n_qt;
-#else
-    const int qt0 = 0;
-#endif
+    const int qt0 = fc_first_query_tile(n0, nq, nk, BM, n_qt);
     const int qt_per_head = n_qt - qt0;
     const int n_it = group * qt_per_head;
     // iteration it: query head hk * group + it / qt_per_head, query tile qt0 + it % qt_per_head
@@ -359,11 +348,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     if (tid == 0) {
         mbar_init(bar_kv, 1);
         for (int s = 0; s < STAGES; ++s) {
-            // full: the producer's arrival with the transaction bytes of Q, dO, L and delta (FC_BWD_LD_TMA 0:
-            // an arrival per producer lane, each after its stores of L and delta, lane 0 adding the bytes
-            // of Q and dO); empty: every consumer thread once done with the stage (its plain loads of L and
-            // delta included)
-            mbar_init(q_full(s), FC_BWD_LD_TMA ? 1 : 32);
+            // full: the producer's arrival with the transaction bytes of Q, dO, L and delta; empty: every
+            // consumer thread once done with the stage (its plain loads of L and delta included)
+            mbar_init(q_full(s), 1);
             mbar_init(q_empty(s), NCTHR);
         }
         mbar_init_fence();
@@ -389,7 +376,6 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     tma_load_4d(sK + p * KV_PANEL, &tm_k, bar_kv, 64 * p, n0, hk, b);
                     tma_load_4d(sV + p * KV_PANEL, &tm_v, bar_kv, 64 * p, n0, hk, b);
                 }
-#if FC_BWD_LD_TMA
                 for (int it = 0; it < n_it; ++it) {
                     const int s = it % STAGES;
                     const int hq = head_of(it), qt = tile_of(it);
@@ -408,34 +394,6 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                               2 * BM * 4, q_full(s));
                 }
             }
-#else
-            }
-            for (int it = 0; it < n_it; ++it) {
-                const int s = it % STAGES;
-                const int hq = head_of(it), m0 = tile_of(it) * BM;
-                // stage s was last used by tile it - STAGES: wait until every consumer warp released it
-                if (it >= STAGES) mbar_wait(q_empty(s), (u32)(((it / STAGES) & 1) ^ 1));
-                // Q and dO by TMA first (lane 0 adds their bytes to the stage's count without arriving),
-                // then L (log2 units; +inf past nq and for rows that see no key: P = 0) and delta by
-                // plain loads, so that the two latencies overlap
-                if (lane == 0) {
-                    mbar_expect_tx(q_full(s), 2 * Q_BYTES);
-#pragma unroll
-                    for (int p = 0; p < PANELS; ++p) {
-                        tma_load_4d(s_q(s) + p * Q_PANEL, &tm_q, q_full(s), 64 * p, m0, hq, b);
-                        tma_load_4d(s_do(s) + p * Q_PANEL, &tm_do, q_full(s), 64 * p, m0, hq, b);
-                    }
-                }
-                const long long rb = ((long long)b * heads_q + hq) * nq;
-                float *ld = s_ld(s);
-                for (int r = lane; r < BM; r += 32) {
-                    const int row = m0 + r;
-                    ld[r] = fc_row_lse_log2(lse + rb, row, nq);
-                    ld[BM + r] = row < nq ? delta[rb + row] : 0.f;
-                }
-                mbar_arrive(q_full(s));  // releases this lane's stores
-            }
-#endif
         } else if (tid < 64 && n_it > 0) {
             // ---- the dQ writer warp (FlashAttention-3's): per tile, once consumer c has staged its dQ
             //      share, lane 0 adds it into the fp32 buffer by TMA reduce-adds (rows past nq are skipped
@@ -823,30 +781,26 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NTHR, 1)
-    flash_bwd_dkdvdq_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
-                           const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
-                           const __grid_constant__ FcTensorMap tm_dq, const __grid_constant__ FcTensorMap tm_dk,
-                           const __grid_constant__ FcTensorMap tm_dv, FC_BWD_PARAMS) {
-    dkdvdq_body<false, false>(tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, FC_BWD_ARGS, nullptr, 0);
+// The seven tensor maps every entry point takes (kernel parameters, by value) and passes on.
+#define FC_BWD_MAPS                                                                                                 \
+    const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,                            \
+        const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,                       \
+        const __grid_constant__ FcTensorMap tm_dq, const __grid_constant__ FcTensorMap tm_dk,                      \
+        const __grid_constant__ FcTensorMap tm_dv
+#define FC_BWD_MAP_ARGS tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv
+
+extern "C" __global__ void __launch_bounds__(NTHR, 1) flash_bwd_dkdvdq_wgmma(FC_BWD_MAPS, FC_BWD_PARAMS) {
+    dkdvdq_body<false, false>(FC_BWD_MAP_ARGS, FC_BWD_ARGS, nullptr, 0);
 }
 
 #if !FC_CAUSAL
 // The atomic path with rotated key-tile starts (ROTATE): non-causal variants only.
-extern "C" __global__ void __launch_bounds__(NTHR, 1)
-    flash_bwd_dkdvdq_rotated_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
-                                   const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
-                                   const __grid_constant__ FcTensorMap tm_dq, const __grid_constant__ FcTensorMap tm_dk,
-                                   const __grid_constant__ FcTensorMap tm_dv, FC_BWD_PARAMS) {
-    dkdvdq_body<false, true>(tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, FC_BWD_ARGS, nullptr, 0);
+extern "C" __global__ void __launch_bounds__(NTHR, 1) flash_bwd_dkdvdq_rotated_wgmma(FC_BWD_MAPS, FC_BWD_PARAMS) {
+    dkdvdq_body<false, true>(FC_BWD_MAP_ARGS, FC_BWD_ARGS, nullptr, 0);
 }
 #endif
 
 extern "C" __global__ void __launch_bounds__(NTHR, 1)
-    flash_bwd_dkdvdq_ordered_wgmma(const __grid_constant__ FcTensorMap tm_q, const __grid_constant__ FcTensorMap tm_k,
-                                   const __grid_constant__ FcTensorMap tm_v, const __grid_constant__ FcTensorMap tm_do,
-                                   const __grid_constant__ FcTensorMap tm_dq, const __grid_constant__ FcTensorMap tm_dk,
-                                   const __grid_constant__ FcTensorMap tm_dv, FC_BWD_PARAMS, int *__restrict__ dq_sem,
-                                   int dq_heads) {
-    dkdvdq_body<true, false>(tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, FC_BWD_ARGS, dq_sem, dq_heads);
+    flash_bwd_dkdvdq_ordered_wgmma(FC_BWD_MAPS, FC_BWD_PARAMS, int *__restrict__ dq_sem, int dq_heads) {
+    dkdvdq_body<true, false>(FC_BWD_MAP_ARGS, FC_BWD_ARGS, dq_sem, dq_heads);
 }

@@ -215,6 +215,18 @@ __device__ __forceinline__ int fc_first_query(int key, int nq, int nk) {
 #endif
 }
 
+// The first query tile (of bm rows; n_qt = ceil(nq / bm) of them) a key-tile-outer backward visits for
+// the key tile that starts at key n0: query tiles [first, n_qt) hold a row that sees some key of the tile
+// (causal: from the tile of fc_first_query(n0), or none when no row sees key n0), all of them otherwise.
+__device__ __forceinline__ int fc_first_query_tile(int n0, int nq, int nk, int bm, int n_qt) {
+#if FC_CAUSAL
+    const int q_first = fc_first_query(n0, nq, nk);
+    return q_first < nq ? q_first / bm : n_qt;
+#else
+    return 0;
+#endif
+}
+
 // The query tile run x-th of n (x = blockIdx.x of a grid of n = ceil(nq / BM) tiles, or a persistent
 // CTA's x-th tile of a head). Causal grids run the heaviest tiles (the last query rows, which see the
 // most keys) first.

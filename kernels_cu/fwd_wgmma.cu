@@ -87,19 +87,18 @@
 // result: every variant writes the same bits):
 //   FC_WG_OVERLAP   1: software pipeline inside a consumer warpgroup: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
 //                   are issued together and the softmax of tile j runs while P_{j-1} V_{j-1} is on the
-//                   tensor cores (needs a second set of P fragments). Default: 1 when FC_BLOCK_M <= 128.
+//                   tensor cores, and O *= alpha_{j-1} runs while S_j is on them (just before P_{j-1} V_{j-1}
+//                   is issued). Default: 1 when FC_BLOCK_M <= 128.
 //   FC_WG_PINGPONG  1: with two consumer warpgroups, they take turns to issue their products (named
 //                   barriers 1 and 2), so one's softmax runs while the other's products run. Default 1
 //                   when FC_BLOCK_M == 128.
-//   FC_WG_EARLY_RESCALE  (default 1) with FC_WG_OVERLAP: O *= alpha_{j-1} runs while S_j is on the tensor cores (just
-//                   before P_{j-1} V_{j-1} is issued) instead of after P_{j-1} V_{j-1} has landed.
 //   FC_WG_PERSISTENT  (set by the build layer, flashcupy/_build.py wgmma_persistent) 1: the CTA loops over
 //                   tiles, a static split (any grid size; the launch uses one CTA per SM); 2: the CTA
 //                   loops over the tiles a global counter hands out (tile_counter: two ints, zero
 //                   before the launch, zero again after it: the last CTA to finish resets them); 0: one
 //                   tile per CTA, grid (ceil(nq / FC_BLOCK_M), Hq, B).
 #ifndef FC_WG_PERSISTENT
-#error "fwd_wgmma: FC_WG_PERSISTENT (0 or 1) must be defined by the build layer"
+#error "fwd_wgmma: FC_WG_PERSISTENT (0, 1 or 2) must be defined by the build layer"
 #endif
 //   FC_WG_O_STAGE   (set by the build layer, wgmma_o_stage) how o leaves the CTA. 1 and 2: each consumer
 //                   warpgroup writes its 64 rows of o into shared memory (HD / 64 panels of 64 rows x 128
@@ -111,9 +110,6 @@
 //                   stores of half 32-byte sectors (fp8, and loops whose tile leaves no room for a buffer).
 #ifndef FC_WG_O_STAGE
 #error "fwd_wgmma: FC_WG_O_STAGE (0, 1 or 2) must be defined by the build layer"
-#endif
-#ifndef FC_WG_EARLY_RESCALE
-#define FC_WG_EARLY_RESCALE 1
 #endif
 #ifndef FC_WG_OVERLAP
 #define FC_WG_OVERLAP (FC_BLOCK_M <= 128)
@@ -613,7 +609,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     mbar_wait(v_full(sp), phase(it0 + j - 1));
                     turn_wait();
                     issue_s(s_acc, s);      // S_j = Q K_j^T
-                    if (FC_WG_EARLY_RESCALE) rescale(alpha);  // alpha of tile j - 1
+                    rescale(alpha);         // alpha of tile j - 1, while S_j runs
                     issue_pv(p_frag, sp);   // O += P_{j-1} V_{j-1}
                     turn_pass(false);
                     wg_wait<1>();           // S_j has landed; P V still running
@@ -626,13 +622,12 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
                     for (int kk = 0; kk < PSTEPS; ++kk) reg_fence(p_frag[kk]);
                     release(v_empty(sp));
-                    if (!FC_WG_EARLY_RESCALE) rescale(alpha);
                     pack_p(s_acc, p_frag);
                 }
                 const int sl = stage(it0 + n_tiles - 1);
                 mbar_wait(v_full(sl), phase(it0 + n_tiles - 1));
                 turn_wait();
-                if (FC_WG_EARLY_RESCALE && n_tiles > 1) rescale(alpha);
+                if (n_tiles > 1) rescale(alpha);
                 issue_pv(p_frag, sl);
                 turn_pass(true);
                 wg_wait<0>();

@@ -292,27 +292,21 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const FcTensorMap *map, u32
         "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
 }
-// Add the fp32 box at src (shared memory, laid out as the map's box and swizzle) into the tensor at
-// coordinates (c0 .. c3): an element-wise reduction performed by the TMA unit (one request per
-// 128-byte line instead of a reduction per 8 or 16 bytes from the threads). Elements outside the
-// tensor's extents are skipped. Tracked by the issuing thread's bulk groups (tma_commit / tma_wait_*).
-__device__ __forceinline__ void tma_reduce_add_4d(const FcTensorMap *map, u32 src, int c0, int c1, int c2, int c3) {
-    asm volatile(
-        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
-        " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<u64>(map)),
-        "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-        : "memory");
-}
-// Write the box at src (shared memory, laid out as the map's box and swizzle) to the tensor at
-// coordinates (c0 .. c3); elements outside the tensor's extents are not written. Tracked like a
-// reduce-add by the issuing thread's bulk groups.
-__device__ __forceinline__ void tma_store_4d(const FcTensorMap *map, u32 src, int c0, int c1, int c2, int c3) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
-        " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<u64>(map)),
-        "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-        : "memory");
-}
+// Shared -> global by the TMA unit: the box at src (shared memory, laid out as the map's box and swizzle)
+// goes to the tensor at coordinates (c0 .. c3), tracked by the issuing thread's bulk groups (tma_commit /
+// tma_wait_*); one request per 128-byte line.
+//   tma_reduce_add_4d  adds the fp32 box into the tensor element by element (instead of a reduction per 8
+//                      or 16 bytes from the threads); elements outside the tensor's extents are skipped.
+//   tma_store_4d       writes the box; elements outside the tensor's extents are not written.
+#define FC_TMA_OUT_4D(NAME, INSTRUCTION)                                                                    \
+    __device__ __forceinline__ void NAME(const FcTensorMap *map, u32 src, int c0, int c1, int c2, int c3) { \
+        asm volatile(INSTRUCTION " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<u64>(map)),     \
+                     "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)                                           \
+                     : "memory");                                                                           \
+    }
+FC_TMA_OUT_4D(tma_reduce_add_4d, "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group")
+FC_TMA_OUT_4D(tma_store_4d, "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group")
+#undef FC_TMA_OUT_4D
 // A contiguous global -> shared copy by the TMA unit (no tensor map), completing on `bar` with `bytes`
 // transaction bytes: 16-byte aligned addresses, bytes a multiple of 16.
 __device__ __forceinline__ void bulk_load(u32 dst, const void *src, u32 bytes, u32 bar) {

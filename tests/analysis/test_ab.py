@@ -14,8 +14,8 @@ from tests.conftest import GPU_SKIP_REASON
 
 def test_arms_parse_names_folders_and_defines(tmp_path):
     assert ab.parse_arm("base") == ab.Arm("base")
-    tma = ab.parse_arm("tma:FC_BWD_LD_TMA=1, FC_X=0x10")
-    assert tma.name == "tma" and tma.defines == (("FC_BWD_LD_TMA", 1), ("FC_X", 16))
+    tma = ab.parse_arm("tma:FC_BWD_STAGES=1, FC_X=0x10")
+    assert tma.name == "tma" and tma.defines == (("FC_BWD_STAGES", 1), ("FC_X", 16))
     old = ab.parse_arm(f"old@{tmp_path}:FC_X=2")
     assert old.kernels_dir == str(tmp_path) and old.defines == (("FC_X", 2),)
     assert "FC_X=2" in old.describe() and str(tmp_path) in old.describe()
@@ -78,12 +78,12 @@ def test_compare_is_bitwise_and_sizes_a_difference(rng):
 
 
 def _rows():
-    arms = [ab.Arm("base"), ab.Arm("tma", (("FC_BWD_LD_TMA", 1),))]
+    arms = [ab.Arm("base"), ab.Arm("tma", (("FC_BWD_STAGES", 1),))]
     rows = [{"dtype": "f16", "N": 4096, "D": 64, "causal": False, "direction": "bwd", "varies": ["dq"],
              "arms": {"base": {"tflops": [400.0, 410.0], "bits": "equal",
                                "compile": ["k", "prep/dkdvdq/conv", "28/168/17", "1/2/3", 0]},
                       "tma": {"tflops": [430.5, 420.0], "bits": "dq: 1e-07 (varies)",
-                              "compile": ["k+FC_BWD_LD_TMA=1", "prep/dkdvdq/conv", "28/168/17", "1/2/3", 0]}},
+                              "compile": ["k+FC_BWD_STAGES=1", "prep/dkdvdq/conv", "28/168/17", "1/2/3", 0]}},
              "peer": {"name": "cudnn", "tflops": [450.0, 455.0]}},
             {"dtype": "bf16", "N": 1024, "D": 128, "causal": True, "direction": "fwd", "varies": [],
              "arms": {"base": {"tflops": [300.0]}, "tma": {"tflops": [299.0], "bits": "equal"}}}]
@@ -114,7 +114,7 @@ def test_render_names_arms_setup_and_results():
             "rounds": 2, "budget_s": 0.3}
     md = ab.render({"device": "NVIDIA H200", "git_commit": "abc", "seed": 0}, arms, rows, args)
     assert md.startswith("# A/B: tma against base")
-    assert "**base** (baseline): the package's kernels" in md and "**tma**: FC_BWD_LD_TMA=1" in md
+    assert "**base** (baseline): the package's kernels" in md and "**tma**: FC_BWD_STAGES=1" in md
     assert "f16:4096:64:0" in md and "NVIDIA H200" in md and "| tma / base |" in md
 
 

@@ -246,38 +246,6 @@ def test_wgmma_backward_query_tiles_of_128_give_the_bits_of_64(rng, causal, nq, 
     _check(tuple(x.get() for x in (do, q, k, v)), wide, "f16", "fp32", causal, f"wgmma bm=128 {nq}x{nk}")
 
 
-@pytest.mark.parametrize("causal,nq,nk,d", [(False, 203, 333, 64), (True, 333, 203, 128),
-                                             (True, 1029, 1029, 64), (False, 1029, 577, 128)],
-                         ids=lambda x: str(x))
-def test_wgmma_backward_l_delta_by_bulk_copy_give_the_bits_of_lane_loads(rng, causal, nq, nk, d):
-    """bwd_wgmma's FC_BWD_LD_TMA: L and delta (minus dlse) laid out by query tile in flash_bwd_prep and
-    copied by the TMA unit (1) reach the consumers as the same fp32 values as the producer lanes' loads
-    (0), with ragged tiles, GQA and dlse: dq, dk, dv bit for bit on the deterministic path, dk, dv on the
-    atomic one; and the host launches prep as each module was compiled."""
-    import cupy
-
-    from flashcupy import _launch
-    from flashcupy._build import kernel_build
-
-    do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, nq, nk, d), "f16"))
-    o, lse = _fwd(q, k, v, causal, "wgmma", "fp32")
-    dlse = cupy.asarray(rng.standard_normal(lse.shape).astype(np.float32) * 0.1)
-    runs = {}
-    for flag in (0, 1):
-        known = set(_launch._BACKWARD_PLANS)  # equal builds of earlier cases share the cache
-        with kernel_build({"FC_BWD_LD_TMA": flag}) as build:
-            runs[flag] = [flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel="wgmma",
-                                                       deterministic=det, dlse=dlse) for det in (False, True)]
-        plans = [pl for key, pl in _launch._BACKWARD_PLANS.items()
-                 if key not in known and key[0].variant.build == build]
-        assert len(plans) == 2 and all(bool(pl.ld_size) == bool(flag) for pl in plans)
-    for det in (0, 1):
-        for name, a, b in zip(("dq", "dk", "dv"), runs[1][det], runs[0][det]):
-            if det or name != "dq":
-                assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} det={det}"
-        assert float(cupy.abs(runs[1][det][0].astype(cupy.float32)).max()) > 0
-
-
 @pytest.mark.parametrize("causal,nq,nk,d", [(False, 1029, 577, 64), (True, 333, 203, 128),
                                            (True, 1029, 1029, 64)], ids=lambda x: str(x))
 def test_wgmma_backward_skewed_consumers_give_the_bits_of_consumers_in_step(rng, causal, nq, nk, d):
@@ -338,30 +306,6 @@ def test_wgmma_backward_dq_by_query_rows_matches_dq_by_columns(rng, causal, nq, 
         diff = float(cupy.abs(a - b).max())
         assert diff <= dq_order_tolerance("f16", float(cupy.abs(b).max())), f"dq det={det}: {diff:.3e}"
         assert float(cupy.abs(b).max()) > 0
-
-
-def test_a_build_with_ld_tma_leaves_the_other_families_prep_untiled(rng):
-    """FC_BWD_LD_TMA in a kernel_build reaches every family's defines, but only bwd_wgmma.cu tiles its
-    prep: the mma backward (atomic dQ, ragged nq, dlse) inside such a build launches its prep on the real
-    rows, subtracts dlse, and gives the bits it gives outside the build."""
-    import cupy
-
-    from flashcupy import _launch
-    from flashcupy._build import kernel_build
-
-    do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, 203, 333, 64), "f16"))
-    o, lse = _fwd(q, k, v, False, "mma", "fp32")
-    dlse = cupy.asarray(rng.standard_normal(lse.shape).astype(np.float32) * 0.1)
-    plain = flashcupy.attention_backward(do, q, k, v, o, lse, kernel="mma", deterministic=True, dlse=dlse)
-    known = set(_launch._BACKWARD_PLANS)
-    with kernel_build({"FC_BWD_LD_TMA": 1}) as build:
-        built = flashcupy.attention_backward(do, q, k, v, o, lse, kernel="mma", deterministic=True, dlse=dlse)
-    (plan,) = [pl for key, pl in _launch._BACKWARD_PLANS.items()
-               if key not in known and key[0].variant.build == build]
-    assert plan.ld_size == 0 and plan.prep.defines["FC_BWD_LD_TMA"] == 1
-    for name, a, b in zip(("dq", "dk", "dv"), built, plain):
-        assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), name
-    assert float(cupy.abs(plain[0].astype(cupy.float32)).max()) > 0
 
 
 @pytest.mark.parametrize("combo", [("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"),

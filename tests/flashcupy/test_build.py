@@ -199,25 +199,6 @@ def test_a_layout_switch_changed_alone_is_followed_by_the_host(family, knobs, sw
     assert rep["spill_stores"] == 0 and rep["smem_dynamic"] == v.smem_for(role)
 
 
-def test_a_build_may_force_the_wgmma_backward_rotation():
-    """FC_BWD_ROTATE (0 or 1) in a build replaces bwd_wgmma_rotated's rule for the atomic path, so that
-    analysis.ab can time both orders; the causal path never rotates, and the deterministic one keeps its
-    ordered twin."""
-    from flashcupy._launch import backward_roles
-
-    def roles(causal, det=False, n=4096):
-        return backward_roles(Variant("bwd_wgmma", "f16", "fp32", 128, 128, 64, causal=causal), det, n)
-
-    assert roles(False) == _build.ATOMIC_DQ_ROLES  # the rule: D=64 rotates up to N=2048 only
-    assert roles(False, n=1024) == _build.ROTATED_DQ_ROLES
-    with kernel_build({"FC_BWD_ROTATE": 1}):
-        assert roles(False) == _build.ROTATED_DQ_ROLES
-        assert roles(True) == _build.ATOMIC_DQ_ROLES
-        assert roles(False, det=True) == _build.ORDERED_DQ_ROLES
-    with kernel_build({"FC_BWD_ROTATE": 0}):
-        assert roles(False, n=1024) == _build.ATOMIC_DQ_ROLES
-
-
 def test_a_build_of_another_tile_sets_the_default_tile():
     """FC_BLOCK_M / FC_BLOCK_N in a build are the default tile of calls made inside it (analysis.ab can
     then time two tiles as two arms: the variant is made with the build's tile, so the host launches its

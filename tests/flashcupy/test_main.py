@@ -38,5 +38,5 @@ def test_the_package_namespace_shows_the_public_api_only():
     public = {n for n in dir(flashcupy) if not n.startswith("_")} - {"annotations"}
     modules = {n for n in public if isinstance(getattr(flashcupy, n), types.ModuleType)}
     assert public - modules == {"attention", "attention_backward", "attention_fp8", "dequantize", "quantize"}
-    assert modules <= {"fp8", "reference", "transforms", "naive", "accuracy", "torch"}
+    assert modules <= {"fp8", "reference", "transforms", "naive", "accuracy", "torch", "inspect"}
     assert set(flashcupy.__all__) <= public

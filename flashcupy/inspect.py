@@ -1,0 +1,63 @@
+"""``flashcupy.inspect``: what the kernels are, for the people who study them.
+
+The public window on the build layer: which kernel variant a call runs, its source, NVRTC options, PTX
+and ptxas report (none of these need a GPU), the family table, the covering sets of variants the compile
+tests check, and builds with changed ``-D`` values or a changed copy of ``kernels_cu/``. ``analysis``
+and the tests use this module; the private modules behind it (``_build``, ``_checks``, ``_launch``) may
+change shape without notice.
+
+    >>> from flashcupy import inspect
+    >>> var = inspect.forward_variant(q, k, v, causal=True)   # what flashcupy.attention would run
+    >>> var.key                                  # e.g. 'fwd_wgmma.f16.acc32.bm128.bn128.d128.causal'
+    >>> inspect.compile_report(var)["registers"], inspect.launch_roles(var)
+    >>> with inspect.kernel_build({"FC_KV_STAGES": 3}):        # every call inside compiles with it
+    ...     flashcupy.attention(q, k, v)
+
+A variant is a ``Variant``: family (``fwd_wgmma``, ``fwd_mma``, ``fwd_simt``, ``bwd_*``), dtype name
+(``f16``, ``bf16``, ``f32``), accumulator, tile, head dim, causal, ablation and, for the Hopper forward,
+the tile schedule; its ``key`` names it in errors, tests and reports, and ``defines()`` gives the ``-D``
+values it compiles with.
+"""
+from __future__ import annotations
+
+from ._build import (
+    DTYPES,
+    FAMILIES,
+    WGMMA_BWD_HEAD_DIMS,
+    WGMMA_HEAD_DIMS,
+    Build,
+    CompileError,
+    Variant,
+    compile_report,
+    covering_variants,
+    current_build,
+    kernel_build,
+    nvrtc_options,
+    ptx,
+    source_text,
+)
+from ._build import _kernels_dir as kernels_dir
+from ._checks import backward_problem, forward_problem, numpy_dtype
+from ._launch import launch_roles
+
+__all__ = [
+    "DTYPES", "FAMILIES", "WGMMA_BWD_HEAD_DIMS", "WGMMA_HEAD_DIMS", "Build", "CompileError", "Variant",
+    "backward_variant", "compile_report", "covering_variants", "current_build", "forward_variant",
+    "kernel_build", "kernels_dir", "launch_roles", "numpy_dtype", "nvrtc_options", "ptx", "source_text",
+]
+
+
+def forward_variant(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, accum="fp32",
+                    kernel="auto", ablate=None) -> Variant:
+    """The variant ``flashcupy.attention(q, k, v, ...)`` runs with these arguments (checked as that call
+    checks them; the family's defaults filled in), in the current ``kernel_build``."""
+    return forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum,
+                           kernel=kernel, ablate=ablate).variant
+
+
+def backward_variant(do, q, k, v, o, lse, *, causal=False, scale=None, block_m=None, block_n=None,
+                     accum="fp32", kernel="auto", deterministic=False) -> Variant:
+    """The variant ``flashcupy.attention_backward(do, q, k, v, o, lse, ...)`` runs (its kernels:
+    ``launch_roles(variant, deterministic, nq)``)."""
+    return backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
+                            block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic).variant
