@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import typing as _typing
 
-from . import _launch, _twin, reference
+from . import _launch, _twin, inspect, reference
 from ._checks import _check_bool
 from ._checks import backward_problem as _backward_problem
 from ._checks import forward_problem as _forward_problem
 from .fp8 import attention_fp8, dequantize, quantize
 
-__all__ = ["attention", "attention_backward", "attention_fp8", "dequantize", "quantize", "reference"]
+__all__ = ["attention", "attention_backward", "attention_fp8", "dequantize", "inspect", "quantize",
+           "reference"]
 __version__ = "0.1.0"
 
 if _typing.TYPE_CHECKING:  # the annotations' names (not evaluated at run time)

@@ -971,9 +971,19 @@ class CompileError(RuntimeError):
 RAWMODULE_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
 
+def _nvrtc():
+    """CuPy's NVRTC binding (no GPU needed), or ImportError saying what to install."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError as e:
+        raise ImportError("compiling a kernel variant needs CuPy and its NVRTC (pip install "
+                          "'flashcupy[cuda13]' or '[cuda12]'; no GPU needed)") from e
+    return nvrtc
+
+
 def _nvrtc_log(variant: Variant, arch: str) -> str:
     """NVRTC's log of one variant, with ptxas's -v resource report."""
-    from cupy_backends.cuda.libs import nvrtc
+    nvrtc = _nvrtc()
 
     prog = nvrtc.createProgram(variant_source(variant), variant.fam.source, [], [])
     opts = list(compile_options(variant)) + [f"-arch={arch}", *RAWMODULE_OPTIONS, "--ptxas-options=-v"]
@@ -1008,7 +1018,7 @@ def _nvrtc_log_fresh_process(variant: Variant, arch: str) -> str:
 def ptx(variant: Variant, arch: str | None = None) -> str:
     """The variant's PTX as NVRTC builds it (no GPU needed), for the CUDA toolkit's ptxas and cuobjdump:
     the cubin bytes of CuPy's NVRTC binding can come back truncated, and NVRTC's log can be empty."""
-    from cupy_backends.cuda.libs import nvrtc
+    nvrtc = _nvrtc()
 
     prog = nvrtc.createProgram(variant_source(variant), variant.fam.source, [], [])
     arch = arch or variant.fam.arch or CHECK_ARCH
@@ -1110,6 +1120,8 @@ def covering_variants(family: str) -> list[Variant]:
     """A covering set for the compile check: every value of every knob at least once, and the pairs
     dtype x accum, block_m x block_n and causal x ablate in full (variants that do not fit in shared
     memory are left out)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
     fam = FAMILIES[family]
     head_dims = (8, 32, 40, 64, 96, 128, 256)
     base = dict(family=family, dtype=fam.dtypes[0], accum="fp32", head_dim=64, causal=False,

@@ -190,7 +190,9 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     bm, bn = default_tile(family, dname, d, accum, causal, block_m, block_n, n=nq)
     for name, val, allowed in (("block_m", bm, fam.block_m), ("block_n", bn, fam.block_n)):
         if val not in allowed:
-            raise ValueError(f"{name}={val} is not supported by kernel={fam.kind!r}; "
+            which = (f"kernel={fam.kind!r}" if kernel != "auto" else
+                     f"kernel='auto' (resolved to {fam.kind!r})")
+            raise ValueError(f"{name}={val} is not supported by {which}; "
                              f"supported: {allowed}")
     schedule = wgmma_schedule(d, bool(causal), nq, (bm, bn)) if family == "fwd_wgmma" else None
     variant = Variant(family, dname, accum, int(bm), int(bn), d, bool(causal), ablate, schedule=schedule)

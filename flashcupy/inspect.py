@@ -1,7 +1,8 @@
 """``flashcupy.inspect``: what the kernels are, for the people who study them.
 
-The public window on the build layer: which kernel variant a call runs, its source, NVRTC options, PTX
-and ptxas report (none of these need a GPU), the family table, the covering sets of variants the compile
+The public window on the build layer: which kernel variant a call runs, its source (``variant_source``;
+``source_text`` reads a file of ``kernels_cu/``), NVRTC options, PTX and ptxas report (none of these need
+a GPU; compiling needs CuPy's NVRTC), the family table, the covering sets of variants the compile
 tests check, and builds with changed ``-D`` values or a changed copy of ``kernels_cu/``. ``analysis``
 and the tests use this module; the private modules behind it (``_build``, ``_checks``, ``_launch``) may
 change shape without notice.
@@ -35,6 +36,7 @@ from ._build import (
     nvrtc_options,
     ptx,
     source_text,
+    variant_source,
 )
 from ._build import _kernels_dir as kernels_dir
 from ._checks import backward_problem, forward_problem, numpy_dtype
@@ -44,6 +46,7 @@ __all__ = [
     "DTYPES", "FAMILIES", "WGMMA_BWD_HEAD_DIMS", "WGMMA_HEAD_DIMS", "Build", "CompileError", "Variant",
     "backward_variant", "compile_report", "covering_variants", "current_build", "forward_variant",
     "kernel_build", "kernels_dir", "launch_roles", "numpy_dtype", "nvrtc_options", "ptx", "source_text",
+    "variant_source",
 ]
 
 

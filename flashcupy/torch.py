@@ -27,7 +27,11 @@ from typing import Optional
 
 import cupy
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - the torch extra
+    raise ImportError("flashcupy.torch needs torch: pip install 'flashcupy[torch]'") from e
 
 from . import _launch
 from ._build import current_build

@@ -124,6 +124,9 @@ def test_wgmma_backward_refuses_what_it_does_not_run_and_names_the_families_that
         flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma", accum="fp16")
     with pytest.raises(ValueError, match="block_m=192 is not supported by kernel='wgmma'"):
         flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma", block_m=192)
+    auto = r"block_m=100 is not supported by kernel='auto' \(resolved to 'mma'\)"
+    with pytest.raises(ValueError, match=auto):
+        flashcupy.attention(q, k, v, block_m=100)
     with pytest.raises(ValueError, match="block_m=128 at D=64 with block_n=128 only"):
         flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma", block_m=128, block_n=64)
     grads = flashcupy.attention_backward(o, q, k, v, o, lse, kernel="wgmma")

@@ -31,10 +31,10 @@ def test_other_arguments_are_refused():
             _c_value(bad)
 
 
+@pytest.mark.cupy
 def test_the_cupy_fallback_passes_the_layouts_bytes(monkeypatch):
     """Without the driver launch (no cuda.bindings), a launcher hands CuPy's launch the same bytes in
     layout order: addresses as uint64, maps as 128-byte voids, scalars as given."""
-    pytest.importorskip("cupy")
     seen = []
 
     class Kernel:
