@@ -19,9 +19,13 @@ COMBOS = [("f16", "fp32"), ("f16", "fp16"), ("bf16", "fp32"), ("bf16", "fp16"), 
 # blocks
 
 
-# one colour per (dtype, accumulator), one marker (and a small sideways offset) per family
-_COMBO_COLORS = {("f16", "fp32"): "tab:blue", ("f16", "fp16"): "tab:cyan", ("bf16", "fp32"): "tab:green",
-                 ("bf16", "fp16"): "tab:olive", ("f32", "fp32"): "tab:red", ("f32", "fp16"): "tab:orange"}
+# one colour per input dtype, one line style per accumulator (fp32 solid with open markers, fp16 dashed
+# with filled ones: the series that lie on top of each other stay apart), one marker (and a small sideways
+# offset) per family
+_DTYPE_COLORS = {"f16": "tab:blue", "bf16": "tab:green", "f32": "tab:red"}
+_COMBO_COLORS = {(d, a): c for d, c in _DTYPE_COLORS.items() for a in ("fp32", "fp16")}
+_ACCUM_STYLE = {"fp32": ("-", "none"), "fp16": ("--", None)}  # (line style, marker face: None = filled)
+_DTYPE_DX = {"f16": -0.03, "bf16": 0.0, "f32": 0.03}  # and a smaller sideways offset per dtype
 _FAMILY_MARKERS = {"mma": ("o", -0.1), "wgmma": ("s", 0.0), "simt": ("^", 0.1)}
 
 
@@ -62,13 +66,15 @@ def blocks_figure(rows, naive_rows):
     for (fam_name, dname, accum), rs in groups.items():
         kind = _family_kind(fam_name)
         marker, dx = _FAMILY_MARKERS.get(kind, ("D", 0.0))
+        dx += _DTYPE_DX.get(dname, 0.0)
         color = _COMBO_COLORS.get((dname, accum), "k")
-        ax.plot([xpos[r[4]] + dx for r in rs], [_finite(r[6]) for r in rs], marker, ms=5, mfc="none",
-                color=color, ls="none")
+        ls, face = _ACCUM_STYLE.get(accum, ("-", "none"))
+        ax.plot([xpos[r[4]] + dx for r in rs], [_finite(r[6]) for r in rs], marker, ms=5,
+                mfc=color if face is None else face, color=color, ls="none")
         line_bns = sorted({r[4] for r in rs})
         ax.plot([xpos[bn] + dx for bn in line_bns],
                 [np.nanmean([_finite(r[6]) for r in rs if r[4] == bn]) for bn in line_bns],
-                "-", lw=1, color=color, alpha=0.7)
+                ls, lw=1, color=color, alpha=0.7)
     for dname, _, rmse in naive_rows:
         ax.axhline(_finite(rmse), ls="--", lw=1, color="gray")
         ax.annotate(f"naive {dname}", (0, _finite(rmse)), xycoords=("axes fraction", "data"),
@@ -83,7 +89,9 @@ def blocks_figure(rows, naive_rows):
                f"{bn_spread[1][1]}, {bn_spread[1][2]} acc)" if bn_spread[1] else "block_n never moves it")
     ax.set_title(f"dtype and accumulator set the error; {bn_text}; {bm_text}", fontsize=10)
     combos = [c for c in _COMBO_COLORS if any(k[1:] == c for k in groups)]
-    h1 = [Line2D([], [], color=_COMBO_COLORS[c], lw=2, label=f"{c[0]} inputs, acc {c[1]}") for c in combos]
+    h1 = [Line2D([], [], color=_COMBO_COLORS[c], lw=1.5, ls=_ACCUM_STYLE[c[1]][0], marker="o", ms=4,
+                 mfc=_COMBO_COLORS[c] if _ACCUM_STYLE[c[1]][1] is None else "none",
+                 label=f"{c[0]} inputs, acc {c[1]}") for c in combos]
     kinds = {}
     for r in rows:
         kinds.setdefault(_family_kind(r[0]), set()).add(r[3])

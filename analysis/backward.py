@@ -152,12 +152,17 @@ def backward_figure(rows, naive_rows, ref_max_abs=None, reduction=None):
     # family names under each slot, the (dtype, accum) group under those, the accumulator halves on top
     ax.set_xticks(list(slots.values()), [k for k, _, _ in slots], fontsize=8)
     sec = ax.secondary_xaxis(location=0)
-    sec.set_xticks(list(centers.values()), [f"{d} inputs" for d, _ in centers], fontsize=9)
+    width = {c: sum(1 for (k, d, a) in slots if (d, a) == c) for c in centers}  # slots under each group
+    sec.set_xticks(list(centers.values()),
+                   [f"{d} inputs" if width[(d, a)] > 1 else f"{d}\ninputs" for d, a in centers], fontsize=9)
     sec.tick_params(axis="x", length=0, pad=16)
     sec.spines["bottom"].set_visible(False)
     sec.set_xlabel("input dtype and backward kernel family; block sizes pooled"
                    + (" (they change no ratio)" if spread <= 1.001 else
-                      f" (they change a ratio by at most {spread:.2g}x)"))
+                      f" (they change a ratio by at most {spread:.2g}x)")
+                   + "\nthe rule (flashcupy.accuracy): max|g - ref| <= 3 max|naive - ref| + floor, the floor "
+                     "a few roundings of the dtype\ntimes max|ref| (fp16 accumulators: at least "
+                     "2 u16 sqrt(reduction / 16))", fontsize=8)
     for acc in dict.fromkeys(a for _, a in combos):
         cs = [v for (d, a), v in centers.items() if a == acc]
         ax.text((min(cs) + max(cs)) / 2, 0.98, f"{acc} accumulators", transform=ax.get_xaxis_transform(),

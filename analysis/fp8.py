@@ -178,19 +178,30 @@ def run_fp8(ctx: Context) -> Report:
 
     fig, (ax1, ax2) = new_figure(ncols=2, width=6.5)
     arms = [r for r in rows if r[0] == "outliers"]
-    labels = [r[1].split(" ")[0] if r[2] == "n/a"
-              else f"{r[2][:3]} {'I' if r[3] else '-'}{'S' if r[4] else '-'} {r[5][0]}" for r in arms]
-    ax1.bar(range(len(arms)), [r[6] for r in arms],
-            color=["gray" if r[2] == "n/a" else ("tab:blue" if r[5] == "single" else "tab:orange")
-                   for r in arms])
-    ax1.set_xticks(range(len(arms)), labels, rotation=90, fontsize=6)
+
+    def arm_label(r):
+        if r[2] == "n/a":  # a 16-bit reference row
+            return r[1]
+        return f"{r[2]} scales" + (" + incoherent" if r[3] else "") + (" + smoothing" if r[4] else "")
+
+    colors = {"single": "tab:blue", "tile": "tab:orange"}
+    ax1.barh(range(len(arms)), [r[6] for r in arms],
+             color=["gray" if r[2] == "n/a" else colors.get(r[5], "tab:purple") for r in arms])
+    ax1.set_yticks(range(len(arms)), [arm_label(r) for r in arms], fontsize=6)
+    ax1.invert_yaxis()
     for name, _, val in PUBLISHED[:2]:
-        ax1.axhline(val, ls="--", lw=1, color="k" if "baseline" in name else "tab:green",
+        ax1.axvline(val, ls="--", lw=1, color="k" if "baseline" in name else "tab:green",
                     label=f"{name}: {val:.1e}")
-    ax1.set_yscale("log")
-    ax1.set_ylabel("RMSE vs float64")
-    ax1.set_title("Outlier inputs: arms (I incoherent, S smoothing; s single, t tile)", fontsize=8)
-    ax1.legend(fontsize=6)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color="gray", label="16-bit reference"),
+               Patch(color=colors["single"], label="e4m3, single-level accumulation"),
+               Patch(color=colors["tile"], label="e4m3, two-level accumulation")]
+    ax1.set_xscale("log")
+    ax1.set_xlabel("RMSE vs float64")
+    ax1.set_title("Outlier inputs: each treatment's error", fontsize=8)
+    ax1.legend(handles=handles + ax1.get_legend_handles_labels()[0], fontsize=6, loc="upper center",
+               bbox_to_anchor=(0.5, -0.13), ncol=2)
     for acc, color in (("single", "tab:blue"), ("tile", "tab:orange")):
         for v_mean, style in ((0.0, "o--"), (1.0, "o-")):
             pts = [p for p in sweep if p["v mean"] == v_mean]

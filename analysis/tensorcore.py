@@ -300,11 +300,24 @@ def run_tensorcore(ctx: Context) -> Report:
     tables = [Table("Accumulation of one k step (16 products; 32 for e4m3): the best model per instruction",
                     cols, rows)]
     fig, (ax,) = new_figure()
+    # one line per distinct curve: the configurations (and instructions) that give the same bits share it
+    curves: dict = {}
     for (instr, dname, acc), inc in series.items():
-        ax.plot(np.arange(1, len(inc) + 1), inc, marker="o", ms=3, label=f"{instr} {dname}/{acc}")
-    ax.set_xlabel("s: each of the K products is -2^-s ulp of c")
-    ax.set_ylabel("d - c, in ulps of c (exact: -K 2^-s)")
-    ax.set_title("Alignment: where small negative terms stop counting")
+        curves.setdefault(tuple(np.asarray(inc, dtype=np.float64).tolist()), []).append((instr, dname, acc))
+    for inc, members in curves.items():
+        configs = ", ".join(dict.fromkeys(f"{d} into {a}" for _, d, a in members))
+        instrs = " = ".join(dict.fromkeys(i for i, _, _ in members))
+        ax.plot(np.arange(1, len(inc) + 1), inc, marker="o", ms=3, label=f"{configs} ({instrs})")
+    s_max = max(len(inc) for inc in curves)
+    s_grid = np.arange(1, s_max + 1)
+    for k_products, style in zip(sorted({K_STEP[d] for _, d, _ in series}), (":", "--")):
+        ax.plot(s_grid, -k_products * 2.0 ** -s_grid, style, color="black", lw=0.9,
+                label=f"exact sum of {k_products} products")
+    ax.set_xticks(s_grid[::2] if s_max > 12 else s_grid)
+    ax.set_xlabel("s (each of the K products of one instruction is -2^-s ulps of c)")
+    ax.set_ylabel("d - c, ulps of c")
+    ax.set_title("Tensor-core sums drop products below their alignment window\n"
+                 "(the curve leaves the exact sum where a product stops counting)", fontsize=10)
     ax.legend(fontsize=7)
     wide = [r for r in rows if r[1] != "e4m3"]
     fp8 = [r for r in rows if r[1] == "e4m3"]
