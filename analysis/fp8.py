@@ -155,9 +155,12 @@ def run_fp8(ctx: Context) -> Report:
             if kernel:  # at every N: single- against two-level on all rows (two-level's own part is small)
                 point["single - tile"] = metrics(outs["single"], outs["tile"])["rmse"] / scale
             sweep.append(point)
+            def e(x):  # the accumulation alone is measured up to some N only
+                return "-" if x is None else f"{x:.2e}"
+
             log(f"[fp8] v mean {v_mean:g}, N={n}: relative RMSE single {point['single']:.2e}, tile "
-                f"{point['tile']:.2e}; accumulation alone single {point['single accumulation']}, tile "
-                f"{point['tile accumulation']}")
+                f"{point['tile']:.2e}; accumulation alone single {e(point['single accumulation'])}, tile "
+                f"{e(point['tile accumulation'])}")
     data["sweep"] = sweep
 
     def pick(dist, gran, inc, smooth, acc):
