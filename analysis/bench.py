@@ -21,7 +21,15 @@ import numpy as np
 
 import flashcupy
 from flashcupy import naive
-from flashcupy.inspect import FAMILIES, WGMMA_HEAD_DIMS, Variant, compile_report, launch_roles, numpy_dtype
+from flashcupy.inspect import (
+    FAMILIES,
+    WGMMA_HEAD_DIMS,
+    Variant,
+    compile_report,
+    default_blocks,
+    launch_roles,
+    numpy_dtype,
+)
 
 from . import sdpa
 from .common import Context, Report, Table, log, new_figure
@@ -324,7 +332,7 @@ def _variant_report(family, dname, accum, d, causal):
     if fam is None:
         return None, None
     try:
-        bm, bn = fam.default_blocks(dname, d, accum, causal)
+        bm, bn = default_blocks(family, dname, d, accum, causal)
         v = Variant(family, dname, accum, bm, bn, d, causal)
         t0 = time.perf_counter()
         rep = compile_report(v)

@@ -57,7 +57,7 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
         128 rows up to 1024 query rows, 192 above) (a block_m given alone keeps the default key tile
         where the family runs it with that block_m, else takes the widest it does). Unsupported values
         raise ValueError listing the supported ones. The wgmma forward also picks how its CTAs walk
-        the tiles by D, causal and the query length (flashcupy._build.wgmma_schedule); that choice
+        the tiles by D, causal and the query length (flashcupy._policy.wgmma_schedule); that choice
         never changes a bit of the result.
     accum : "fp32" or "fp16": precision of the on-chip accumulators (scores, running max and sum,
         output accumulator). The rounding model is written in ``flashcupy._twin``.
@@ -120,7 +120,7 @@ def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: A
       before it, so the call needs no co-residency and cannot hang beside other kernels (another
       stream's, a collective, a second backward); without a causal mask the blocks take the heads in
       sections, key tile slowest, so that a key tile starts after its predecessor has added to the
-      first query tiles (``flashcupy._build.bwd_wgmma_ordered_heads``). Kernel 'mma' (and always 'simt'
+      first query tiles (``flashcupy._policy.bwd_wgmma_ordered_heads``). Kernel 'mma' (and always 'simt'
       and accum 'fp16') runs a second, query-tile-outer kernel that recomputes S and dP and accumulates
       dQ on chip in a fixed order (7 products per tile pair, no atomics). Either way the result is
       bitwise reproducible, and dk, dv are the same bits as the default path's, except for 'wgmma'

@@ -12,18 +12,9 @@ import math
 
 import numpy as np
 
-from ._build import (
-    ABLATIONS,
-    ACCUMS,
-    FAMILIES,
-    SMEM_LIMIT,
-    WGMMA_BWD_HEAD_DIMS,
-    WGMMA_HEAD_DIMS,
-    Variant,
-    current_build,
-    default_tile,
-    wgmma_schedule,
-)
+from ._families import ABLATIONS, ACCUMS, FAMILIES, SMEM_LIMIT, WGMMA_BWD_HEAD_DIMS, WGMMA_HEAD_DIMS
+from ._policy import auto_family, default_tile, wgmma_schedule
+from ._variant import Variant, current_build
 
 KERNELS = ("auto", "mma", "simt", "wgmma")
 _GRID_YZ_MAX = 65535
@@ -253,8 +244,9 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
     """Which family computes this call.
 
     kernel='auto' picks 'wgmma' on a Hopper GPU (compute capability 9.0) where that family has the
-    variant (forward, float16/bfloat16, D in 64/128/256, the requested tile among its tiles),
-    else 'mma' where tensor cores apply, else 'simt'. kernel='wgmma' on another GPU raises ValueError.
+    variant (float16/bfloat16, fp32 accumulators in the backward, its head dims, the requested tile
+    among its tiles), else 'mma' where tensor cores apply, else 'simt' (``_policy.auto_family``).
+    kernel='wgmma' on another GPU raises ValueError.
     ``device`` is the GPU that holds the arrays (None: the current one).
     """
     if device is not None and device < 0:
@@ -279,19 +271,9 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
         return mma.name
     if kernel == "simt":
         return f"{direction}_simt"
-    # auto
-    if (backend == "cuda" and _wgmma_problem(dname, accum, direction, head_dim) is None
-            and _device_capability(device) == 90):
-        wgmma = FAMILIES[f"{direction}_wgmma"]
-        bm, bn = default_tile(wgmma.name, dname, head_dim, accum, causal, block_m, block_n)
-        try:  # the requested tile is one of the family's at this head dim
-            Variant(wgmma.name, dname, accum, bm, bn, head_dim)
-            return wgmma.name
-        except ValueError:
-            pass
-    if dname in mma.dtypes and accum in mma.accums(dname):
-        return mma.name
-    return f"{direction}_simt"
+    hopper = (backend == "cuda" and _wgmma_problem(dname, accum, direction, head_dim) is None
+              and _device_capability(device) == 90)
+    return auto_family(direction, dname, accum, head_dim, block_m, block_n, causal, hopper=hopper)
 
 
 def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,

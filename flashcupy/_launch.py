@@ -8,17 +8,10 @@ import threading
 
 import numpy as np
 
-from ._build import (
-    ATOMIC_DQ_ROLES,
-    DETERMINISTIC_DQ_ROLES,
-    ORDERED_DQ_ROLES,
-    ROTATED_DQ_ROLES,
-    bwd_wgmma_ordered_heads,
-    bwd_wgmma_rotated,
-    get_kernel,
-    wgmma_persistent,
-)
 from ._checks import Problem, numpy_dtype
+from ._compile import get_kernel
+from ._families import DETERMINISTIC_DQ_ROLES
+from ._policy import backward_roles, bwd_wgmma_ordered_heads
 from ._tma import STRIDE_LIMIT, TMA_MAP_BYTES, MapTemplate
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -343,7 +336,7 @@ class _ForwardPlan:
             # batch counts, and a persistent variant loops over the tiles on one CTA per SM, with the
             # dynamic scheduler taking them from a counter (a call's own, _tile_counter; the others get
             # a null pointer).
-            self.dynamic = wgmma_persistent(var) == 2
+            self.dynamic = var.persistent == 2
             maps = (MAP,) * 4
             tail = (np.int32(p.heads_q), np.int32(p.batch), PTR if self.dynamic else np.uint64(0))
             if self.readable:
@@ -352,7 +345,7 @@ class _ForwardPlan:
                     (q_shape, q_strides, var.block_m, "q"), (kv_shape, k_strides, var.block_n, "k"),
                     (kv_shape, v_strides, var.block_n, "v"),
                     (q_shape, _contiguous_strides(q_shape, itemsize), 64, "o")))
-            if wgmma_persistent(var):
+            if var.persistent:
                 grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
         self.launcher = _Launcher(self.kern, grid, maps + (PTR,) * 5 + scalars + tail)
 
@@ -470,7 +463,7 @@ class _BackwardPlan:
             # by value; the buffer's box is 32 fp32 columns, 128 bytes, dk's and dv's a consumer
             # warpgroup's 64 keys); deterministic: one counter per query tile and the heads per section
             # of its block order (the ordered kernel's last two arguments)
-            # the dQ buffer's box rows as the module was compiled (bwd_wgmma_dq_box_rows in _build.py)
+            # the dQ buffer's box rows as the module was compiled (bwd_wgmma_dq_box_rows in _families.py)
             dq_box_rows = k_kv.defines["FC_BWD_DQ_BOX_ROWS"]
             self.boxes = (var.block_m, var.block_n, var.block_n, var.block_m, (dq_box_rows, 32), 64, 64)
             tail = ()
@@ -592,28 +585,6 @@ def _as_rows(x, scratch: _Scratch):
     return x if x.flags.c_contiguous and x.data.ptr % 4 == 0 else scratch.copy(x)
 
 
-def backward_roles(var, deterministic: bool, n: int | None = None) -> tuple[str, str]:
-    """The roles of the two kernels a backward call of ``var`` with ``n`` query rows (None: any length)
-    launches after "prep", in order: the atomic-dQ pair where the variant has it and determinism is not
-    asked for (in bwd_wgmma its rotated twin where ``bwd_wgmma_rotated`` says so), its ordered twin where
-    determinism is asked for and the family has one (``Family.ordered_dq``), else dK/dV then dQ."""
-    if var.fam.ordered_dq:
-        if deterministic:
-            return ORDERED_DQ_ROLES
-        return ROTATED_DQ_ROLES if bwd_wgmma_rotated(var.head_dim, var.causal, n) else ATOMIC_DQ_ROLES
-    if not deterministic and set(ATOMIC_DQ_ROLES) <= set(var.roles):
-        return ATOMIC_DQ_ROLES
-    return DETERMINISTIC_DQ_ROLES
-
-
-def launch_roles(var, deterministic: bool = False, n: int | None = None) -> tuple[str, ...]:
-    """The roles of every kernel a call of ``var`` with ``n`` query rows (None: any length) launches, in
-    order (``forward``, ``backward``)."""
-    if var.fam.direction == "fwd":
-        return ("fwd",)
-    return ("prep", *backward_roles(var, deterministic, n))
-
-
 # --------------------------------------------------------------------------------------------------
 # fp8 (e4m3) forward: fwd_wgmma built with FC_FP8 (flashcupy.fp8.attention_fp8 checks the arguments)
 
@@ -653,9 +624,9 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
             tensor_map(o, 64, name="o"))  # (read by the kernel only where wgmma_o_stage says so)
     transpose((nk_pad // FP8_VT_KEYS, hkv, b), (v8, vt, np.int32(nk), np.int32(nk_pad), *element_strides(v8)))
     grid = ((nq + var.block_m - 1) // var.block_m, hq, b)
-    if wgmma_persistent(var):
+    if var.persistent:
         grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
-    counter = np.uint64(_tile_counter(stream.ptr, scratch) if wgmma_persistent(var) == 2 else 0)
+    counter = np.uint64(_tile_counter(stream.ptr, scratch) if var.persistent == 2 else 0)
     args = maps + (q8, k8, vt, o, lse, np.int32(nq), np.int32(nk), np.int32(hq // hkv),
                    *element_strides(q8), *element_strides(k8), *element_strides(v8),
                    np.float32(scale * _LOG2E), np.int32(hq), np.int32(b), counter,

@@ -373,7 +373,7 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
         raise ValueError(f"p_scale must be in (0, 448] (P * p_scale must fit e4m3), got {p_scale}")
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
-    from ._build import ABLATIONS
+    from ._families import ABLATIONS
 
     if ablate not in ABLATIONS:
         raise ValueError(f"ablate must be one of {ABLATIONS}, got {ablate!r}")
@@ -381,7 +381,7 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
         raise ValueError(f"out_dtype must be one of the names {OUT_DTYPES}, got {out_dtype!r}")
     _check_magnitudes(q, k, v, scale, d, out_dtype)
     if block_m is None:
-        from ._build import fp8_block_m
+        from ._policy import fp8_block_m
 
         block_m = fp8_block_m(accumulation, q.shape[3])
     sides = {_xp(x.data) is np for x in (q, k, v)} | {_xp(x.scale) is np for x in (q, k, v)}
@@ -409,14 +409,14 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
     """attention_fp8 on CuPy inputs (arguments checked): the fp8 fwd_wgmma variant of this call."""
     import cupy
 
-    from ._build import Variant
     from ._checks import _common_device, _device_capability
     from ._launch import forward_fp8
+    from ._variant import Variant
 
     if accumulation not in ("single", "tile"):
         raise ValueError(f"accumulation={accumulation!r} runs on the NumPy twin only; the fp8 kernel runs "
                          "'single' and 'tile'")
-    from ._build import FP8_HEAD_DIMS as KERNEL_HEAD_DIMS
+    from ._families import FP8_HEAD_DIMS as KERNEL_HEAD_DIMS
 
     d = q.shape[3]
     if d not in KERNEL_HEAD_DIMS or block_n != 128:

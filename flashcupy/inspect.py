@@ -4,8 +4,9 @@ The public window on the build layer: which kernel variant a call runs, its sour
 ``source_text`` reads a file of ``kernels_cu/``), NVRTC options, PTX and ptxas report (none of these need
 a GPU; compiling needs CuPy's NVRTC), the family table, the covering sets of variants the compile
 tests check, and builds with changed ``-D`` values or a changed copy of ``kernels_cu/``. ``analysis``
-and the tests use this module; the private modules behind it (``_build``, ``_checks``, ``_launch``) may
-change shape without notice.
+and the tests use this module; the private modules behind it (``_families``: what each family can
+run; ``_policy``: the measured choices; ``_variant``; ``_compile``; ``_checks``; ``_launch``) may change
+shape without notice.
 
     >>> from flashcupy import inspect
     >>> var = inspect.forward_variant(q, k, v, causal=True)   # what flashcupy.attention would run
@@ -21,32 +22,26 @@ values it compiles with.
 """
 from __future__ import annotations
 
-from ._build import (
-    DTYPES,
-    FAMILIES,
-    WGMMA_BWD_HEAD_DIMS,
-    WGMMA_HEAD_DIMS,
-    Build,
+from ._checks import backward_problem, forward_problem, numpy_dtype
+from ._compile import (
     CompileError,
-    Variant,
     compile_report,
     covering_variants,
-    current_build,
-    kernel_build,
     nvrtc_options,
     ptx,
     source_text,
     variant_source,
 )
-from ._build import _kernels_dir as kernels_dir
-from ._checks import backward_problem, forward_problem, numpy_dtype
-from ._launch import launch_roles
+from ._compile import _kernels_dir as kernels_dir
+from ._families import DTYPES, FAMILIES, WGMMA_BWD_HEAD_DIMS, WGMMA_HEAD_DIMS
+from ._policy import default_blocks, launch_roles
+from ._variant import Build, Variant, current_build, kernel_build
 
 __all__ = [
     "DTYPES", "FAMILIES", "WGMMA_BWD_HEAD_DIMS", "WGMMA_HEAD_DIMS", "Build", "CompileError", "Variant",
-    "backward_variant", "compile_report", "covering_variants", "current_build", "forward_variant",
-    "kernel_build", "kernels_dir", "launch_roles", "numpy_dtype", "nvrtc_options", "ptx", "source_text",
-    "variant_source",
+    "backward_variant", "compile_report", "covering_variants", "current_build", "default_blocks",
+    "forward_variant", "kernel_build", "kernels_dir", "launch_roles", "numpy_dtype", "nvrtc_options", "ptx",
+    "source_text", "variant_source",
 ]
 
 

@@ -34,8 +34,8 @@ except ImportError as e:  # pragma: no cover - the torch extra
     raise ImportError("flashcupy.torch needs torch: pip install 'flashcupy[torch]'") from e
 
 from . import _launch
-from ._build import current_build
 from ._checks import backward_problem, forward_problem, numpy_dtype
+from ._variant import current_build
 
 __all__ = ["attention"]
 

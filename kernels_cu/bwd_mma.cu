@@ -126,7 +126,7 @@ constexpr int STAGES_Q = (2 * BM * ROW_BYTES + 2 * Q_STAGE_BYTES <= SMEM_MAX) ? 
 constexpr int Q_SMEM = 2 * BM * ROW_BYTES + STAGES_Q * Q_STAGE_BYTES;
 static_assert(KV_SMEM <= SMEM_MAX && Q_SMEM <= SMEM_MAX, "tiles do not fit in shared memory");
 static_assert(kv_smem(true) <= SMEM_MAX, "dkdvdq: tiles do not fit in shared memory");
-// The layouts above against the figures the build layer launches with (flashcupy/_build.py).
+// The layouts above against the figures the build layer launches with (flashcupy/_families.py).
 static_assert(KV_SMEM == FC_SMEM_DKDV, "dkdv shared memory differs from the build layer's FC_SMEM_DKDV");
 static_assert(Q_SMEM == FC_SMEM_DQ, "dq shared memory differs from the build layer's FC_SMEM_DQ");
 #if !FC_ACCUM_F16

@@ -62,7 +62,7 @@
 //       Were the key tiles of a head started together, key tile kt would wait about kt reduce latencies
 //       before its first addition (up to a quarter of the kernel's time). So the blocks take the
 //       (batch, KV head) pairs in sections of dq_heads (the host's rule: bwd_wgmma_ordered_heads in
-//       _build.py) and, inside a section, the key tile slowest: key tile kt + 1 of a head is dq_heads
+//       _policy.py) and, inside a section, the key tile slowest: key tile kt + 1 of a head is dq_heads
 //       blocks after key tile kt, starts that much later, and finds each query tile already added to.
 //       (An earlier form started the CTAs of a head at rotated query tiles and ordered each tile by
 //       arrival: no wait at all, but CTAs waited for CTAs of higher index, which hung for as long as
@@ -73,7 +73,7 @@
 //       down the diagonal (measured: 0.33x the atomic path's speed at N = 4096, D = 128).
 // dK, dV sum the query tiles from tile 0 up (non-causal) as the atomic path's plain kernel does, so
 // their bits are that kernel's; the atomic path's rotated twin (flash_bwd_dkdvdq_rotated_wgmma, where
-// bwd_wgmma_rotated in _build.py says so) sums them in another order.
+// bwd_wgmma_rotated in _policy.py says so) sums them in another order.
 
 // Tensor maps (flashcupy/_tma.py): 4-D (D, N, H, B) over the real strides of q, k, v, dout; boxes
 // (64, BM) for q and dout, (64, BN) for k and v; and of the fp32 dQ buffer, box (32, BM) (FC_BWD_DQ_ROWS:
@@ -149,7 +149,7 @@
 // kernel went from 3081 to 2877 us, tensor pipe active 46.9% -> 50.2%. dk, dv and the deterministic dq
 // are bit for bit those of the column split.
 #if !defined(FC_BWD_DQ_ROWS) || !defined(FC_BWD_DQ_BOX_ROWS)
-#error "bwd_wgmma: FC_BWD_DQ_ROWS and FC_BWD_DQ_BOX_ROWS must be defined by the build layer (flashcupy/_build.py)"
+#error "bwd_wgmma: FC_BWD_DQ_ROWS and FC_BWD_DQ_BOX_ROWS must be defined by the build layer (flashcupy/_families.py)"
 #endif
 
 constexpr int BM = FC_BLOCK_M;
@@ -173,7 +173,7 @@ constexpr int DQB = DQ_ROWS ? 1 : MB;          // its 64-query blocks (one: bloc
 // transposed, dQ^T_c = K[:, c-th 64 columns]^T dS^T (m64n80k16 over the keys, A = K MN-major, B = dS
 // stored by query rows through transposing stmatrix, K-major), staged as BM query rows of the share's 64
 // columns. On an H100: 1.01-1.04x the 64-query tile, 1.06-1.07x deterministic (a6c6dc3:reports/h100/bm80.md); the
-// default without a causal mask, and with one from 2048 query rows up (flashcupy/_build.py).
+// default without a causal mask, and with one from 2048 query rows up (flashcupy/_policy.py).
 constexpr bool DQT = BM == 80;
 static_assert(!DQT || SKEW, "bwd_wgmma: block_m 80 needs FC_BWD_SKEW (in step, ptxas serializes every wgmma)");
 constexpr int DQR = DQT ? BM : 64 * DQB;       // rows (queries) of a consumer's staged dQ share

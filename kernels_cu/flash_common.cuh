@@ -1,6 +1,6 @@
 // flash_common.cuh: what every flashcupy kernel family shares.
 //
-// Compile-time knobs, set by flashcupy/_build.py from the variant key (never edit by hand):
+// Compile-time knobs, set by flashcupy/_variant.py from the variant key (never edit by hand):
 //   FC_DTYPE                   element type of q, k, v, o: 0 float32, 1 float16, 2 bfloat16
 //   FC_ACCUM_F16               1: the on-chip accumulators are fp16 (rounding model below); 0: fp32
 //   FC_BLOCK_M, FC_BLOCK_N     query rows per CTA; key rows per inner iteration

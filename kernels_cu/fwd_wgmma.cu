@@ -62,7 +62,7 @@
 // the O accumulator and the K/V stages fit); FC_KV_STAGES >= 2 (default 2).
 //
 // fp8 (FC_FP8 = 1; FlashAttention-3's fp8 forward, issue 13): q, k, v are e4m3 bytes, FC_DTYPE the
-// output's type; D = 128 or 256, FC_BLOCK_N = 128, fp32 accumulators (flashcupy/_build.py keeps D=256 to
+// output's type; D = 128 or 256, FC_BLOCK_N = 128, fp32 accumulators (flashcupy/_families.py keeps D=256 to
 // single-level accumulation on 128 rows: its O takes 128 registers a thread). Differences from the
 // 16-bit path:
 //   * wgmma m64nNk32 on e4m3 (k32 steps of 32 bytes: 128 elements of a row are one 128-byte panel);
@@ -92,7 +92,7 @@
 //   FC_WG_PINGPONG  1: with two consumer warpgroups, they take turns to issue their products (named
 //                   barriers 1 and 2), so one's softmax runs while the other's products run. Default 1
 //                   when FC_BLOCK_M == 128.
-//   FC_WG_PERSISTENT  (set by the build layer, flashcupy/_build.py wgmma_persistent) 1: the CTA loops over
+//   FC_WG_PERSISTENT  (set by the build layer, flashcupy/_policy.py wgmma_persistent) 1: the CTA loops over
 //                   tiles, a static split (any grid size; the launch uses one CTA per SM); 2: the CTA
 //                   loops over the tiles a global counter hands out (tile_counter: two ints, zero
 //                   before the launch, zero again after it: the last CTA to finish resets them); 0: one

@@ -33,7 +33,7 @@ parametrize_causal = pytest.mark.parametrize("causal", [False, True], ids=["full
 def block_params(direction: str, kernels_dtypes) -> list:
     """One pytest.param(kernel, dname, block_m, block_n) per tile size the family ``<direction>_<kernel>``
     supports, for each (kernel, dname) in ``kernels_dtypes``."""
-    from flashcupy._build import FAMILIES
+    from flashcupy._families import FAMILIES
 
     out = []
     for kernel, dname in kernels_dtypes:

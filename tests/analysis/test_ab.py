@@ -151,7 +151,7 @@ def test_measure_records_an_arm_that_cannot_build_and_rotates_the_first_arm(monk
     row is handed to on_row, and the bits compare each arm with the baseline."""
     import cupy
 
-    from flashcupy._build import current_build
+    from flashcupy.inspect import current_build
 
     order, seen = [], []
 
@@ -243,7 +243,7 @@ def test_measure_samples_the_clock_of_each_timing_and_the_table_divides_by_it(mo
 
     import cupy
 
-    from flashcupy._build import current_build
+    from flashcupy.inspect import current_build
 
     samples = []
 

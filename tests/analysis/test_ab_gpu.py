@@ -23,7 +23,7 @@ def _run(tmp_path, kernel, directions, *extra):
 
 
 def test_ab_arms_run_their_own_builds(tmp_path):
-    from flashcupy import _build
+    from flashcupy import _compile, _variant
 
     rows = _run(tmp_path, "mma", "fwd,bwd_det")
     for row in rows.values():
@@ -35,10 +35,10 @@ def test_ab_arms_run_their_own_builds(tmp_path):
     # 256 keys are several key tiles: without rescaling o is wrong, and the tool says so
     assert rows["fwd"]["arms"]["norescale"]["bits"].startswith("o: ")
     assert rows["bwd_det"]["varies"] == []  # the deterministic backward repeats itself
-    builds = [v.build for v, _ in _build._MODULES if v.build is not None]
-    assert _build.Build((("FC_ABLATE_RESCALING", 1),)) in builds
-    noop = next(v for v, _ in _build._MODULES if v.build == _build.Build((("FC_AB_NOOP", 1),)))
-    assert _build.get_kernel(noop).defines["FC_AB_NOOP"] == 1
+    builds = [v.build for v, _ in _compile._MODULES if v.build is not None]
+    assert _variant.Build((("FC_ABLATE_RESCALING", 1),)) in builds
+    noop = next(v for v, _ in _compile._MODULES if v.build == _variant.Build((("FC_AB_NOOP", 1),)))
+    assert _compile.get_kernel(noop).defines["FC_AB_NOOP"] == 1
 
 
 def test_ab_on_the_hopper_family(tmp_path):

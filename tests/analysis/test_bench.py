@@ -6,7 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from analysis import bench
-from flashcupy._build import Variant, bwd_wgmma_rotated
+from flashcupy._policy import bwd_wgmma_rotated
+from flashcupy._variant import Variant
 
 
 def test_compile_rows_follow_the_kernels_each_length_launches():

@@ -127,7 +127,7 @@ def test_rescaling_wrong_with_two_tiles_exact_with_one(reports):
 
 
 def test_blocks_cover_every_forward_family_within_the_accuracy_rule(reports):
-    from flashcupy._build import FAMILIES
+    from flashcupy._families import FAMILIES
 
     doc = reports[1]["blocks"]
     rows = table(doc, "Every supported tile size")

@@ -110,7 +110,7 @@ def test_probe_compiles_for_every_configuration(dname, acc):
     experiment measures: the e4m3 wgmma form (k32, no transpose immediates) included."""
     from cupy_backends.cuda.libs import nvrtc
 
-    from flashcupy._build import nvrtc_options, source_text
+    from flashcupy._compile import nvrtc_options, source_text
 
     prog = nvrtc.createProgram(source_text("tc_probe.cu"), "tc_probe.cu", [], [])
     try:

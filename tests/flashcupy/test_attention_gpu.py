@@ -7,8 +7,8 @@ import pytest
 
 import flashcupy
 from flashcupy import naive, reference
-from flashcupy._build import Variant
 from flashcupy._checks import check_forward, numpy_dtype
+from flashcupy._variant import Variant
 from flashcupy.accuracy import assert_accurate, assert_lse_accurate, assert_matches_twin, max_abs_err
 from tests.helpers import (
     FORWARD_DEFAULTS,
@@ -143,7 +143,7 @@ def test_wgmma_persistent_grid_of_any_size_writes_the_same_bits(rng, combo, caus
     import cupy
 
     from flashcupy import _launch
-    from flashcupy._build import wgmma_persistent
+    from flashcupy._policy import wgmma_persistent
 
     kernel, dname, accum = combo
     q, k, v = to_device(*qkv(rng, (2, 4, 2, nq, nk, 64), dname))
@@ -178,7 +178,7 @@ def test_wgmma_dynamic_scheduler_on_per_thread_streams_and_in_a_cuda_graph(rng):
     import cupy
 
     from flashcupy import _launch
-    from flashcupy._build import wgmma_persistent
+    from flashcupy._policy import wgmma_persistent
 
     q, k, v = to_device(*qkv(rng, (2, 8, 4, 700, 700, 64), "f16"))
     kw = dict(causal=True, kernel="wgmma")

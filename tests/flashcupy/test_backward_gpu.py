@@ -189,7 +189,7 @@ def test_wgmma_noncausal_deterministic_orders(rng, monkeypatch, nq, nk, d):
     import cupy
 
     from flashcupy import _launch
-    from flashcupy._build import bwd_wgmma_ordered_heads, bwd_wgmma_rotated
+    from flashcupy._policy import bwd_wgmma_ordered_heads, bwd_wgmma_rotated
 
     bh = (1, 1, 1) if nq > 4096 else (2, 4, 2)
     do, q, k, v = to_device(*do_qkv(rng, (*bh, nq, nk, d), "f16"))
@@ -255,7 +255,7 @@ def test_wgmma_backward_skewed_consumers_give_the_bits_of_consumers_in_step(rng,
     ragged tiles, GQA and a causal mask (the default tiles: two consumers)."""
     import cupy
 
-    from flashcupy._build import kernel_build
+    from flashcupy._variant import kernel_build
 
     do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, nq, nk, d), "f16"))
     o, lse = _fwd(q, k, v, causal, "wgmma", "fp32")
@@ -287,7 +287,7 @@ def test_wgmma_backward_dq_by_query_rows_matches_dq_by_columns(rng, causal, nq, 
     import cupy
 
     from flashcupy import _launch
-    from flashcupy._build import kernel_build
+    from flashcupy._variant import kernel_build
 
     do, q, k, v = to_device(*do_qkv(rng, (2, 4, 2, nq, nk, 64), "f16"))
     o, lse = _fwd(q, k, v, causal, "wgmma", "fp32")

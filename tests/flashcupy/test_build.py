@@ -8,8 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from flashcupy import _build, _checks
-from flashcupy._build import Build, Variant, compile_report, current_build, kernel_build
+from flashcupy import _checks, _compile, _families
+from flashcupy._compile import compile_report
+from flashcupy._variant import Build, Variant, current_build, kernel_build
 
 
 def _simt():
@@ -31,7 +32,7 @@ def test_variants_made_inside_a_build_carry_it_and_are_other_variants():
     with kernel_build({"FC_SMEM_FWD": 12345}):
         smem = _simt()
     assert smem.defines()["FC_SMEM_FWD"] == 12345
-    assert sum(o.startswith("-DFC_SMEM_FWD=") for o in _build.compile_options(smem)) == 1
+    assert sum(o.startswith("-DFC_SMEM_FWD=") for o in _compile.compile_options(smem)) == 1
     # an empty block is the package's own build
     with kernel_build():
         assert _simt() == plain
@@ -69,13 +70,13 @@ def test_memoized_checks_follow_the_build():
 
 def test_modules_are_memoized_per_build(monkeypatch):
     built = []
-    monkeypatch.setattr(_build, "_MODULES", {})
-    monkeypatch.setattr(_build, "_build_module", lambda v, dev: built.append(v.key) or {"fwd": v.key})
+    monkeypatch.setattr(_compile, "_MODULES", {})
+    monkeypatch.setattr(_compile, "_build_module", lambda v, dev: built.append(v.key) or {"fwd": v.key})
     plain = _simt()
     with kernel_build({"FC_AB_PROBE": 1}):
         probe = _simt()
     for v in (plain, probe, plain, probe):
-        _build._module_on_device(v, 0)
+        _compile._module_on_device(v, 0)
     assert built == [plain.key, probe.key]
 
 
@@ -87,7 +88,7 @@ def test_defines_reach_the_compiler():
     real = _simt().smem_for("fwd")
     with kernel_build({"FC_SMEM_FWD": real + 16}):
         wrong = _simt()
-    with pytest.raises(_build.CompileError, match="differs from FC_SMEM_FWD"):
+    with pytest.raises(_compile.CompileError, match="differs from FC_SMEM_FWD"):
         compile_report(wrong)
     with kernel_build({"FC_SMEM_FWD": real}):
         right = _simt()
@@ -101,7 +102,7 @@ def test_a_kernels_folder_replaces_the_package_sources(tmp_path):
     """The family's source and its headers come from the build's folder: an #error planted in the
     folder's copy of a header is what NVRTC reports, with the folder's path."""
     folder = tmp_path / "kernels"
-    shutil.copytree(_build._kernels_dir(), folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(_compile._kernels_dir(), folder, ignore=shutil.ignore_patterns("__pycache__"))
     same = compile_report(Variant("fwd_simt", "f16", "fp32", 64, 64, 64,
                                   build=Build((), str(folder))))
     assert same["registers"] == compile_report(_simt())["registers"]
@@ -110,7 +111,7 @@ def test_a_kernels_folder_replaces_the_package_sources(tmp_path):
     with kernel_build(kernels_dir=str(folder)):
         v = _simt()
     assert v.key.endswith("@" + str(folder))
-    with pytest.raises(_build.CompileError, match="planted by the test"):
+    with pytest.raises(_compile.CompileError, match="planted by the test"):
         compile_report(v)
 
 
@@ -118,16 +119,16 @@ def test_an_edited_header_changes_the_source_text(tmp_path):
     """CuPy's disk cache is keyed by the source text, not by the headers it includes: the text carries a
     digest of the folder's headers, so an edited header is a new text (and a new cubin)."""
     folder = tmp_path / "kernels"
-    shutil.copytree(_build._kernels_dir(), folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(_compile._kernels_dir(), folder, ignore=shutil.ignore_patterns("__pycache__"))
     v = _simt()
     with kernel_build(kernels_dir=str(folder)):
         moved = _simt()
-    before = _build.variant_source(moved)
+    before = _compile.variant_source(moved)
     assert before.split("\n", 1)[1].startswith(f'#line 1 "{folder}')
-    assert before.split("\n", 1)[0] == _build.variant_source(v).split("\n", 1)[0]  # same headers
+    assert before.split("\n", 1)[0] == _compile.variant_source(v).split("\n", 1)[0]  # same headers
     header = folder / "flash_common.cuh"
     header.write_text(header.read_text() + "\n// an edit\n")
-    after = _build.variant_source(moved)
+    after = _compile.variant_source(moved)
     assert after != before and after.split("\n", 1)[1] == before.split("\n", 1)[1]
 
 
@@ -156,14 +157,14 @@ def test_module_build_launches_each_kernel_with_its_compiled_shared_memory(monke
 
     class FakeDevice:
         def __init__(self, device_id):
-            self.attributes = {"MaxSharedMemoryPerBlockOptin": _build.SMEM_LIMIT}
+            self.attributes = {"MaxSharedMemoryPerBlockOptin": _families.SMEM_LIMIT}
 
     monkeypatch.setattr(cupy, "RawModule", FakeModule)
     monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
     v = Variant("bwd_wgmma", "f16", "fp32", 64, 128, 128, causal=True)
-    handles = _build._build_module(v, 0)
+    handles = _compile._build_module(v, 0)
     code, options = calls[-1]
-    assert code == _build.variant_source(v) and options == _build.compile_options(v) + ("-arch=sm_90a",)
+    assert code == _compile.variant_source(v) and options == _compile.compile_options(v) + ("-arch=sm_90a",)
     assert set(handles) == set(v.roles)
     for role, h in handles.items():
         assert h.smem_bytes == v.smem_for(role) and h.defines == v.defines() and h.name == v.kernel_name(role)
@@ -172,11 +173,11 @@ def test_module_build_launches_each_kernel_with_its_compiled_shared_memory(monke
     role = v.roles[-1]
     with kernel_build({f"FC_SMEM_{role.upper()}": 1024}):
         w = Variant("bwd_wgmma", "f16", "fp32", 64, 128, 128, causal=True)
-    assert _build._build_module(w, 0)[role].smem_bytes == 1024
-    with kernel_build({f"FC_SMEM_{role.upper()}": _build.SMEM_LIMIT + 1}):
+    assert _compile._build_module(w, 0)[role].smem_bytes == 1024
+    with kernel_build({f"FC_SMEM_{role.upper()}": _families.SMEM_LIMIT + 1}):
         huge = Variant("bwd_wgmma", "f16", "fp32", 64, 128, 128, causal=True)
     with pytest.raises(ValueError, match="shared memory"):
-        _build._build_module(huge, 0)
+        _compile._build_module(huge, 0)
 
 
 @pytest.mark.cupy
@@ -205,7 +206,7 @@ def test_a_build_of_another_tile_sets_the_default_tile():
     grid); default_tile gives a caller's own block_m / block_n back (though the build's define still
     compiles the variant: analysis.ab's arms give none), and outside the build the family's default is
     back."""
-    from flashcupy._build import default_tile
+    from flashcupy._policy import default_tile
 
     plain = default_tile("bwd_wgmma", "f16", 64, "fp32", False, n=4096)
     assert plain == (128, 128)
@@ -234,7 +235,7 @@ def test_the_ordered_backward_waits_only_on_lower_blocks(n_kt, n_hb):
     rule's and every other), each (key tile, head) is one block's, and that predecessor's block index is
     lower: no CTA waits on one that may not have started. The rule's section size lies in 1..heads and
     is every head where the grid fits in two waves of the SMs."""
-    from flashcupy._build import bwd_wgmma_ordered_heads
+    from flashcupy._policy import bwd_wgmma_ordered_heads
 
     for hs in sorted({1, 2, 3, n_hb, n_hb + 4, bwd_wgmma_ordered_heads(n_hb, n_kt, 40, 132)}):
         block = {}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import flashcupy
-from flashcupy import _build, naive, reference
+from flashcupy import _compile, naive, reference
 from flashcupy._checks import check_forward
 from flashcupy.accuracy import assert_accurate, backward_reduction, max_abs_err
 from tests.helpers import FORWARD_DEFAULTS, do_qkv, qkv
@@ -63,8 +63,8 @@ def test_first_calls_from_eight_threads_compile_once(rng, monkeypatch):
     q, k, v = qkv(rng, (1, 2, 1, 77, 91, 24), "f32")
     kw = dict(kernel="simt", block_m=16, block_n=32, causal=True)
     p = check_forward(q, k, v, **{**FORWARD_DEFAULTS, **kw})
-    for key in [key for key in _build._MODULES if key[0] == p.variant]:
-        del _build._MODULES[key]
+    for key in [key for key in _compile._MODULES if key[0] == p.variant]:
+        del _compile._MODULES[key]
     builds = []
     real = cupy.RawModule
 

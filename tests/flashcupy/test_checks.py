@@ -251,7 +251,8 @@ def test_default_tiles_of_the_wgmma_backward():
     registers, FlashAttention-3's 80, except 64 with a causal mask up to 2048 query rows; a block_n given
     alone takes the default block_m where the family runs it with that block_n, else the largest it runs
     (block_n=64 at D=64: 64 rows, as before 128 became the default)."""
-    from flashcupy._build import Variant, default_tile
+    from flashcupy._policy import default_tile
+    from flashcupy._variant import Variant
 
     tile = functools.partial(default_tile, "bwd_wgmma", "f16")
     assert tile(64, "fp32", False) == (128, 128)
@@ -274,10 +275,10 @@ def test_default_tiles_of_the_wgmma_backward():
 
 
 def test_default_tiles_of_the_wgmma_forward():
-    """FlashAttention-3's wide key tiles where they were measured faster (flashcupy/_build.py): 176 keys at
+    """FlashAttention-3's wide key tiles where they were measured faster (flashcupy/_policy.py): 176 keys at
     D=128 without a causal mask (fp32 accumulators), 80 at D=256; a block_m given alone keeps the default
     key tile where the family runs it with that block_m, else takes the widest it runs."""
-    from flashcupy._build import default_tile
+    from flashcupy._policy import default_tile
 
     tile = functools.partial(default_tile, "fwd_wgmma", "f16")
     assert tile(128, "fp32", False) == (128, 176)
@@ -293,11 +294,13 @@ def test_default_tiles_of_the_wgmma_forward():
 
 
 def test_how_the_wgmma_forward_stores_o():
-    """FC_WG_O_STAGE (flashcupy/_build.py wgmma_o_stage, measured on the H200): o goes through the Q buffer
+    """FC_WG_O_STAGE (flashcupy/_policy.py wgmma_o_stage, measured on the H200): o goes through the Q buffer
     and a TMA store with one tile per CTA, through a buffer of its own in the tile loops where shared
     memory has room (which the layout then counts), and straight from registers for e4m3 variants, the
     static split at D=64 and loops on tiles that leave no room."""
-    from flashcupy._build import SMEM_LIMIT, Variant, wgmma_o_stage
+    from flashcupy._families import SMEM_LIMIT
+    from flashcupy._policy import wgmma_o_stage
+    from flashcupy._variant import Variant
 
     def var(bm, bn, d, causal=False, schedule=None, **kw):
         return Variant("fwd_wgmma", "f16", "fp32", bm, bn, d, causal, schedule=schedule, **kw)
@@ -316,14 +319,15 @@ def test_how_the_wgmma_forward_stores_o():
 
 
 def test_default_tiles_and_schedules_that_depend_on_the_length():
-    """The wgmma forward's choices per query length (flashcupy/_build.py, measured on the H200): D=64 with
+    """The wgmma forward's choices per query length (flashcupy/_policy.py, measured on the H200): D=64 with
     a causal mask takes 128-row tiles up to 1024 rows, 192 above; D=128 causal runs the dynamic tile
     scheduler up to 2048 rows on tiles of at most 128 x 128 and one tile per CTA above, D=128 without a
     mask the static split up to 1024 rows on tiles of at most 128 rows; D=64 always loops
     (a static split without a mask, the dynamic scheduler with one). A schedule equal to the default for
     any length leaves the variant's key as it was."""
-    from flashcupy._build import Variant, default_tile, wgmma_persistent, wgmma_schedule
     from flashcupy._checks import check_forward
+    from flashcupy._policy import default_tile, wgmma_persistent, wgmma_schedule
+    from flashcupy._variant import Variant
 
     tile = functools.partial(default_tile, "fwd_wgmma", "f16")
     assert tile(64, "fp32", True, n=1024) == (128, 128)

@@ -173,7 +173,8 @@ def test_v_transpose_permutes_keys_in_groups_of_16(rng):
     past Nk, from a strided (B, N, H, D) view."""
     import cupy
 
-    from flashcupy._build import Variant, get_kernel
+    from flashcupy._compile import get_kernel
+    from flashcupy._variant import Variant
 
     nk, d = 203, 128
     host = rng.integers(0, 256, size=(2, nk, 3, d), dtype=np.uint8)

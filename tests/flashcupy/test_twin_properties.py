@@ -12,8 +12,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 import flashcupy  # noqa: E402
 from flashcupy import naive, reference  # noqa: E402
-from flashcupy._build import FAMILIES, Variant  # noqa: E402
 from flashcupy._checks import dtype_name, numpy_dtype  # noqa: E402
+from flashcupy._families import FAMILIES  # noqa: E402
+from flashcupy._policy import default_blocks  # noqa: E402
+from flashcupy._variant import Variant  # noqa: E402
 from flashcupy.accuracy import assert_accurate, assert_lse_accurate  # noqa: E402
 
 
@@ -29,7 +31,7 @@ def problems(draw):
     try:
         Variant(fam.name, dname, accum, bm, bn, d)
     except ValueError:  # a tile the family refuses here (its own check test covers the message)
-        bm, bn = fam.default_blocks(dname, d, accum, False)
+        bm, bn = default_blocks(fam.name, dname, d, accum, False)
     b, hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
     nq, nk = draw(st.integers(1, 80)), draw(st.integers(1, 80))
     seed = draw(st.integers(0, 2 ** 32 - 1))

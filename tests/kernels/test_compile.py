@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flashcupy._build import FAMILIES, compile_report, covering_variants, ptx, source_text, toolkit_ptxas
+from flashcupy._compile import compile_report, covering_variants, ptx, source_text, toolkit_ptxas
+from flashcupy._families import FAMILIES
 
 pytestmark = pytest.mark.cupy  # NVRTC comes with CuPy
 
@@ -105,13 +106,13 @@ def test_softmax_step_and_its_breaks_exist_once():
 
 def test_compile_error_names_file_and_line(tmp_path, monkeypatch):
     """A broken source reports kernels_cu/<file>:<line>, thanks to the #line prefix."""
-    from flashcupy import _build
+    from flashcupy import _compile
 
     fam = FAMILIES["fwd_simt"]
     broken = source_text(fam.source) + "\nthis is not C++;\n"
-    monkeypatch.setattr(_build, "source_text", lambda name, kernels_dir=None: broken)
+    monkeypatch.setattr(_compile, "source_text", lambda name, kernels_dir=None: broken)
     v = covering_variants("fwd_simt")[0]
-    with pytest.raises(_build.CompileError, match=r"kernels_cu/fwd_simt\.cu\(\d+\)"):
+    with pytest.raises(_compile.CompileError, match=r"kernels_cu/fwd_simt\.cu\(\d+\)"):
         compile_report(v)
 
 
@@ -119,12 +120,12 @@ def test_report_survives_an_nvrtc_that_keeps_ptxas_quiet(monkeypatch):
     """NVRTC >= 12.9 serves repeated compiles from its on-disk cache without running ptxas, so the log
     has no resource report: with the in-process log emptied, the report comes from a fresh process with
     the cache off, the same numbers."""
-    from flashcupy import _build
+    from flashcupy import _compile
 
     v = covering_variants("fwd_mma")[0]
     want = compile_report(v)
-    monkeypatch.setattr(_build, "_nvrtc_log", lambda variant, arch: "")
-    monkeypatch.setattr(_build, "_toolkit_ptxas_log", lambda variant, arch: None)
+    monkeypatch.setattr(_compile, "_nvrtc_log", lambda variant, arch: "")
+    monkeypatch.setattr(_compile, "_toolkit_ptxas_log", lambda variant, arch: None)
     got = compile_report(v)
     assert got["kernels"] == want["kernels"] and got["registers"] > 0
 
@@ -134,15 +135,15 @@ def test_report_falls_back_when_the_fresh_process_fails(monkeypatch):
     the error shows NVRTC's own log."""
     import subprocess
 
-    from flashcupy import _build
+    from flashcupy import _compile
 
     v = covering_variants("fwd_mma")[0]
 
     def broken(*args, **kwargs):
         raise subprocess.TimeoutExpired("python", 900)
 
-    monkeypatch.setattr(_build, "_nvrtc_log", lambda variant, arch: "NVRTC said this")
+    monkeypatch.setattr(_compile, "_nvrtc_log", lambda variant, arch: "NVRTC said this")
     monkeypatch.setattr(subprocess, "run", broken)
-    monkeypatch.setattr(_build, "_toolkit_ptxas_log", lambda variant, arch: None)
-    with pytest.raises(_build.CompileError, match="NVRTC said this"):
+    monkeypatch.setattr(_compile, "_toolkit_ptxas_log", lambda variant, arch: None)
+    with pytest.raises(_compile.CompileError, match="NVRTC said this"):
         compile_report(v)
