@@ -322,8 +322,12 @@ torch.library.register_autograd("flashcupy::attention", _backward_of_op, setup_c
 
 
 class _EagerAttention(torch.autograd.Function):
+    """``apply(q, k, v, knobs)``, knobs = (causal, scale, block_m, block_n, accum, kernel, ablate,
+    deterministic): one argument for the eight, since ``apply`` inspects each argument it is given."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, deterministic):
+    def forward(ctx, q, k, v, knobs):
+        causal, scale, block_m, block_n, accum, kernel, ablate, deterministic = knobs
         o, lse = _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.knobs = (causal, scale, accum, kernel, deterministic)
@@ -332,19 +336,30 @@ class _EagerAttention(torch.autograd.Function):
         return o, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
-        if ctx.ablate is not None:
-            raise RuntimeError(_no_backward(ctx.ablate))
-        q, k, v, o, lse = ctx.saved_tensors
-        if do is None and dlse is None:
-            return (None,) * 11
-        if do is None:
-            do = torch.zeros_like(o)
-        # a backward run under a mode or compiled autograd goes through the operator those can see
-        backward = _backward if _plain_torch() else _attention_backward_op
-        dq, dk, dv = backward(do, q, k, v, o, lse, dlse, *ctx.knobs)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        # gradients computed without a graph: under create_graph=True (grad mode on here) they come back
+        # through once_differentiable, so that differentiating them raises instead of giving zeros; the
+        # usual backward skips its wrapping (17 us a call on an H100)
+        if torch.is_grad_enabled():
+            return _eager_grads_once(ctx, do, dlse)
+        return _eager_grads(ctx, do, dlse)
+
+
+def _eager_grads(ctx, do, dlse):
+    if ctx.ablate is not None:
+        raise RuntimeError(_no_backward(ctx.ablate))
+    if do is None and dlse is None:
+        return None, None, None, None
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    # a backward run under a mode or compiled autograd goes through the operator those can see
+    backward = _backward if _plain_torch() else _attention_backward_op
+    dq, dk, dv = backward(do, q, k, v, o, lse, dlse, *ctx.knobs)
+    return dq, dk, dv, None
+
+
+_eager_grads_once = torch.autograd.function.once_differentiable(_eager_grads)
 
 
 def _plain_torch() -> bool:
@@ -415,7 +430,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if not _eager(q, k, v):
         o, lse = _attention_op(*args)
     elif grad:
-        o, lse = _EagerAttention.apply(*args)
+        o, lse = _EagerAttention.apply(q, k, v, args[3:])
     else:
         o, lse = _forward(*args[:-1])
     if layout == "bnhd":

@@ -50,6 +50,21 @@ def test_eager_calls_skip_the_operator_and_give_its_bits(rng, kernel):
     assert all(float(x.abs().max()) > 0 for x in (*eager, *lse_only[:2]))  # d lse / dv = 0
 
 
+def test_create_graph_gives_the_same_gradients_and_a_second_backward_raises(rng):
+    """Under create_graph=True the eager backward gives the usual bits, and differentiating its
+    gradients again raises (they were computed without a graph: a second backward would drop their
+    part; dO requires grad here, as it does when it comes from differentiable upstream work)."""
+    import flashcupy.torch as fct
+
+    q, k, v, do = _tensors(rng, [(1, 2, 96, 64)] * 4)
+    plain = torch.autograd.grad(fct.attention(q, k, v, causal=True, deterministic=True), (q, k, v), do)
+    graph = torch.autograd.grad(fct.attention(q, k, v, causal=True, deterministic=True), (q, k, v), do,
+                                create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, graph)) and float(plain[0].abs().max()) > 0
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        graph[0].float().square().sum().backward()
+
+
 def test_a_known_signature_is_not_checked_again(rng, monkeypatch):
     """The second call of a signature runs without the checks (they would raise here) and makes no
     CuPy views; another stride pattern is a new signature and is checked."""
