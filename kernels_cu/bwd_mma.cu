@@ -230,10 +230,10 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
     const int Hq = gridDim.y * group;
 
-    // Query tiles [qt0, n_qt) hold a query that sees some key of this tile.
-    const int n_qt = (nq + BM - 1) / BM;
-    const int qt0 = fc_first_query_tile(n0, nq, nk, BM, n_qt);
-    const int qt_per_head = n_qt - qt0;
+    // The query tiles this key tile visits and masks (the range hook, flash_common.cuh): [qt0, qtiles.end).
+    const FcQueryTiles qtiles = fc_query_tiles(n0, nq, nk, BM);
+    const int qt0 = qtiles.first;
+    const int qt_per_head = qtiles.end - qt0;
     const int n_it = group * qt_per_head;
 
     const int lc = tid % CHP, lr = tid / CHP;
@@ -278,8 +278,7 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
         // ---- tile `it` has landed; every warp is done with the other stage: prefetch it + 1 ----
         const u32 st = pipeline_top<STAGES_KV>(it, n_it, st0, KV_STAGE_BYTES, load_stage);
         const int m0 = (qt0 + it % qt_per_head) * BM;
-        // Masking is needed on tiles with rows >= nq or, causal, a query before some key's first.
-        const bool need_mask = (m0 + BM > nq) || (FC_CAUSAL && m0 < n0 + BN - 1 - (nk - nq));
+        const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk);
         const float *s_lse = reinterpret_cast<const float *>(smem + (st - s_base) + ST_L);
         const float *s_del = reinterpret_cast<const float *>(smem + (st - s_base) + ST_D);
 
@@ -418,10 +417,10 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
     const int m0 = fc_query_tile() * BM;
 
-    // Key tiles [0, n_tiles) hold a key visible to some valid row; from mask_from on, some key is
-    // invisible to some row (causal edge or keys >= nk).
+    // The key tiles this CTA visits and masks (the range hook, flash_common.cuh): iteration it runs key
+    // tile j0 + it, n_tiles of them.
     const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
-    const int n_tiles = tiles.n, mask_from = tiles.mask_from;
+    const int j0 = tiles.first, n_tiles = tiles.count();
 
     const int lc = tid % CHP, lr = tid / CHP;
     const u32 frag_row = (lane & 15) * ROW_BYTES;
@@ -444,9 +443,9 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
 #pragma unroll
     for (int n = 0; n < 2 * Q_KS; ++n) acc_zero(acc_dq[0][n]);
 
-    auto load_kv = [&](int j, u32 st) {
-        load_head_rows<BN>(st, k, b, k_sb, hk, k_sh, k_sn, j * BN, nk, lr, lc);
-        load_head_rows<BN>(st + ST_V, v, b, v_sb, hk, v_sh, v_sn, j * BN, nk, lr, lc);
+    auto load_kv = [&](int it, u32 st) {
+        load_head_rows<BN>(st, k, b, k_sb, hk, k_sh, k_sn, (j0 + it) * BN, nk, lr, lc);
+        load_head_rows<BN>(st + ST_V, v, b, v_sb, hk, v_sh, v_sn, (j0 + it) * BN, nk, lr, lc);
     };
 
     if (n_tiles > 0) {
@@ -458,10 +457,11 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
     pipeline_begin(n_tiles, st0, load_kv);  // Q, dO and stage 0: the first commit group
 
 #pragma unroll 1
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int it = 0; it < n_tiles; ++it) {
         // ---- K_j, V_j have landed; every warp is done with the other stage: prefetch j + 1 ----
-        const u32 st = pipeline_top<STAGES_Q>(j, n_tiles, st0, Q_STAGE_BYTES, load_kv);
-        const bool need_mask = j >= mask_from;
+        const int j = j0 + it;
+        const u32 st = pipeline_top<STAGES_Q>(it, n_tiles, st0, Q_STAGE_BYTES, load_kv);
+        const bool need_mask = tiles.masked(j);
 
 #pragma unroll 1
         for (int kc = 0; kc < Q_KW / Q_KC; ++kc) {
@@ -495,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
             warp_gemm_ab<Q_KC / 16, Q_KS>(acc_dq, ds_frag, k_base, frag_w, [](int dp) { return dp; });
         }
 
-        pipeline_bottom<STAGES_Q>(j, n_tiles, st0, load_kv);
+        pipeline_bottom<STAGES_Q>(it, n_tiles, st0, load_kv);
     }
 
     // ---- epilogue: sum the KSPLIT partials, dQ *= scale, round, 16-byte stores of rows < nq ----

@@ -218,9 +218,10 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
 #pragma unroll
         for (int i = 0; i < DPT; ++i) dk_acc[t][i] = dv_acc[t][i] = 0.f;
 
-    // Query rows that may see a key of this tile: start at the query tile holding the first of them
-    // (none at all when it is past nq: dK = dV = 0).
-    const int m_start = fc_first_query(n0, nq, nk) / BM * BM;
+    // The query tiles this key tile visits (the range hook, flash_common.cuh: from the one holding the
+    // first row that sees key n0; none at all when no row sees it: dK = dV = 0); every tile is masked
+    // row by row (fc_visible).
+    const FcQueryTiles qtiles = fc_query_tiles(n0, nq, nk, BM);
 
     for (int g = 0; g < group; ++g) {
         const long long h = (long long)hk * group + g;
@@ -229,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
         const float* lse_head = lse + (b * hq + h) * nq;
         const float* delta_head = delta + (b * hq + h) * nq;
 
-        for (int m0 = m_start; m0 < nq; m0 += BM) {
+        for (int m0 = qtiles.first * BM; m0 < nq; m0 += BM) {
             // 1. Q_i, dO_i and their row statistics -> shared memory (the first pass also
             //    publishes K_j and V_j).
             stage_tile<BM, ROW_PITCH>(q_s, q_head + m0 * q_sn, q_sn, nq - m0);
@@ -298,12 +299,12 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_sim
 #pragma unroll
         for (int i = 0; i < DPT; ++i) dq_acc[t][i] = 0.f;
 
-    // Keys this CTA visits: up to the last key its last real row may see (causal: fewer tiles;
-    // none at all when every row sees nothing, and then dq = 0).
-    const int n_keys = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) + 1;
-    const int n_tiles = n_keys > 0 ? (n_keys + BN - 1) / BN : 0;
+    // The key tiles this CTA visits (the range hook, flash_common.cuh; causal: fewer tiles, none at all
+    // when every row sees nothing, and then dq = 0); every tile is masked key by key (fc_visible).
+    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
+    const int n_keys = tiles.key_end;
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = tiles.first; j < tiles.end; ++j) {
         const int n0 = j * BN;  // first key of tile j
 
         // 1. K_j, V_j -> shared memory (the first pass also publishes Q_i, dO_i, row stats).

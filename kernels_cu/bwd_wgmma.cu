@@ -326,10 +326,10 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #endif
     const int heads_kv = gridDim.y, heads_q = heads_kv * group;
 
-    // Query tiles [qt0, n_qt) of each of the group's heads hold a query that sees some key of this tile.
-    const int n_qt = (nq + BM - 1) / BM;
-    const int qt0 = fc_first_query_tile(n0, nq, nk, BM, n_qt);
-    const int qt_per_head = n_qt - qt0;
+    // The query tiles of each of the group's heads this key tile visits and masks (the range hook,
+    // flash_common.cuh): [qt0, n_qt).
+    const FcQueryTiles qtiles = fc_query_tiles(n0, nq, nk, BM);
+    const int n_qt = qtiles.end, qt0 = qtiles.first, qt_per_head = n_qt - qt0;
     const int n_it = group * qt_per_head;
     // iteration it: query head hk * group + it / qt_per_head, query tile qt0 + it % qt_per_head
     auto head_of = [&](int it) { return hk * group + it / qt_per_head; };
@@ -473,9 +473,8 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         for (int it = 0; it < n_it; ++it) {
             const int s = it % STAGES;
             const int hq = head_of(it), qt = tile_of(it), m0 = qt * BM;
-            // masking: queries past nq, keys past nk, or (causal) a query before some key's first
-            const bool need_mask = (m0 + BM > nq) || (n0 + BN > nk) ||
-                                   (FC_CAUSAL && m0 < n0 + BN - 1 - (nk - nq));
+            // masking: the range hook's (queries past nq, the causal edge), or keys past nk
+            const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk) || (n0 + BN > nk);
             const u32 sq = s_q(s), sdo = s_do(s);
             const u32 kr = opaque_u32(k_rows), vr = opaque_u32(v_rows), kd = opaque_u32(sK);  // not hoisted
             const u32 sds = base + OFF_DS + (it & 1) * DS_BYTES;

@@ -215,17 +215,33 @@ __device__ __forceinline__ int fc_first_query(int key, int nq, int nk) {
 #endif
 }
 
-// The first query tile (of bm rows; n_qt = ceil(nq / bm) of them) a key-tile-outer backward visits for
-// the key tile that starts at key n0: query tiles [first, n_qt) hold a row that sees some key of the tile
-// (causal: from the tile of fc_first_query(n0), or none when no row sees key n0), all of them otherwise.
-__device__ __forceinline__ int fc_first_query_tile(int n0, int nq, int nk, int bm, int n_qt) {
+// ---------------------------------------------------------------------------------------------
+// The range hooks: which tiles a loop visits and which of those it masks, the one place every family
+// asks (a mask with another shape, such as a sliding window or packed sequences, changes these two
+// functions, not the loops).
+//
+// Key-tile-outer loops (the dK/dV kernels): the query tiles (of bm rows; n_qt = ceil(nq / bm)) that
+// the key tile of keys [n0, n0 + BN) visits: tiles [first, end) hold a row that sees some key of the
+// tile (causal: from the tile of fc_first_query(n0), none when no row sees key n0; all otherwise).
+// FC_QUERY_TILE_MASKED: whether the visited query tile of rows [m0, m0 + BM) needs the mask (some of its
+// rows miss some key of the tile): it holds rows past nq or, causal, its first row misses the tile's
+// last key. (Keys past nk are the kernels' own: their loads zero them.) A macro, so that the test is
+// compiled where it stands in the loop: as an inline function NVVM evaluates it otherwise (mma's dK/dV
+// kernels then took 2 to 4 more registers).
+struct FcQueryTiles {
+    int first, end;
+};
+__device__ __forceinline__ FcQueryTiles fc_query_tiles(int n0, int nq, int nk, int bm) {
+    const int n_qt = (nq + bm - 1) / bm;
 #if FC_CAUSAL
     const int q_first = fc_first_query(n0, nq, nk);
-    return q_first < nq ? q_first / bm : n_qt;
+    return {q_first < nq ? q_first / bm : n_qt, n_qt};
 #else
-    return 0;
+    return {0, n_qt};
 #endif
 }
+#define FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk) \
+    (((m0) + (BM) > (nq)) || (FC_CAUSAL && (m0) < (n0) + (BN) - 1 - ((nk) - (nq))))
 
 // The query tile run x-th of n (x = blockIdx.x of a grid of n = ceil(nq / BM) tiles, or a persistent
 // CTA's x-th tile of a head). Causal grids run the heaviest tiles (the last query rows, which see the
@@ -239,17 +255,21 @@ __device__ __forceinline__ int fc_query_tile(int x, int n) {
 }
 __device__ __forceinline__ int fc_query_tile() { return fc_query_tile(blockIdx.x, gridDim.x); }
 
-// The key tiles (BN keys each) that the query rows [m0, min(m0 + rows, nq)) of one CTA visit:
-// tiles [0, n) hold a key visible to some of those rows; from tile mask_from on, some key of a tile
-// is invisible to some row (causal edge, or keys >= nk), so those tiles are masked.
+// Query-tile-outer loops (every forward, the dQ kernels): the key tiles (BN keys each) that the query
+// rows [m0, min(m0 + rows, nq)) of one CTA visit: tiles [first, end) hold a key visible to some of
+// those rows (end - first of them; end = 0: none), and keys [0, key_end) include every key visible to
+// one of them; a visited tile j is masked (masked(j): some key of it is invisible to some row, at the
+// causal edge or past nk) from mask_from on, and visible to every row before it.
 struct FcKeyTiles {
-    int n, mask_from;
+    int first, end, mask_from, key_end;
+    __device__ __forceinline__ int count() const { return end - first; }
+    __device__ __forceinline__ bool masked(int j) const { return j >= mask_from; }
 };
 template <int BN>
 __device__ __forceinline__ FcKeyTiles fc_key_tiles(int m0, int rows, int nq, int nk) {
     const int last_key = fc_last_key(min(m0 + rows, nq) - 1, nq, nk);
     const int keys_all = fc_last_key(m0, nq, nk) + 1;  // keys visible to every row
-    return {last_key >= 0 ? last_key / BN + 1 : 0, keys_all > 0 ? keys_all / BN : 0};
+    return {0, last_key >= 0 ? last_key / BN + 1 : 0, keys_all > 0 ? keys_all / BN : 0, last_key + 1};
 }
 
 // The value subtracted from every scaled score before exp2 for a row whose running max is m

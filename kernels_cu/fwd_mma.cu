@@ -72,17 +72,16 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
 
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
     const int m0 = fc_query_tile() * BM;
-    // This thread's load chunk lc and first load row lr (see load_tile); K and V pointers advance
-    // by one tile per iteration.
+    // The key tiles this CTA visits and masks (the range hook, flash_common.cuh): [j0, j_end).
+    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
+    const int j0 = tiles.first, j_end = tiles.end;
+
+    // This thread's load chunk lc and first load row lr (see load_tile); K and V pointers start at key
+    // tile j0 and advance by one tile per iteration.
     const int lc = tid % CHP, lr = tid / CHP;
     const elem_t *q_ld = q + b * q_sb + h * q_sh + (long long)(m0 + lr) * q_sn + lc * 8;
-    const elem_t *k_ld = k + b * k_sb + hk * k_sh + (long long)lr * k_sn + lc * 8;
-    const elem_t *v_ld = v + b * v_sb + hk * v_sh + (long long)lr * v_sn + lc * 8;
-
-    // Key tiles [0, n_tiles) hold a key visible to some valid row of this CTA; tiles from
-    // mask_from on hold a key invisible to some row (causal edge or keys >= nk) and are masked.
-    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
-    const int n_tiles = tiles.n, mask_from = tiles.mask_from;
+    const elem_t *k_ld = k + b * k_sb + hk * k_sh + (long long)(j0 * BN + lr) * k_sn + lc * 8;
+    const elem_t *v_ld = v + b * v_sb + hk * v_sh + (long long)(j0 * BN + lr) * v_sn + lc * 8;
 
     const int wrow = warp * RW;            // first CTA row of this warp
     const int row_g = m0 + wrow + g;       // query row of accumulator row g of m16 tile 0
@@ -112,36 +111,36 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
     }
     u32 q_frag[Q_IN_REGS ? KS : 1][4];
 
-    // ---- prologue: groups {Q, K_0} and {V_0} in flight; zero the 8-column tail of a head dim
+    // ---- prologue: groups {Q, K_j0} and {V_j0} in flight; zero the 8-column tail of a head dim
     //      that is 8 mod 16 (the copies never write it, the math reads it) ----
-    if (n_tiles > 0) {
+    if (j0 < j_end) {
         if (FC_HEAD_DIM % 16 != 0) {
             for (int r = tid; r < BM + 2 * BN; r += NTHR)
                 *reinterpret_cast<uint4 *>(smem + smem_off(r, CH)) = make_uint4(0u, 0u, 0u, 0u);
         }
         load_tile<BM>(sQ, q_ld, q_sn, nq - m0 - lr, q, lr, lc);
-        load_tile<BN>(sK, k_ld, k_sn, nk - lr, k, lr, lc);
+        load_tile<BN>(sK, k_ld, k_sn, nk - j0 * BN - lr, k, lr, lc);
         cp_async_commit();
-        load_tile<BN>(sV, v_ld, v_sn, nk - lr, v, lr, lc);
+        load_tile<BN>(sV, v_ld, v_sn, nk - j0 * BN - lr, v, lr, lc);
         cp_async_commit();
     }
 
-    for (int j = 0; j < n_tiles; ++j) {
-        // ---- K_j (and Q) have landed; every warp is done with V_{j-1}: start V_j (V_0 is
+    for (int j = j0; j < j_end; ++j) {
+        // ---- K_j (and Q) have landed; every warp is done with V_{j-1}: start V_j (V_j0 is
         //      already in flight from the prologue) ----
-        if (j == 0) {
+        if (j == j0) {
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (j > 0) {
+        if (j > j0) {
             v_ld += BN * v_sn;
             load_tile<BN>(sV, v_ld, v_sn, nk - j * BN - lr, v, lr, lc);
             cp_async_commit();
         }
 
-        if (Q_IN_REGS && j == 0) {
+        if (Q_IN_REGS && j == j0) {
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk) ldsm_x4(q_frag[kk], a_base + chunk_off(2 * kk, frag_w));
         }
@@ -161,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
             }
         }, k_base, frag_w);
         // ---- mask: invisible keys (causal edge, keys >= nk) score -inf ----
-        if (j >= mask_from) {
+        if (tiles.masked(j)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -224,7 +223,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
         // ---- V_j has landed; every warp is done with K_j: start K_{j+1} ----
         cp_async_wait<0>();
         __syncthreads();
-        if (j + 1 < n_tiles) {
+        if (j + 1 < j_end) {
             k_ld += BN * k_sn;
             load_tile<BN>(sK, k_ld, k_sn, nk - (j + 1) * BN - lr, k, lr, lc);
             cp_async_commit();

@@ -127,10 +127,10 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
     const elem_t* k_head = k + b * k_sb + h_kv * k_sh;
     const elem_t* v_head = v + b * v_sb + h_kv * v_sh;
 
-    // Keys this CTA visits: up to the last key its last real row may see (causal: fewer tiles;
-    // none at all when every row sees nothing).
-    const int n_keys = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) + 1;
-    const int n_tiles = n_keys > 0 ? (n_keys + BN - 1) / BN : 0;
+    // The key tiles this CTA visits (the range hook, flash_common.cuh; causal: fewer tiles, none at all
+    // when every row sees nothing); every tile is masked key by key (fc_visible).
+    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
+    const int n_keys = tiles.key_end;
 
     // Running state of this thread's rows: m, l (identical in the 16 lanes of the row group) and
     // its DPT columns of O.
@@ -145,7 +145,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
 
     stage_tile<BM, Q_PITCH>(q_s, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, nq - m0);
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = tiles.first; j < tiles.end; ++j) {
         const int n0 = j * BN;  // first key of tile j
 
         // 1. K_j -> shared memory (the first pass also publishes Q).

@@ -212,15 +212,14 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
-    // A tile: query rows m0 .. m0 + BM - 1 of head h, batch b, and its key tiles: [0, n) hold a key
-    // visible to some valid row of the tile; from mask_from on a key tile holds a key invisible to
-    // some row (causal edge or keys >= nk) and is masked.
+    // A tile: query rows m0 .. m0 + BM - 1 of head h, batch b, and the key tiles it visits and masks
+    // (the range hook, flash_common.cuh).
     struct Tile {
-        int m0, h, b, n, mask_from;
+        int m0, h, b;
+        FcKeyTiles keys;
     };
     auto tile_of = [&](int m_tile, int h, int b) {
-        const FcKeyTiles kt = fc_key_tiles<BN>(m_tile * BM, BM, nq, nk);
-        return Tile{m_tile * BM, h, b, kt.n, kt.mask_from};
+        return Tile{m_tile * BM, h, b, fc_key_tiles<BN>(m_tile * BM, BM, nq, nk)};
     };
 #if FC_WG_PERSISTENT == 1
     // CTA x runs tiles x, x + gridDim.x, ... of the n_mt * heads_q * batch (query tile, head, batch)
@@ -288,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, PANEL_ELEMS * p, tl.m0, tl.h, tl.b);
             };
             auto load_kv = [&](const Tile &tl, int hk) {  // (hk = tl.h / group, the KV head)
-                for (int j = 0; j < tl.n; ++j, ++it) {
+                for (int j = tl.keys.first; j < tl.keys.end; ++j, ++it) {
                     const int s = stage(it);
                     const u32 ph = phase(it);
                     // buffer s was last used by load it - STAGES: wait for every consumer warp to
@@ -327,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 }
                 const Tile tl = tile_at(w);
                 w = atomicAdd(tile_counter, 1) + (int)gridDim.x;
-                if (tl.n > 0) {
+                if (tl.keys.count() > 0) {
                     const int hk = tl.h / group;
                     load_q(tl);
                     load_kv(tl, hk);
@@ -345,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             }
 #else
             FC_FOR_EACH_TILE(tl) {
-                if (tl.n > 0) {  // (rows that see no key: nothing to load)
+                if (tl.keys.count() > 0) {  // (rows that see no key: nothing to load)
                     const int hk = tl.h / group;
                     // the Q buffer is free once every consumer warp has seen the previous tile's last S
                     if (tq > 0) mbar_wait(bar_q_empty, (u32)((tq - 1) & 1));
@@ -376,7 +375,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         };
 #endif
         FC_FOR_EACH_TILE(tl) {
-            const int n_tiles = tl.n, mask_from = tl.mask_from, it0 = it;
+            // iteration j (0 .. n_tiles - 1) of this tile runs key tile j0 + j, pipeline slot it0 + j
+            const int j0 = tl.keys.first, n_tiles = tl.keys.count(), it0 = it;
             const int row_g = tl.m0 + 64 * cw + 16 * (lt >> 5) + g;  // query rows row_g and row_g + 8
 
             acc_t o_acc[ON];
@@ -492,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 }
 #endif
 #endif
-                if (j >= mask_from) {
+                if (tl.keys.masked(j)) {
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
                         const int last = fc_last_key(row_g + 8 * hf, nq, nk) - (j * BN + 2 * t);
@@ -601,7 +601,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 reg_fence(s_acc);
                 release(k_empty(stage(it0)));
                 release_q(0);
-                softmax(s_acc, 0, alpha);  // O = 0: nothing to rescale
+                softmax(s_acc, j0, alpha);  // O = 0: nothing to rescale
                 pack_p(s_acc, p_frag);
                 for (int j = 1; j < n_tiles; ++j) {
                     const int s = stage(it0 + j), sp = stage(it0 + j - 1);
@@ -616,7 +616,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     reg_fence(s_acc);
                     release(k_empty(s));
                     release_q(j);
-                    softmax(s_acc, j, alpha);
+                    softmax(s_acc, j0 + j, alpha);
                     wg_wait<0>();           // P_{j-1} V_{j-1} has landed
                     land_pv();
 #pragma unroll
@@ -651,7 +651,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 reg_fence(s_acc);
                 release(k_empty(s));  // this warp is done reading K_j
                 release_q(j);
-                softmax(s_acc, j, alpha);
+                softmax(s_acc, j0 + j, alpha);
                 pack_p(s_acc, p_frag);
                 rescale(alpha);
                 mbar_wait(v_full(s), phase(it0 + j));
