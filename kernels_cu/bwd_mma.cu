@@ -231,7 +231,7 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
     const int Hq = gridDim.y * group;
 
     // The query tiles this key tile visits and masks (the range hook, flash_common.cuh): [qt0, qtiles.end).
-    const FcQueryTiles qtiles = fc_query_tiles(n0, nq, nk, BM);
+    const FcQueryTiles qtiles = fc_query_tiles<BM>(n0, nq, nk);
     const int qt0 = qtiles.first;
     const int qt_per_head = qtiles.end - qt0;
     const int n_it = group * qt_per_head;
@@ -278,7 +278,7 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
         // ---- tile `it` has landed; every warp is done with the other stage: prefetch it + 1 ----
         const u32 st = pipeline_top<STAGES_KV>(it, n_it, st0, KV_STAGE_BYTES, load_stage);
         const int m0 = (qt0 + it % qt_per_head) * BM;
-        const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk);
+        const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk, false);
         const float *s_lse = reinterpret_cast<const float *>(smem + (st - s_base) + ST_L);
         const float *s_del = reinterpret_cast<const float *>(smem + (st - s_base) + ST_D);
 

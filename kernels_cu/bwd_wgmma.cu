@@ -328,7 +328,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 
     // The query tiles of each of the group's heads this key tile visits and masks (the range hook,
     // flash_common.cuh): [qt0, n_qt).
-    const FcQueryTiles qtiles = fc_query_tiles(n0, nq, nk, BM);
+    const FcQueryTiles qtiles = fc_query_tiles<BM>(n0, nq, nk);
     const int n_qt = qtiles.end, qt0 = qtiles.first, qt_per_head = n_qt - qt0;
     const int n_it = group * qt_per_head;
     // iteration it: query head hk * group + it / qt_per_head, query tile qt0 + it % qt_per_head
@@ -473,8 +473,8 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         for (int it = 0; it < n_it; ++it) {
             const int s = it % STAGES;
             const int hq = head_of(it), qt = tile_of(it), m0 = qt * BM;
-            // masking: the range hook's (queries past nq, the causal edge), or keys past nk
-            const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk) || (n0 + BN > nk);
+            // masking: the range hook's (queries past nq, keys past nk, the causal edge)
+            const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk, n0 + BN > nk);
             const u32 sq = s_q(s), sdo = s_do(s);
             const u32 kr = opaque_u32(k_rows), vr = opaque_u32(v_rows), kd = opaque_u32(sK);  // not hoisted
             const u32 sds = base + OFF_DS + (it & 1) * DS_BYTES;

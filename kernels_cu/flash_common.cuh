@@ -224,24 +224,26 @@ __device__ __forceinline__ int fc_first_query(int key, int nq, int nk) {
 // the key tile of keys [n0, n0 + BN) visits: tiles [first, end) hold a row that sees some key of the
 // tile (causal: from the tile of fc_first_query(n0), none when no row sees key n0; all otherwise).
 // FC_QUERY_TILE_MASKED: whether the visited query tile of rows [m0, m0 + BM) needs the mask (some of its
-// rows miss some key of the tile): it holds rows past nq or, causal, its first row misses the tile's
-// last key. (Keys past nk are the kernels' own: their loads zero them.) A macro, so that the test is
-// compiled where it stands in the loop: as an inline function NVVM evaluates it otherwise (mma's dK/dV
-// kernels then took 2 to 4 more registers).
+// rows miss some key of the tile): it holds rows past nq, or the kernel's own condition `also` holds
+// (bwd_wgmma: keys past nk, which bwd_mma's zeroed loads make harmless; false there), or, causal, its
+// first row misses the tile's last key. A macro, so that the test is compiled where it stands in the
+// loop: as an inline function NVVM evaluates it otherwise (mma's dK/dV kernels then took 2 to 4 more
+// registers, and the terms in another order cost bwd_wgmma 0.5-0.9% at N=4096 causal).
 struct FcQueryTiles {
     int first, end;
 };
-__device__ __forceinline__ FcQueryTiles fc_query_tiles(int n0, int nq, int nk, int bm) {
-    const int n_qt = (nq + bm - 1) / bm;
+template <int BM>
+__device__ __forceinline__ FcQueryTiles fc_query_tiles(int n0, int nq, int nk) {
+    const int n_qt = (nq + BM - 1) / BM;
 #if FC_CAUSAL
     const int q_first = fc_first_query(n0, nq, nk);
-    return {q_first < nq ? q_first / bm : n_qt, n_qt};
+    return {q_first < nq ? q_first / BM : n_qt, n_qt};
 #else
     return {0, n_qt};
 #endif
 }
-#define FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk) \
-    (((m0) + (BM) > (nq)) || (FC_CAUSAL && (m0) < (n0) + (BN) - 1 - ((nk) - (nq))))
+#define FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk, also) \
+    (((m0) + (BM) > (nq)) || (also) || (FC_CAUSAL && (m0) < (n0) + (BN) - 1 - ((nk) - (nq))))
 
 // The query tile run x-th of n (x = blockIdx.x of a grid of n = ceil(nq / BM) tiles, or a persistent
 // CTA's x-th tile of a head). Causal grids run the heaviest tiles (the last query rows, which see the
