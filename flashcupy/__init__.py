@@ -17,6 +17,7 @@ from .fp8 import attention_fp8, dequantize, quantize
 __all__ = ["attention", "attention_backward", "attention_fp8", "dequantize", "inspect", "quantize",
            "reference"]
 __version__ = "0.1.0"
+del annotations  # the __future__ import's name: not part of the package's namespace
 
 if _typing.TYPE_CHECKING:  # the annotations' names (not evaluated at run time)
     from typing import Literal, Union
