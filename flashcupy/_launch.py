@@ -591,45 +591,97 @@ def _as_rows(x, scratch: _Scratch):
 FP8_VT_KEYS = 64  # fwd_wgmma.cu's V transposition: keys per CTA (V^T's key axis is padded to it)
 
 
+class _Fp8Plan:
+    """An fp8 forward's two launches (V^T, then the attention), made from its variant, the shapes and
+    strides (bytes) of q8, k8, v8 as the kernels read them, and the call's scale and p_scale: kernels,
+    grids, argument layouts and the four TMA map templates (q8, k8, V^T, o). ``run`` then takes only
+    addresses; V^T and, under stream capture, the tile counter come from the call's scratch."""
+
+    __slots__ = ("o_shape", "lse_shape", "vt_size", "dynamic", "map_slots", "transpose", "launcher")
+
+    def __init__(self, var, q_shape, kv_shape, q_strides, k_strides, v_strides, scale: float, p_scale: float):
+        b, hq, nq, d = q_shape
+        hkv, nk = kv_shape[1], kv_shape[2]
+        kern, transpose = get_kernel(var, "fwd"), get_kernel(var, "v_transpose")  # compiled first
+        nk_pad = -(-nk // FP8_VT_KEYS) * FP8_VT_KEYS
+        vt_shape = (b, hkv, d, nk_pad)
+        self.o_shape, self.lse_shape, self.vt_size = q_shape, q_shape[:3], math.prod(vt_shape)
+        self.dynamic = var.persistent == 2
+        u8 = np.dtype(np.uint8)
+        self.map_slots = tuple(_MapSlot(*slot) for slot in (
+            (q_shape, q_strides, u8, (var.block_m, 128), "q"),
+            (kv_shape, k_strides, u8, (var.block_n, 128), "k"),
+            (vt_shape, _contiguous_strides(vt_shape, 1), u8, (d, var.block_n), "v"),
+            # (o: read by the kernel only where wgmma_o_stage says so)
+            (q_shape, _contiguous_strides(q_shape, numpy_dtype(var.dtype).itemsize), numpy_dtype(var.dtype),
+             64, "o")))
+        v_el = _element_strides(v_strides, 1)
+        self.transpose = _Launcher(transpose, (nk_pad // FP8_VT_KEYS, hkv, b),
+                                   (PTR, PTR, np.int32(nk), np.int32(nk_pad), *v_el))
+        grid = ((nq + var.block_m - 1) // var.block_m, hq, b)
+        if var.persistent:
+            grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
+        self.launcher = _Launcher(kern, grid, (MAP,) * 4 + (PTR,) * 5 + (
+            np.int32(nq), np.int32(nk), np.int32(hq // hkv), *_element_strides(q_strides, 1),
+            *_element_strides(k_strides, 1), *v_el, np.float32(scale * _LOG2E), np.int32(hq), np.int32(b),
+            PTR if self.dynamic else np.uint64(0), PTR, PTR, PTR, np.float32(p_scale),
+            np.float32(math.log2(p_scale))))
+
+    def run(self, stream: int, q8: int, k8: int, v8: int, o: int, lse: int, q_ds: int, k_ds: int, v_ds: int,
+            scratch) -> None:
+        """Launch on the stream with handle ``stream``: q8, k8, v8 with the plan's strides, readable in place
+        (16-byte aligned); o, lse, the descales C-contiguous."""
+        vt = scratch.buffer((self.vt_size,), np.uint8)
+        self.transpose(stream, (v8, vt))
+        ptrs = (q8, k8, vt, o, lse) + ((_tile_counter(stream, scratch),) if self.dynamic else ()) + (
+            q_ds, k_ds, v_ds)
+        slots = self.map_slots
+        self.launcher(stream, ptrs, (slots[0](q8), slots[1](k8), slots[2](vt), slots[3](o)))
+
+
+_FP8_PLANS: dict = {}
+
+
+def fp8_plan(var, q8, k8, v8, scale: float, p_scale: float) -> _Fp8Plan:
+    """The plan of an fp8 forward call on arrays of these shapes and strides (remembered, at most
+    ``_PLAN_LIMIT``)."""
+    key = (var, q8.shape, q8.strides, k8.shape, k8.strides, v8.strides, scale, p_scale)
+    plan = _FP8_PLANS.get(key)
+    if plan is None:
+        plan = _Fp8Plan(var, tuple(map(int, q8.shape)), tuple(map(int, k8.shape)), q8.strides, k8.strides,
+                        v8.strides, scale, p_scale)
+        if len(_FP8_PLANS) >= _PLAN_LIMIT:
+            _FP8_PLANS.clear()
+        _FP8_PLANS[key] = plan
+    return plan
+
+
 def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: float, o=None, lse=None):
     """The fp8 forward of ``var`` (an fp8 fwd_wgmma variant) on uint8 e4m3 bit patterns q8 (B, Hq, Nq, D),
     k8, v8 (B, Hkv, Nk, D) with float32 descales q_ds (B, Hq, Nq), k_ds (B, Hkv, Nk), v_ds (B, Hkv), all on
-    the current device. Two launches on the current stream: V^T (keys permuted in groups of 16, zero
-    padding to a multiple of FP8_VT_KEYS keys), then the attention. Returns (o, lse); ``o`` and ``lse`` may
-    be given (C-contiguous, the right shapes and dtypes: the tests pass NaN-poisoned ones)."""
+    the current device (the descales C-contiguous). Two launches on the current stream through an
+    ``_Fp8Plan``: V^T (keys permuted in groups of 16, zero padding to a multiple of FP8_VT_KEYS keys), then
+    the attention. Returns (o, lse); ``o`` and ``lse`` may be given (C-contiguous, the right shapes and
+    dtypes: the tests pass NaN-poisoned ones)."""
     import cupy
 
-    from ._tma import tensor_map
-
     b, hq, nq, d = (int(x) for x in q8.shape)
-    hkv, nk = int(k8.shape[1]), int(k8.shape[2])
     for name, x, shape, dt in (("o", o, (b, hq, nq, d), numpy_dtype(var.dtype)),
                                ("lse", lse, (b, hq, nq), np.dtype(np.float32))):
         if x is not None and not (x.flags.c_contiguous and x.shape == shape and x.dtype == dt):
             raise ValueError(f"{name} must be C-contiguous {shape} {dt}; got {x.shape} {x.dtype}")
-    kern, transpose = get_kernel(var, "fwd"), get_kernel(var, "v_transpose")  # compiled before any launch
-    # q8, k8 by TMA; v8 by the V^T pre-pass's 16-byte loads over its strides: one copy of any the kernels
-    # cannot read in place (as in ``forward``)
     stream = cupy.cuda.get_current_stream()
     scratch = _Scratch(stream)
+    # q8, k8 by TMA; v8 by the V^T pre-pass's 16-byte loads over its strides: one copy of any the kernels
+    # cannot read in place (as in ``forward``)
     q8, k8 = (_as_readable(x, True, scratch) for x in (q8, k8))
     v8 = _as_readable(v8, False, scratch)
-    nk_pad = -(-nk // FP8_VT_KEYS) * FP8_VT_KEYS
-    vt = scratch.empty((b, hkv, d, nk_pad), cupy.uint8)
-    o = cupy.empty((b, hq, nq, d), dtype=numpy_dtype(var.dtype)) if o is None else o
-    lse = cupy.empty((b, hq, nq), dtype=cupy.float32) if lse is None else lse
-    maps = (tensor_map(q8, var.block_m, box_cols=128, name="q"),
-            tensor_map(k8, var.block_n, box_cols=128, name="k"),
-            tensor_map(vt, d, box_cols=var.block_n, name="v"),
-            tensor_map(o, 64, name="o"))  # (read by the kernel only where wgmma_o_stage says so)
-    transpose((nk_pad // FP8_VT_KEYS, hkv, b), (v8, vt, np.int32(nk), np.int32(nk_pad), *element_strides(v8)))
-    grid = ((nq + var.block_m - 1) // var.block_m, hq, b)
-    if var.persistent:
-        grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
-    counter = np.uint64(_tile_counter(stream.ptr, scratch) if var.persistent == 2 else 0)
-    args = maps + (q8, k8, vt, o, lse, np.int32(nq), np.int32(nk), np.int32(hq // hkv),
-                   *element_strides(q8), *element_strides(k8), *element_strides(v8),
-                   np.float32(scale * _LOG2E), np.int32(hq), np.int32(b), counter,
-                   q_ds, k_ds, v_ds, np.float32(p_scale), np.float32(math.log2(p_scale)))
-    kern(grid, args)
+    plan = fp8_plan(var, q8, k8, v8, scale, p_scale)  # (compiles the variant before any allocation)
+    o = cupy.empty(plan.o_shape, dtype=numpy_dtype(var.dtype)) if o is None else o
+    lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if lse is None else lse
+    for name, x in (("q_ds", q_ds), ("k_ds", k_ds), ("v_ds", v_ds)):
+        if not (x.flags.c_contiguous and x.dtype == np.float32):
+            raise ValueError(f"{name} must be C-contiguous float32; got {x.dtype}")
+    plan.run(stream.ptr, q8.data.ptr, k8.data.ptr, v8.data.ptr, o.data.ptr, lse.data.ptr, q_ds.data.ptr,
+             k_ds.data.ptr, v_ds.data.ptr, scratch)
     return o, lse

@@ -340,7 +340,9 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     accumulation, which does not run 192), accumulation "single" or "tile" (D=256: single-level with
     block_m 128 only); it reads V transposed (a second, small kernel writes V^T first: e4m3 wgmma takes
     K-major operands only). On the twin ``block_m`` is ignored. Unlike ``flashcupy.attention``, a call on
-    CuPy inputs is not safe to capture in a CUDA graph: its flattened descales come from CuPy's pool.
+    CuPy inputs cannot be captured in a CUDA graph: its flattened descales come from CuPy's pool, so it
+    raises RuntimeError inside a capture, before enqueuing anything. Its launches go through a plan
+    remembered per variant, shapes, strides, scale and p_scale, as the 16-bit forward's do.
     """
     from ._checks import _check_bool, check_scale, check_tile
 
@@ -438,6 +440,13 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
                   causal, ablate, fp8=accumulation, fp8_kscale="tile" if per_tile else "key")
     (b, hq, nq, _), (_, hkv, nk, _) = q.shape, k.shape
     with cupy.cuda.Device(device):
+        if cupy.cuda.get_current_stream().is_capturing():
+            # the descales below are flattened into CuPy pool memory, which returns to the pool after
+            # the call: a replay of the graph would write it after the pool gave it to other arrays
+            raise RuntimeError("attention_fp8 cannot be captured into a CUDA graph yet (its descales are "
+                               "flattened into temporaries a replay would overwrite); call it outside "
+                               "the capture, or capture flashcupy.attention on 16-bit inputs")
+
         def flat(scale, shape):  # the descales broadcast to shape, float32, contiguous
             full = cupy.broadcast_to(scale, shape + (1,) * (4 - len(shape)))
             return cupy.ascontiguousarray(full, cupy.float32).reshape(shape)

@@ -281,3 +281,28 @@ def test_the_kernel_path_never_waits_for_the_device(rng):
         waited = time.perf_counter() - t0
         cupy.cuda.get_current_stream().synchronize()
         assert waited < 0.1, f"{name}: the call took {waited * 1e3:.0f} ms behind a 200 ms kernel"
+
+
+
+def test_capturing_the_fp8_forward_is_refused_before_any_work(rng):
+    """attention_fp8 inside a CUDA graph capture raises a RuntimeError that says so, before it enqueues
+    anything: its descales are flattened into CuPy pool memory that a replay would write after the pool
+    gave it to other arrays. The same call outside the capture runs, with the bits it had before."""
+    import cupy
+
+    _, qd = _pair(rng, (1, 2, 300, 128), "token")
+    _, kd = _pair(rng, (1, 1, 257, 128), "tensor")
+    _, vd = _pair(rng, (1, 1, 257, 128), "head", shift=0.5)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        before = flashcupy.attention_fp8(qd, kd, vd, causal=True)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="capture"):
+                flashcupy.attention_fp8(qd, kd, vd, causal=True)
+        finally:
+            graph = stream.end_capture()
+        assert graph is not None
+        after = flashcupy.attention_fp8(qd, kd, vd, causal=True)
+    assert bool((after == before).all()) and float(cupy.abs(before.astype(cupy.float32)).max()) > 0
