@@ -274,6 +274,23 @@ __device__ __forceinline__ FcKeyTiles fc_key_tiles(int m0, int rows, int nq, int
     return {0, last_key >= 0 ? last_key / BN + 1 : 0, keys_all > 0 ? keys_all / BN : 0, last_key + 1};
 }
 
+// The masked-tile routine of the tensor-core forwards, for the tiles masked(j) names: NT accumulator
+// tiles (tile(i): an m16n8 tile of mma.sync, or 8-column slice i of a wgmma m64nN accumulator, which hold
+// the same elements per lane) of this lane's rows row and row + 8, whose columns start at key key0 + 8 i;
+// every score whose key the row cannot see (fc_last_key: the causal edge, keys >= nk) becomes -inf.
+template <int NT, typename Tile>
+__device__ __forceinline__ void fc_mask_scores(int row, int key0, int nq, int nk, Tile tile) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int last = fc_last_key(row + 8 * hf, nq, nk) - key0;
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (8 * i + e > last) acc_set_neg_inf(tile(i), 2 * hf + e);
+    }
+}
+
 // The value subtracted from every scaled score before exp2 for a row whose running max is m
 // (in raw-score units). -inf (no key seen yet) maps to 0 so that exp2(-inf - (-inf)) never occurs.
 __device__ __forceinline__ float fc_safe_max(float m) { return m == -INFINITY ? 0.f : m; }

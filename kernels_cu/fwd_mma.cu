@@ -163,15 +163,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
         if (tiles.masked(j)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int last = fc_last_key(row_g + mt * 16 + 8 * hf, nq, nk) - (j * BN + 2 * t);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            if (nt * 8 + e > last) acc_set_neg_inf(acc_s[mt][nt], 2 * hf + e);
-                }
+                fc_mask_scores<NT>(row_g + mt * 16, j * BN + 2 * t, nq, nk,
+                                   [&](int nt) -> acc_t(&)[ACC_REGS] { return acc_s[mt][nt]; });
         }
 
         // ---- online softmax, one row (mt, hf) at a time. P goes straight into the A fragments

@@ -492,17 +492,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 }
 #endif
 #endif
-                if (tl.keys.masked(j)) {
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int last = fc_last_key(row_g + 8 * hf, nq, nk) - (j * BN + 2 * t);
-#pragma unroll
-                        for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e)
-                                if (8 * i + e > last) acc_set_neg_inf(wg_tile(sacc, i), 2 * hf + e);
-                    }
-                }
+                if (tl.keys.masked(j))
+                    fc_mask_scores<BN / 8>(row_g, j * BN + 2 * t, nq, nk,
+                                           [&](int i) -> acc_t(&)[ACC_REGS] { return wg_tile(sacc, i); });
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     const float sub = fc_softmax_step(m_run[hf], alpha[hf], scale_log2, [&] {
