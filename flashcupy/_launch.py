@@ -643,9 +643,12 @@ _FP8_PLANS: dict = {}
 
 
 def fp8_plan(var, q8, k8, v8, scale: float, p_scale: float) -> _Fp8Plan:
-    """The plan of an fp8 forward call on arrays of these shapes and strides (remembered, at most
-    ``_PLAN_LIMIT``)."""
-    key = (var, q8.shape, q8.strides, k8.shape, k8.strides, v8.strides, scale, p_scale)
+    """The plan of an fp8 forward call on arrays of these shapes and strides, on the current device
+    (its kernels, launchers and persistent grid are that device's; remembered, at most ``_PLAN_LIMIT``)."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), var, q8.shape, q8.strides, k8.shape, k8.strides, v8.strides, scale,
+           p_scale)
     plan = _FP8_PLANS.get(key)
     if plan is None:
         plan = _Fp8Plan(var, tuple(map(int, q8.shape)), tuple(map(int, k8.shape)), q8.strides, k8.strides,

@@ -75,3 +75,27 @@ def test_map_templates_name_what_tma_cannot_describe(shape, strides, box, match)
     with pytest.raises(ValueError, match=match) as err:
         MapTemplate(shape, strides, np.float16, box, name="kk")
     assert str(err.value).startswith("kk:")
+
+
+@pytest.mark.cupy
+def test_fp8_plans_are_each_devices_own(monkeypatch):
+    """An fp8 plan holds its device's kernels, launchers and persistent grid: the same call on another
+    device gets a plan of its own, and the same call on the same device reuses one."""
+    import types
+
+    made = []
+
+    class Plan:
+        def __init__(self, *args):
+            made.append(args)
+
+    device = [0]
+    monkeypatch.setattr(_launch, "_Fp8Plan", Plan)
+    monkeypatch.setattr(_launch, "_FP8_PLANS", {})
+    monkeypatch.setattr("cupy.cuda.runtime.getDevice", lambda: device[0])
+    x = types.SimpleNamespace(shape=(1, 2, 64, 128), strides=(16384, 8192, 128, 1))
+    first = _launch.fp8_plan("variant", x, x, x, 0.125, 256.0)
+    assert _launch.fp8_plan("variant", x, x, x, 0.125, 256.0) is first
+    device[0] = 1
+    assert _launch.fp8_plan("variant", x, x, x, 0.125, 256.0) is not first
+    assert len(made) == 2
