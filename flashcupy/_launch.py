@@ -233,6 +233,17 @@ class _Launcher:
         if err != self._ok:
             raise RuntimeError(f"cuLaunchKernel of {self._kern.name} failed: {err}")
 
+    def spec(self, slots, maps=()) -> tuple:
+        """This launch as ``flashcupy/_torch_node.cpp`` runs it: (kernel handle, grid, threads, shared
+        memory, arguments), each argument (kind, index, bytes): fixed bytes (0), the value slot of an
+        address (1; ``slots`` in the order ``__call__`` takes addresses) or a map template (2; ``maps``
+        in the order it takes maps)."""
+        slots, maps = iter(slots), iter(maps)
+        args = [(1, next(slots), b"") if a is PTR else (2, next(maps), b"") if a is MAP else
+                (0, 0, bytes(_c_value(a))) for a in self._layout]
+        kern = self._kern
+        return (int(kern.function.kernel.ptr), self._grid, kern.threads, kern.smem_bytes, args)
+
     def _cupy_launch(self, stream: int, pointers, maps) -> None:
         import cupy
 
@@ -356,6 +367,15 @@ class _ForwardPlan:
         ptrs = (q, k, v, o, lse, _tile_counter(stream, scratch)) if self.dynamic else (q, k, v, o, lse)
         slots = self.map_slots
         self.launcher(stream, ptrs, (slots[0](q), slots[1](k), slots[2](v), slots[3](o)) if slots else ())
+
+    def program(self) -> dict:
+        """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``, whose value
+        slots of a forward are q, k, v, o, lse, the tile counter): the keyword arguments of its
+        ``program``. Only for plans that read their inputs in place."""
+        maps = [(slot, *m.template.raw) for slot, m in zip(range(4), self.map_slots)]
+        launch = self.launcher.spec(range(6 if self.dynamic else 5), range(len(maps)))
+        return dict(forward=True, launches=[launch], maps=maps, dynamic=self.dynamic, dq_floats=0,
+                    delta_floats=0, sem_shape=[])
 
 
 _FORWARD_PLANS: dict = {}
@@ -516,6 +536,27 @@ class _BackwardPlan:
         else:
             self.kv_launch(stream, main)
             self.q_launch(stream, main)
+
+    def program(self) -> dict:
+        """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``): the keyword
+        arguments of its ``program``, with the addresses ``run`` passes as value slots (its ``BWD_*``).
+        Only for plans that read their inputs in place."""
+        DO, Q, K, V, OUT, LSE, DLSE, DQ, DK, DV, DELTA, DQ_ACCUM, SEM = range(13)
+        prep = (DO, OUT, DELTA, DQ_ACCUM, LSE, DLSE) if self.ld_size else (DO, OUT, DELTA, DQ_ACCUM, DLSE)
+        main = (Q, K, V, DO, LSE, DELTA, DQ, DK, DV)
+        maps = []
+        if self.tma:
+            mapped = (Q, K, V, DO, DQ_ACCUM, DK, DV)
+            maps = [(slot, *m.template.raw) for slot, m in zip(mapped, self.map_slots)]
+            kv = self.kv_launch.spec(main + ((SEM,) if self.sem_shape is not None else ()), range(len(maps)))
+            q = self.q_launch.spec((DQ_ACCUM, DQ))
+        elif self.atomic:
+            kv, q = self.kv_launch.spec(main + (DQ_ACCUM,)), self.q_launch.spec((DQ_ACCUM, DQ))
+        else:
+            kv, q = self.kv_launch.spec(main), self.q_launch.spec(main)
+        return dict(forward=False, launches=[self.prep_launch.spec(prep), kv, q], maps=maps, dynamic=False,
+                    dq_floats=math.prod(self.q_shape) if self.atomic else 0, delta_floats=self.delta_size,
+                    sem_shape=list(self.sem_shape or ()))
 
 
 _BACKWARD_PLANS: dict = {}

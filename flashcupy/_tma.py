@@ -70,7 +70,7 @@ class MapTemplate:
     per mapped argument, so a call whose arrays moved (torch's allocator hands out new outputs on every
     call) pays an encode and no checks. The arguments are as in ``tensor_map``; ``strides`` in bytes."""
 
-    __slots__ = ("name", "_encode", "_args", "_dtype", "_ok")
+    __slots__ = ("name", "_encode", "_args", "_dtype", "_ok", "raw")
 
     def __init__(self, shape, strides, dtype, box_rows: int, *, box_cols: int = 64, swizzle: int = 128,
                  name: str = "x"):
@@ -130,6 +130,10 @@ class MapTemplate:
         )
         self._dtype = _data_type(driver, dtype, name)
         self._ok = driver.CUresult.CUDA_SUCCESS
+        # the same arguments as plain integers, for encoders outside Python (flashcupy/_torch_node.cpp):
+        # data type, interleave, swizzle, L2 promotion, out-of-bounds fill, extents, strides, box
+        self.raw = (int(self._dtype), *(int(e) for e in self._args[4:]), [int(v) for v in self._args[0]],
+                    [int(v) for v in self._args[1]], [int(v) for v in self._args[2]])
 
     def encode(self, ptr: int) -> bytes:
         """The 128 bytes of the map at device address ``ptr`` (ValueError unless 16-byte aligned)."""

@@ -33,7 +33,7 @@ try:
 except ImportError as e:  # pragma: no cover - the torch extra
     raise ImportError("flashcupy.torch needs torch: pip install 'flashcupy[torch]'") from e
 
-from . import _launch
+from . import _launch, _torch_node
 from ._checks import backward_problem, forward_problem, numpy_dtype
 from ._variant import current_build
 
@@ -147,12 +147,15 @@ def _signature(tensors, knobs) -> tuple:
 class _Entry:
     """A remembered signature: its checked Problem, its launch plan and which inputs the plan reads as
     contiguous copies (those whose strides the kernels cannot read: one ``contiguous()`` each, on torch's
-    side; None: none)."""
+    side; None: none). A forward entry whose plan reads its inputs in place also holds the plan as a
+    program of the compiled node (``program``; None without one) and, made by the first call with
+    gradients, the backward's program per ``deterministic`` (``backward``)."""
 
-    __slots__ = ("problem", "plan", "copies")
+    __slots__ = ("problem", "plan", "copies", "program", "backward")
 
-    def __init__(self, problem, plan, copies):
+    def __init__(self, problem, plan, copies, program=None):
         self.problem, self.plan, self.copies = problem, plan, (copies if any(copies) else None)
+        self.program, self.backward = program, {}
 
 
 def _entry(memo: dict, key, make) -> _Entry:
@@ -186,19 +189,30 @@ def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t) if t.is_contiguous() else t.new_empty(t.shape)
 
 
-def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate):
-    """(o, lse) of ``flashcupy.attention`` on tensors (the custom op's and the eager path's body)."""
+def _forward_entry(q, k, v, knobs) -> _Entry:
+    """The remembered entry of a forward call (``knobs``: causal, scale, block_m, block_n, accum, kernel,
+    ablate)."""
 
     def make() -> _Entry:
+        causal, scale, block_m, block_n, accum, kernel, ablate = knobs
         views = tuple(map(_cp, (q, k, v)))
         p = forward_problem(*views, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                             accum=accum, kernel=kernel, ablate=ablate)
         copies, strides = _copies(views, (p.variant.fam.kind == "wgmma",) * 3)
         with cupy.cuda.Device(p.device):
-            return _Entry(p, _launch.forward_plan(p, *strides, views[0].itemsize), copies)
+            plan = _launch.forward_plan(p, *strides, views[0].itemsize)
+            node = None if any(copies) else _torch_node.module()
+            return _Entry(p, plan, copies, None if node is None else node.program(**plan.program()))
 
+    return _entry(_FORWARD_SIGNATURES, _signature((q, k, v), knobs), make)
+
+
+def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate):
+    """(o, lse) of ``flashcupy.attention`` on tensors (the custom op's and the eager path's body)."""
     knobs = (causal, scale, block_m, block_n, accum, kernel, ablate)
-    entry = _entry(_FORWARD_SIGNATURES, _signature((q, k, v), knobs), make)
+    entry = _forward_entry(q, k, v, knobs)
+    if entry.program is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        return tuple(_torch_node.module().forward(q, k, v, entry.program))  # on q's device, from C++
     device = q.get_device()
     if torch._C._cuda_getDevice() != device:  # the driver launches on the current device's context
         with torch.cuda.device(device):
@@ -362,6 +376,75 @@ def _eager_grads(ctx, do, dlse):
 _eager_grads_once = torch.autograd.function.once_differentiable(_eager_grads)
 
 
+# --------------------------------------------------------------------------------------------------
+# the compiled node (flashcupy/_torch_node.cpp, built by _torch_node): the forward's and the backward's
+# plans written out as programs, run from C++ forward and backward; the Python node where it is not built
+
+
+def _autograd(q, k, v, knobs):
+    """(o, lse) of an eager call with gradients: the compiled node where the forward's entry has a
+    program and q, k, v start on the 16-byte grid, ``_EagerAttention`` otherwise (the same bits)."""
+    entry = _forward_entry(q, k, v, knobs[:-1])
+    if entry.program is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        return _EagerAttention.apply(q, k, v, knobs)
+    deterministic = knobs[-1]
+    bwd = entry.backward.get(deterministic)
+    if bwd is None:
+        bwd = entry.backward[deterministic] = _backward_program(q, k, v, knobs)
+    return tuple(_torch_node.module().apply(q, k, v, entry.program, bwd))
+
+
+_NODE_KNOBS: list = []  # the backward knobs of the compiled node's programs, by index (few distinct)
+_NODE_KNOB_INDEX: dict = {}
+
+
+def _backward_program(q, k, v, knobs):
+    """The compiled node's backward program for a forward entry's call: the backward plan with the
+    gradient of o and o itself C-contiguous (the node's own o is; autograd's gradient of it usually is:
+    the node checks and otherwise calls ``_node_fallback``), lse C-contiguous. Where the checks refuse
+    or that plan cannot read q, k, v in place, a program without launches: every backward then takes the
+    fallback, which copies or raises as the Python node does."""
+    causal, scale, _, _, accum, kernel, _, deterministic = knobs
+    bwd_knobs = (causal, scale, accum, kernel, deterministic)
+    index = _NODE_KNOB_INDEX.get(bwd_knobs)
+    if index is None:
+        index = _NODE_KNOB_INDEX[bwd_knobs] = len(_NODE_KNOBS)
+        _NODE_KNOBS.append(bwd_knobs)
+    spec = dict(forward=False, launches=[], maps=[], dynamic=False, dq_floats=0, delta_floats=0, sem_shape=[])
+    o = _contiguous_like(q)
+    views = tuple(map(_cp, (o, q, k, v, o, q.new_empty(q.shape[:3], dtype=torch.float32))))
+    try:
+        p = backward_problem(*views, causal=causal, scale=scale, block_m=None, block_n=None, accum=accum,
+                             kernel=kernel, deterministic=deterministic)
+    except (ValueError, TypeError):  # raised again by the fallback, when a backward runs
+        p = None
+    if p is not None:
+        copies, strides = _copies(views[:5], (p.variant.fam.kind == "wgmma",) * 4 + (False,))
+        if not any(copies):
+            with cupy.cuda.Device(p.device):
+                spec = _launch.backward_plan(p, deterministic, strides, views[1].itemsize).program()
+    return _torch_node.module().program(**spec, bwd_knobs=index)
+
+
+class _SavedContext:
+    """What ``_eager_grads`` reads of an autograd context, for the compiled node's fallback."""
+
+    __slots__ = ("saved_tensors", "knobs", "ablate")
+
+    def __init__(self, saved, knobs):
+        self.saved_tensors, self.knobs, self.ablate = saved, knobs, None
+
+
+def _node_fallback(index, do, dlse, q, k, v, o, lse):
+    """The compiled node's backward where its program does not run: a gradient of o it does not read in
+    place (stride 0, another layout, off the 16-byte grid, missing), or ``create_graph=True`` (grad
+    mode on: the gradients come back through ``once_differentiable``, so differentiating them raises).
+    The Python node's code, called from the node with the GIL taken."""
+    ctx = _SavedContext((q, k, v, o, lse), _NODE_KNOBS[index])
+    grads = (_eager_grads_once if torch.is_grad_enabled() else _eager_grads)(ctx, do, dlse)
+    return list(grads[:3])
+
+
 def _plain_torch() -> bool:
     """Whether nothing above this call needs to see the custom operators: no torch.compile (dynamo) or
     TorchScript tracing, no functorch transform, no torch function or dispatch mode (FlopCounterMode,
@@ -430,7 +513,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if not _eager(q, k, v):
         o, lse = _attention_op(*args)
     elif grad:
-        o, lse = _EagerAttention.apply(q, k, v, args[3:])
+        o, lse = _autograd(q, k, v, args[3:])
     else:
         o, lse = _forward(*args[:-1])
     if layout == "bnhd":
