@@ -180,6 +180,15 @@ _MAPS_LIMIT = 16     # TMA maps remembered per mapped argument of a plan (one pe
 
 
 PTR, MAP = "ptr", "map"  # the argument kinds of a launch layout besides fixed scalars
+
+# The address slots of the plans' ``program``s, in the order of flashcupy/_torch_node.cpp's FWD_* and
+# BWD_* (a test compares the two): what a forward or backward run of the compiled torch node fills in.
+FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "counter")
+BACKWARD_SLOTS = ("do", "q", "k", "v", "o", "lse", "dlse", "dq", "dk", "dv", "delta", "dq_accum", "sem")
+
+
+def _slots(order: tuple, names: str) -> tuple:
+    return tuple(order.index(n) for n in names.split())
 DRIVER_LAUNCH = True     # False: launchers made from now on launch through CuPy (a test compares the two)
 
 
@@ -369,13 +378,14 @@ class _ForwardPlan:
         self.launcher(stream, ptrs, (slots[0](q), slots[1](k), slots[2](v), slots[3](o)) if slots else ())
 
     def program(self) -> dict:
-        """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``, whose value
-        slots of a forward are q, k, v, o, lse, the tile counter): the keyword arguments of its
-        ``program``. Only for plans that read their inputs in place."""
-        maps = [(slot, *m.template.raw) for slot, m in zip(range(4), self.map_slots)]
-        launch = self.launcher.spec(range(6 if self.dynamic else 5), range(len(maps)))
-        return dict(forward=True, launches=[launch], maps=maps, dynamic=self.dynamic, dq_floats=0,
-                    delta_floats=0, sem_shape=[])
+        """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``): the keyword
+        arguments of its ``program``, addresses as slots of ``FORWARD_SLOTS``. Only for plans that read
+        their inputs in place."""
+        mapped = _slots(FORWARD_SLOTS, "q k v o")
+        maps = [(slot, *m.template.raw) for slot, m in zip(mapped, self.map_slots)]
+        ptrs = _slots(FORWARD_SLOTS, "q k v o lse counter" if self.dynamic else "q k v o lse")
+        return dict(forward=True, launches=[self.launcher.spec(ptrs, range(len(maps)))], maps=maps,
+                    dynamic=self.dynamic, dq_floats=0, delta_floats=0, sem_shape=[])
 
 
 _FORWARD_PLANS: dict = {}
@@ -539,21 +549,24 @@ class _BackwardPlan:
 
     def program(self) -> dict:
         """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``): the keyword
-        arguments of its ``program``, with the addresses ``run`` passes as value slots (its ``BWD_*``).
-        Only for plans that read their inputs in place."""
-        DO, Q, K, V, OUT, LSE, DLSE, DQ, DK, DV, DELTA, DQ_ACCUM, SEM = range(13)
-        prep = (DO, OUT, DELTA, DQ_ACCUM, LSE, DLSE) if self.ld_size else (DO, OUT, DELTA, DQ_ACCUM, DLSE)
-        main = (Q, K, V, DO, LSE, DELTA, DQ, DK, DV)
+        arguments of its ``program``, addresses as slots of ``BACKWARD_SLOTS``. Only for plans that
+        read their inputs in place."""
+        def slots(names):
+            return _slots(BACKWARD_SLOTS, names)
+
+        prep = slots("do o delta dq_accum lse dlse" if self.ld_size else "do o delta dq_accum dlse")
+        main = "q k v do lse delta dq dk dv"
         maps = []
         if self.tma:
-            mapped = (Q, K, V, DO, DQ_ACCUM, DK, DV)
+            mapped = slots("q k v do dq_accum dk dv")
             maps = [(slot, *m.template.raw) for slot, m in zip(mapped, self.map_slots)]
-            kv = self.kv_launch.spec(main + ((SEM,) if self.sem_shape is not None else ()), range(len(maps)))
-            q = self.q_launch.spec((DQ_ACCUM, DQ))
+            kv = self.kv_launch.spec(slots(main + (" sem" if self.sem_shape is not None else "")),
+                                     range(len(maps)))
+            q = self.q_launch.spec(slots("dq_accum dq"))
         elif self.atomic:
-            kv, q = self.kv_launch.spec(main + (DQ_ACCUM,)), self.q_launch.spec((DQ_ACCUM, DQ))
+            kv, q = self.kv_launch.spec(slots(main + " dq_accum")), self.q_launch.spec(slots("dq_accum dq"))
         else:
-            kv, q = self.kv_launch.spec(main), self.q_launch.spec(main)
+            kv, q = self.kv_launch.spec(slots(main)), self.q_launch.spec(slots(main))
         return dict(forward=False, launches=[self.prep_launch.spec(prep), kv, q], maps=maps, dynamic=False,
                     dq_floats=math.prod(self.q_shape) if self.atomic else 0, delta_floats=self.delta_size,
                     sem_shape=list(self.sem_shape or ()))

@@ -44,6 +44,10 @@ using EncodeFn = int (*)(void*, int, unsigned, void*, const uint64_t*, const uin
 using CaptureFn = int (*)(CUstrm, int*);
 using AllocFn = int (*)(uint64_t*, size_t);
 using MemsetFn = int (*)(uint64_t, unsigned char, size_t, CUstrm);
+using GetContextFn = int (*)(void**);
+using DeviceFn = int (*)(int*, int);
+using RetainFn = int (*)(void**, int);
+using SetContextFn = int (*)(void*);
 
 struct Driver {
   LaunchFn launch = nullptr;
@@ -51,6 +55,10 @@ struct Driver {
   CaptureFn capturing = nullptr;
   AllocFn alloc = nullptr;
   MemsetFn memset = nullptr;
+  GetContextFn get_context = nullptr;
+  DeviceFn device = nullptr;
+  RetainFn retain_primary = nullptr;
+  SetContextFn set_context = nullptr;
   Driver() {
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) throw std::runtime_error("flashcupy: libcuda.so.1 cannot be opened");
@@ -59,7 +67,12 @@ struct Driver {
     capturing = reinterpret_cast<CaptureFn>(dlsym(lib, "cuStreamIsCapturing"));
     alloc = reinterpret_cast<AllocFn>(dlsym(lib, "cuMemAlloc_v2"));
     memset = reinterpret_cast<MemsetFn>(dlsym(lib, "cuMemsetD8Async"));
-    if (!launch || !encode || !capturing || !alloc || !memset) throw std::runtime_error("flashcupy: a driver entry point is missing");
+    get_context = reinterpret_cast<GetContextFn>(dlsym(lib, "cuCtxGetCurrent"));
+    device = reinterpret_cast<DeviceFn>(dlsym(lib, "cuDeviceGet"));
+    retain_primary = reinterpret_cast<RetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+    set_context = reinterpret_cast<SetContextFn>(dlsym(lib, "cuCtxSetCurrent"));
+    if (!launch || !encode || !capturing || !alloc || !memset || !get_context || !device || !retain_primary ||
+        !set_context) throw std::runtime_error("flashcupy: a driver entry point is missing");
   }
 };
 
@@ -188,6 +201,21 @@ using ProgramPtr = c10::intrusive_ptr<Program>;
 
 uint64_t address(const at::Tensor& t) { return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0; }
 
+// Make the device's primary context current on this thread where none is (as _launch._bind_context
+// does): the driver's launch needs one, and a thread whose CUDA work so far went through torch's caches
+// may have none. The autograd engine's device threads are such threads: before the first runtime call
+// on them, cuLaunchKernel fails with CUDA_ERROR_INVALID_CONTEXT. Call under a guard of the device.
+void bind_context(int device) {
+  void* ctx = nullptr;
+  int err = driver().get_context(&ctx);
+  if (err == 0 && ctx != nullptr) return;
+  int dev = 0;
+  if (err == 0) err = driver().device(&dev, device);
+  if (err == 0) err = driver().retain_primary(&ctx, dev);
+  if (err == 0) err = driver().set_context(ctx);
+  if (err != 0) throw std::runtime_error("flashcupy: no CUDA context could be made current: " + std::to_string(err));
+}
+
 CUstrm current_stream(const at::Tensor& t) {
   return reinterpret_cast<CUstrm>(c10::cuda::getCurrentCUDAStream(t.get_device()).stream());
 }
@@ -195,6 +223,7 @@ CUstrm current_stream(const at::Tensor& t) {
 // (o, lse) of a forward program: o C-contiguous of q's shape and dtype, lse float32 (B, H, N).
 std::vector<at::Tensor> run_forward(Program& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   c10::cuda::CUDAGuard guard(q.device());
+  bind_context(q.get_device());
   at::Tensor o = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   CUstrm stream = current_stream(q);
@@ -210,6 +239,7 @@ std::vector<at::Tensor> run_backward(Program& p, const at::Tensor& d_o, const at
                                      const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
                                      const at::Tensor& dlse) {
   c10::cuda::CUDAGuard guard(q.device());
+  bind_context(q.get_device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());

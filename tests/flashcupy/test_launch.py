@@ -99,3 +99,113 @@ def test_fp8_plans_are_each_devices_own(monkeypatch):
     device[0] = 1
     assert _launch.fp8_plan("variant", x, x, x, 0.125, 256.0) is not first
     assert len(made) == 2
+
+
+# ---- the plans' programs for the compiled torch node: the wiring of their ``run`` ----------------------
+
+
+class _Recorder:
+    """A launcher that records what ``run`` hands it and what ``program`` asks of it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, stream, ptrs, maps=()):
+        self.calls.append((tuple(ptrs), tuple(maps)))
+
+    def spec(self, slots, maps=()):
+        return (self, tuple(slots), tuple(maps))
+
+
+class _Map:
+    """A TMA map slot whose maps name their address."""
+
+    template = type("T", (), {"raw": ()})()
+
+    def __call__(self, ptr):
+        return ("map", ptr)
+
+
+class _Scratch:
+    def __init__(self):
+        self.made = []
+
+    def is_capturing(self):
+        return True  # the forward's counter then comes from here too
+
+    def buffer(self, shape, dtype, zero=False):
+        self.made.append((tuple(shape), zero))
+        return 0x900000 * len(self.made)
+
+
+def _interpret(program, values):
+    """Each launch of a program as the compiled node makes it: (launcher, addresses, maps)."""
+    out = []
+    for launcher, slots, maps in program["launches"]:
+        out.append((launcher, tuple(values[s] for s in slots),
+                    tuple(("map", values[program["maps"][m][0]]) for m in maps)))
+    return out
+
+
+def _backward_plan(tma, atomic, sem, tiled):
+    plan = object.__new__(_launch._BackwardPlan)
+    plan.tma, plan.atomic = tma, atomic
+    plan.q_shape, plan.delta_size, plan.ld_size = (2, 3, 5, 8), 48, (48 if tiled else 0)
+    plan.sem_shape = (2, 3, 4) if sem else None
+    plan.map_slots = tuple(_Map() for _ in range(7)) if tma else ()
+    plan.prep_launch, plan.kv_launch, plan.q_launch = _Recorder(), _Recorder(), _Recorder()
+    return plan
+
+
+@pytest.mark.parametrize("tma,atomic,sem,tiled", [
+    (True, True, True, True), (True, True, False, True), (False, True, False, False),
+    (False, False, False, False)], ids=["wgmma-ordered", "wgmma", "mma-atomic", "deterministic"])
+@pytest.mark.parametrize("dlse", [0, 0x70000])
+def test_a_backward_program_wires_what_run_wires(tma, atomic, sem, tiled, dlse):
+    """The compiled node's backward (its value table filled as _torch_node.cpp's run_backward fills it)
+    hands every kernel the addresses and maps the Python run hands it, on every path of the plan."""
+    plan = _backward_plan(tma, atomic, sem, tiled)
+    names = _launch.BACKWARD_SLOTS
+    given = dict(do=0x10000, q=0x20000, k=0x30000, v=0x40000, o=0x50000, lse=0x60000, dlse=dlse,
+                 dq=0x80000, dk=0x90000, dv=0xA0000)
+    scratch = _Scratch()
+    plan.run(0, *(given[n] for n in names[:10]), scratch)
+    program = plan.program()
+    base = 0x900000  # the fp32 buffer (first from scratch), then the counters
+    dq_floats = program["dq_floats"]
+    assert dq_floats == (2 * 3 * 5 * 8 if atomic else 0) and program["delta_floats"] == 48
+    assert scratch.made[0] == ((dq_floats + 48,), False)
+    assert program["sem_shape"] == ([2, 3, 4] if sem else [])
+    values = [given.get(n, 0) for n in names]
+    values[names.index("delta")] = base + 4 * dq_floats
+    values[names.index("dq_accum")] = base if dq_floats else 0
+    values[names.index("sem")] = 2 * base if sem else 0
+    launchers = (plan.prep_launch, plan.kv_launch, plan.q_launch)
+    launched = [(launcher, *launcher.calls[0]) for launcher in launchers]
+    assert _interpret(program, values) == launched
+
+
+@pytest.mark.parametrize("dynamic,tma", [(True, True), (False, True), (False, False)])
+def test_a_forward_program_wires_what_run_wires(dynamic, tma):
+    plan = object.__new__(_launch._ForwardPlan)
+    plan.dynamic, plan.launcher = dynamic, _Recorder()
+    plan.map_slots = tuple(_Map() for _ in range(4)) if tma else ()
+    scratch = _Scratch()
+    plan.run(0, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, scratch)
+    program = plan.program()
+    assert program["dynamic"] == dynamic
+    values = [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x900000 if dynamic else 0]
+    assert _interpret(program, values) == [(plan.launcher, *plan.launcher.calls[0])]
+
+
+def test_the_compiled_nodes_slots_are_the_plans():
+    """_torch_node.cpp's FWD_* and BWD_* enums name the slots in the order of FORWARD_SLOTS and
+    BACKWARD_SLOTS."""
+    import re
+    from pathlib import Path
+
+    source = (Path(_launch.__file__).parent / "_torch_node.cpp").read_text()
+    for prefix, names in (("FWD", _launch.FORWARD_SLOTS), ("BWD", _launch.BACKWARD_SLOTS)):
+        body = re.search(rf"enum \w+ {{([^}}]*{prefix}_SLOTS)", source).group(1)
+        found = [x.lower() for x in re.findall(rf"{prefix}_(\w+)", body)]
+        assert found == [*names, "slots"], (prefix, found)

@@ -146,3 +146,30 @@ def test_compiled_node_runs_off_the_current_device_and_stream(rng):
     g1 = torch.autograd.grad(o1, other, do.to("cuda:1"))
     assert o1.device.index == 1 and torch.equal(o1.cpu(), ref_o.cpu())
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(g1, ref))
+
+
+def test_compiled_node_backward_runs_first_on_a_fresh_autograd_thread():
+    """In a fresh process the autograd engine's device thread has made no CUDA call when the node's
+    backward launches (a contiguous dO needs no copy first): the node makes the context current itself;
+    without that, cuLaunchKernel fails there with CUDA_ERROR_INVALID_CONTEXT."""
+    import os
+    import subprocess
+    import sys
+
+    _compiled()
+    code = (
+        "import torch, flashcupy.torch as ft\n"
+        "g = torch.Generator(device='cuda').manual_seed(0)\n"
+        "q, k, v, do = (torch.randn(1, 2, 128, 64, device='cuda', dtype=torch.float16, generator=g)"
+        " for _ in range(4))\n"
+        "q, k, v = (x.requires_grad_() for x in (q, k, v))\n"
+        "o = ft.attention(q, k, v, causal=True, deterministic=True)\n"
+        "o.backward(do)\n"
+        "torch.cuda.synchronize()\n"
+        "for x in (q, k, v):\n"
+        "    assert bool(torch.isfinite(x.grad).all()) and float(x.grad.abs().max()) > 0\n"
+        "print(o.grad_fn.name(), 'ok')\n")
+    env = dict(os.environ, FLASHCUPY_TORCH_NODE="cpp")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "CppNode<flashcupy::AttentionNode> ok" in run.stdout
