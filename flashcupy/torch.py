@@ -2,9 +2,11 @@
 
 Two paths run the same two functions (``_forward``, ``_backward``), so they give the same bits:
 
-* eager calls: a plain ``torch.autograd.Function`` (or, without gradients, the forward alone), without
-  the dispatcher's custom-op machinery, whose alias checks, dynamo guards and generated autograd node
-  cost about as much as a whole small call;
+* eager calls: an autograd node of their own (or, without gradients, the forward alone), without the
+  dispatcher's custom-op machinery, whose alias checks, dynamo guards and generated autograd node cost
+  about as much as a whole small call. That node is the compiled one (``_torch_node.cpp``: the launch
+  plans run from C++, forward and backward) where it builds, else ``_EagerAttention``, a plain
+  ``torch.autograd.Function``: the same bits;
 * under ``torch.compile`` (and functorch transforms, torch function and dispatch modes): the custom
   operators ``flashcupy::attention`` and ``flashcupy::attention_backward``, with fake implementations and
   ``register_autograd``, so ``torch.compile(fullgraph=True)`` traces a model that calls them without a
@@ -476,7 +478,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     ``flashcupy.attention_backward``. ``ablate`` (a broken forward) has no backward: with gradients
     enabled and an input that requires grad it raises ValueError.
 
-    Eager calls run a plain autograd.Function; under torch.compile, TorchScript tracing, functorch
+    Eager calls run an autograd node of their own (compiled C++ where it builds: ``_torch_node``, the
+    environment variable ``FLASHCUPY_TORCH_NODE``); under torch.compile, TorchScript tracing, functorch
     transforms and torch function or dispatch modes (``torch.set_default_device`` and ``with
     torch.device(...)`` are such modes) the custom operators run instead: the same results, with the
     dispatcher's host cost (``docs/design/torch_bridge.md``).
