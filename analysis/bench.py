@@ -24,6 +24,7 @@ from flashcupy import naive
 from flashcupy.inspect import (
     FAMILIES,
     WGMMA_HEAD_DIMS,
+    CompileError,
     Variant,
     compile_report,
     default_blocks,
@@ -338,7 +339,7 @@ def _variant_report(family, dname, accum, d, causal):
         rep = compile_report(v)
         rep["nvrtc_compile_s"] = time.perf_counter() - t0
         return v, rep
-    except Exception as e:  # no NVRTC here, or a family the build layer cannot report
+    except (ValueError, CompileError, ImportError) as e:  # a cell the family refuses, NVRTC failing or absent
         return None, {"key": f"{family}.{dname}", "error": f"{type(e).__name__}: {str(e)[:120]}"}
 
 

@@ -43,7 +43,7 @@ def _as_readable(x, tma: bool, scratch: "_Scratch"):
     """x where the kernels read it in place, else one C-contiguous copy of it (``scratch``'s memory,
     256-byte aligned). ``cupy.ascontiguousarray`` would not do: it returns a contiguous x itself, also
     when x starts at a misaligned address."""
-    return x if _readable(x, tma) else scratch.copy(x)
+    return x if _readable(x, tma) else _copy(x, scratch)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -107,13 +107,15 @@ class _Scratch:
         self.keep.append(x)
         return x.data.ptr
 
-    def copy(self, x):
-        """A C-contiguous copy of x (any strides: zero, negative, misaligned)."""
-        import cupy
 
-        out = self.empty(x.shape, x.dtype)
-        cupy.copyto(out, x)
-        return out
+def _copy(x, scratch):
+    """A C-contiguous copy of x (any strides: zero, negative, misaligned) in memory from ``scratch``
+    (``_Scratch``, or the torch bridge's, whose ``empty`` gives a CuPy view of a torch tensor)."""
+    import cupy
+
+    out = scratch.empty(x.shape, x.dtype)
+    cupy.copyto(out, x)
+    return out
 
 
 def _wgmma_ctas(tiles: int) -> int:
@@ -636,7 +638,7 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
 def _as_rows(x, scratch: _Scratch):
     """A float32 (B, H, N) array of row values (lse, dlse) as the kernels read it: C-contiguous (they
     index it as one row-major block) and 4-byte aligned; else one copy."""
-    return x if x.flags.c_contiguous and x.data.ptr % 4 == 0 else scratch.copy(x)
+    return x if x.flags.c_contiguous and x.data.ptr % 4 == 0 else _copy(x, scratch)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -107,10 +107,9 @@ class _TorchScratch:
         self.keep.append(t)
         return t.data_ptr()
 
-    def copy(self, x):
-        out = _cp(torch.empty(x.shape, dtype=_TORCH_DTYPES[x.dtype], device=self.device))
-        cupy.copyto(out, x)
-        return out
+    def empty(self, shape, dtype):
+        """A CuPy view of a new tensor (``_launch._copy``'s destination)."""
+        return _cp(torch.empty(shape, dtype=_TORCH_DTYPES[np.dtype(dtype)], device=self.device))
 
 
 def _cp(t: torch.Tensor):

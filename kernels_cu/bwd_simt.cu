@@ -230,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
         const float* lse_head = lse + (b * hq + h) * nq;
         const float* delta_head = delta + (b * hq + h) * nq;
 
-        for (int m0 = qtiles.first * BM; m0 < nq; m0 += BM) {
+        for (int m0 = qtiles.first * BM; m0 < qtiles.end * BM; m0 += BM) {
             // 1. Q_i, dO_i and their row statistics -> shared memory (the first pass also
             //    publishes K_j and V_j).
             stage_tile<BM, ROW_PITCH>(q_s, q_head + m0 * q_sn, q_sn, nq - m0);
