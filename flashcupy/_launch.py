@@ -715,13 +715,37 @@ def fp8_plan(var, q8, k8, v8, scale: float, p_scale: float) -> _Fp8Plan:
     return plan
 
 
-def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: float, o=None, lse=None):
+def _descales(scale, shape: tuple, block, scratch):
+    """fp8 descales as the kernel reads them: float32, C-contiguous, of ``shape`` ((B, H, N) or (B, H)),
+    from a 4-D scale broadcastable to it (trailing axes of 1) or, with ``block``, from one scale per block
+    of ``block`` tokens, (B, H, ceil(N / block), 1), repeated over its tokens and cut at N. Written into
+    memory from ``scratch``: under stream capture the call's own, so that replays read the scales and
+    write nothing CuPy's pool has given to other arrays."""
+    import cupy
+
+    out = scratch.empty(shape, np.float32)
+    if block is None:
+        target = shape + (1,) * (4 - len(shape))
+        cupy.copyto(out.reshape(target), cupy.broadcast_to(scale, target))
+        return out
+    b, h, n = shape
+    blocks = int(scale.shape[2])
+    full = scratch.empty((b, h, blocks, block), np.float32)
+    cupy.copyto(full, cupy.broadcast_to(scale, (b, h, blocks, block)))
+    cupy.copyto(out, full.reshape(b, h, blocks * block)[:, :, :n])
+    return out
+
+
+def forward_fp8(q8, k8, v8, q_scale, k_scale, v_scale, var, *, scale: float, p_scale: float,
+                blocks=(None, None), o=None, lse=None):
     """The fp8 forward of ``var`` (an fp8 fwd_wgmma variant) on uint8 e4m3 bit patterns q8 (B, Hq, Nq, D),
-    k8, v8 (B, Hkv, Nk, D) with float32 descales q_ds (B, Hq, Nq), k_ds (B, Hkv, Nk), v_ds (B, Hkv), all on
-    the current device (the descales C-contiguous). Two launches on the current stream through an
-    ``_Fp8Plan``: V^T (keys permuted in groups of 16, zero padding to a multiple of FP8_VT_KEYS keys), then
-    the attention. Returns (o, lse); ``o`` and ``lse`` may be given (C-contiguous, the right shapes and
-    dtypes: the tests pass NaN-poisoned ones)."""
+    k8, v8 (B, Hkv, Nk, D) with float32 scales (``Quantized.scale``: 4-D, broadcastable to the data;
+    ``blocks``: q's and k's block size where their scales are per block of tokens), all on the current
+    device. The descales are flattened to (B, Hq, Nq), (B, Hkv, Nk), (B, Hkv) in the call's scratch
+    (``_descales``), then two launches on the current stream through an ``_Fp8Plan``: V^T (keys permuted
+    in groups of 16, zero padding to a multiple of FP8_VT_KEYS keys), then the attention. Inside a CUDA
+    graph capture every temporary is the capture's own, so the graph replays. Returns (o, lse); ``o`` and
+    ``lse`` may be given (C-contiguous, the right shapes and dtypes: the tests pass NaN-poisoned ones)."""
     import cupy
 
     b, hq, nq, d = (int(x) for x in q8.shape)
@@ -738,9 +762,10 @@ def forward_fp8(q8, k8, v8, q_ds, k_ds, v_ds, var, *, scale: float, p_scale: flo
     plan = fp8_plan(var, q8, k8, v8, scale, p_scale)  # (compiles the variant before any allocation)
     o = cupy.empty(plan.o_shape, dtype=numpy_dtype(var.dtype)) if o is None else o
     lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if lse is None else lse
-    for name, x in (("q_ds", q_ds), ("k_ds", k_ds), ("v_ds", v_ds)):
-        if not (x.flags.c_contiguous and x.dtype == np.float32):
-            raise ValueError(f"{name} must be C-contiguous float32; got {x.dtype}")
+    hkv, nk = int(k8.shape[1]), int(k8.shape[2])
+    q_ds = _descales(q_scale, (b, hq, nq), blocks[0], scratch)
+    k_ds = _descales(k_scale, (b, hkv, nk), blocks[1], scratch)
+    v_ds = _descales(v_scale, (b, hkv), None, scratch)
     plan.run(stream.ptr, q8.data.ptr, k8.data.ptr, v8.data.ptr, o.data.ptr, lse.data.ptr, q_ds.data.ptr,
              k_ds.data.ptr, v_ds.data.ptr, scratch)
     return o, lse

@@ -339,10 +339,11 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     the result; default 192 at D=128, the fastest measured on the H200, and 128 for two-level
     accumulation, which does not run 192), accumulation "single" or "tile" (D=256: single-level with
     block_m 128 only); it reads V transposed (a second, small kernel writes V^T first: e4m3 wgmma takes
-    K-major operands only). On the twin ``block_m`` is ignored. Unlike ``flashcupy.attention``, a call on
-    CuPy inputs cannot be captured in a CUDA graph: its flattened descales come from CuPy's pool, so it
-    raises RuntimeError inside a capture, before enqueuing anything. Its launches go through a plan
-    remembered per variant, shapes, strides, scale and p_scale, as the 16-bit forward's do.
+    K-major operands only). On the twin ``block_m`` is ignored. A call on CuPy inputs can be captured in a
+    CUDA graph, as ``flashcupy.attention`` can: its temporaries (the flattened descales, V^T, the tile
+    counter) are then the capture's own, and a replay reads the inputs and scales at their addresses.
+    Its launches go through a plan remembered per variant, shapes, strides, scale and p_scale, as the
+    16-bit forward's do.
     """
     from ._checks import _check_bool, check_scale, check_tile
 
@@ -438,20 +439,8 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
     per_tile = k.granularity in ("tensor", "head") or (k.granularity == "block" and k.block % block_n == 0)
     var = Variant("fwd_wgmma", {"float16": "f16", "bfloat16": "bf16"}[out_dtype], "fp32", block_m, block_n, d,
                   causal, ablate, fp8=accumulation, fp8_kscale="tile" if per_tile else "key")
-    (b, hq, nq, _), (_, hkv, nk, _) = q.shape, k.shape
+    blocks = tuple(x.block if x.granularity == "block" else None for x in (q, k))
     with cupy.cuda.Device(device):
-        if cupy.cuda.get_current_stream().is_capturing():
-            # the descales below are flattened into CuPy pool memory, which returns to the pool after
-            # the call: a replay of the graph would write it after the pool gave it to other arrays
-            raise RuntimeError("attention_fp8 cannot be captured into a CUDA graph yet (its descales are "
-                               "flattened into temporaries a replay would overwrite); call it outside "
-                               "the capture, or capture flashcupy.attention on 16-bit inputs")
-
-        def flat(scale, shape):  # the descales broadcast to shape, float32, contiguous
-            full = cupy.broadcast_to(scale, shape + (1,) * (4 - len(shape)))
-            return cupy.ascontiguousarray(full, cupy.float32).reshape(shape)
-
-        q_ds, k_ds, v_ds = flat(expand_scale(q), (b, hq, nq)), flat(expand_scale(k), (b, hkv, nk)), \
-            flat(v.scale, (b, hkv))
-        o, lse = forward_fp8(q.data, k.data, v.data, q_ds, k_ds, v_ds, var, scale=scale, p_scale=p_scale)
+        o, lse = forward_fp8(q.data, k.data, v.data, q.scale, k.scale, v.scale, var, scale=scale,
+                             p_scale=p_scale, blocks=blocks)
     return (o, lse) if return_lse else o

@@ -284,25 +284,48 @@ def test_the_kernel_path_never_waits_for_the_device(rng):
 
 
 
-def test_capturing_the_fp8_forward_is_refused_before_any_work(rng):
-    """attention_fp8 inside a CUDA graph capture raises a RuntimeError that says so, before it enqueues
-    anything: its descales are flattened into CuPy pool memory that a replay would write after the pool
-    gave it to other arrays. The same call outside the capture runs, with the bits it had before."""
+@pytest.mark.parametrize("qg,kg", [(("block", 64), ("token",)), (("token",), ("block", 128))])
+def test_a_captured_fp8_forward_replays_into_its_own_memory(rng, monkeypatch, qg, kg):
+    """attention_fp8 captured into a CUDA graph (scales per block of tokens, per token, per head: each
+    flattening path): arrays allocated after the capture, three of each size the call asked its scratch
+    for (the pool would hand them a freed temporary's block first), are untouched by three replays, and
+    the replayed output is the eager one, bit for bit; new q data copied into the captured input's
+    memory changes the replayed output as it changes the eager one."""
     import cupy
 
-    _, qd = _pair(rng, (1, 2, 300, 128), "token")
-    _, kd = _pair(rng, (1, 1, 257, 128), "tensor")
+    requests = []
+    real_empty = _launch._Scratch.empty
+
+    def recording(self, shape, dtype):
+        requests.append(((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype)))
+        return real_empty(self, shape, dtype)
+
+    monkeypatch.setattr(_launch._Scratch, "empty", recording)
+    _, qd = _pair(rng, (1, 2, 300, 128), *qg)
+    _, kd = _pair(rng, (1, 1, 257, 128), *kg)
     _, vd = _pair(rng, (1, 1, 257, 128), "head", shift=0.5)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        before = flashcupy.attention_fp8(qd, kd, vd, causal=True)
+        eager = flashcupy.attention_fp8(qd, kd, vd, causal=True)  # warm-up: compile, plan
         stream.synchronize()
+        requests.clear()
         stream.begin_capture()
-        try:
-            with pytest.raises(RuntimeError, match="capture"):
-                flashcupy.attention_fp8(qd, kd, vd, causal=True)
-        finally:
-            graph = stream.end_capture()
-        assert graph is not None
-        after = flashcupy.attention_fp8(qd, kd, vd, causal=True)
-    assert bool((after == before).all()) and float(cupy.abs(before.astype(cupy.float32)).max()) > 0
+        captured = flashcupy.attention_fp8(qd, kd, vd, causal=True)
+        graph = stream.end_capture()
+    assert len(requests) >= 4, requests  # three descales (q or k by blocks: one more), V^T
+    sentinels = [cupy.full(shape, 7, dtype=dt) for shape, dt in requests for _ in range(3)]
+    cupy.cuda.Device().synchronize()
+    for _ in range(3):
+        graph.launch(stream)
+    stream.synchronize()
+    for x in sentinels:
+        assert bool((x == 7).all()), "a replay wrote into memory the pool gave to another array"
+    assert bool((captured == eager).all()) and float(cupy.abs(eager.astype(cupy.float32)).max()) > 0
+    _, other = _pair(rng, (1, 2, 300, 128), *qg)
+    qd.data[...] = other.data
+    qd.scale[...] = other.scale
+    with stream:
+        graph.launch(stream)
+        fresh = flashcupy.attention_fp8(qd, kd, vd, causal=True)
+        stream.synchronize()
+    assert bool((captured == fresh).all()) and not bool((fresh == eager).all())
