@@ -246,14 +246,14 @@ class _Launcher:
 
     def spec(self, slots, maps=()) -> tuple:
         """This launch as ``flashcupy/_torch_node.cpp`` runs it: (kernel handle, grid, threads, shared
-        memory, arguments), each argument (kind, index, bytes): fixed bytes (0), the value slot of an
-        address (1; ``slots`` in the order ``__call__`` takes addresses) or a map template (2; ``maps``
-        in the order it takes maps)."""
+        memory, arguments, kernel name), each argument (kind, index, bytes): fixed bytes (0), the value
+        slot of an address (1; ``slots`` in the order ``__call__`` takes addresses) or a map template (2;
+        ``maps`` in the order it takes maps)."""
         slots, maps = iter(slots), iter(maps)
         args = [(1, next(slots), b"") if a is PTR else (2, next(maps), b"") if a is MAP else
                 (0, 0, bytes(_c_value(a))) for a in self._layout]
         kern = self._kern
-        return (int(kern.function.kernel.ptr), self._grid, kern.threads, kern.smem_bytes, args)
+        return (int(kern.function.kernel.ptr), self._grid, kern.threads, kern.smem_bytes, args, kern.name)
 
     def _cupy_launch(self, stream: int, pointers, maps) -> None:
         import cupy

@@ -16,6 +16,8 @@
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 
 #include <dlfcn.h>
 
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
+#include <thread>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -48,6 +51,7 @@ using GetContextFn = int (*)(void**);
 using DeviceFn = int (*)(int*, int);
 using RetainFn = int (*)(void**, int);
 using SetContextFn = int (*)(void*);
+using ErrorNameFn = int (*)(int, const char**);
 
 struct Driver {
   LaunchFn launch = nullptr;
@@ -59,6 +63,7 @@ struct Driver {
   DeviceFn device = nullptr;
   RetainFn retain_primary = nullptr;
   SetContextFn set_context = nullptr;
+  ErrorNameFn error_name = nullptr;
   Driver() {
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) throw std::runtime_error("flashcupy: libcuda.so.1 cannot be opened");
@@ -71,8 +76,9 @@ struct Driver {
     device = reinterpret_cast<DeviceFn>(dlsym(lib, "cuDeviceGet"));
     retain_primary = reinterpret_cast<RetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
     set_context = reinterpret_cast<SetContextFn>(dlsym(lib, "cuCtxSetCurrent"));
+    error_name = reinterpret_cast<ErrorNameFn>(dlsym(lib, "cuGetErrorName"));
     if (!launch || !encode || !capturing || !alloc || !memset || !get_context || !device || !retain_primary ||
-        !set_context) throw std::runtime_error("flashcupy: a driver entry point is missing");
+        !set_context || !error_name) throw std::runtime_error("flashcupy: a driver entry point is missing");
   }
 };
 
@@ -81,8 +87,15 @@ const Driver& driver() {
   return d;
 }
 
+// "what failed: CUDA_ERROR_NAME (code)"
+std::runtime_error cuda_error(const std::string& what, int err) {
+  const char* name = nullptr;
+  if (driver().error_name(err, &name) != 0 || name == nullptr) name = "unknown error";
+  return std::runtime_error("flashcupy: " + what + ": " + name + " (" + std::to_string(err) + ")");
+}
+
 constexpr int kMapBytes = 128;
-constexpr size_t kMapsLimit = 64;  // the maps a template keeps (_launch._MAPS_LIMIT)
+constexpr size_t kMapsLimit = 64;  // the maps a template keeps, one per address seen (then it starts over)
 
 // ---- a program: launches, map templates, temporaries -------------------------------------------------
 
@@ -95,6 +108,7 @@ struct Arg {
 };
 
 struct Launch {
+  std::string name;  // the kernel's, for errors
   CUfunc fn;
   unsigned grid[3];
   unsigned threads;
@@ -122,7 +136,7 @@ struct MapTemplate {
     const uint32_t ones[4] = {1, 1, 1, 1};
     int err = driver().encode(m.b, dtype, 4, reinterpret_cast<void*>(ptr), dims, strides, box, ones, interleave,
                               swizzle, l2, oob);
-    if (err != 0) throw std::runtime_error("flashcupy: cuTensorMapEncodeTiled failed with " + std::to_string(err));
+    if (err != 0) throw cuda_error("cuTensorMapEncodeTiled failed", err);
     return maps.emplace(ptr, m).first->second;
   }
 };
@@ -134,12 +148,13 @@ enum BackwardSlot { BWD_DO, BWD_Q, BWD_K, BWD_V, BWD_O, BWD_LSE, BWD_DLSE, BWD_D
 bool capturing(CUstrm stream) {
   int status = 0;
   int err = driver().capturing(stream, &status);
-  if (err != 0) throw std::runtime_error("flashcupy: cuStreamIsCapturing failed with " + std::to_string(err));
+  if (err != 0) throw cuda_error("cuStreamIsCapturing failed", err);
   return status != 0;
 }
 
 // The dynamic scheduler's tile counter (two int32, zero between launches: the kernel's last CTA resets
-// it), one per device and stream as _launch._tile_counter keeps one. They come from the driver, outside
+// it), one per device and stream (and thread, for the per-thread default stream) as _launch._tile_counter
+// keeps one. They come from the driver, outside
 // torch's allocator: a counter made while torch.compile's CUDA graph trees warm up would otherwise sit
 // in the graph's pool for good. Under capture, and past 64 streams, a call's own from torch's allocator
 // (the graph's pool under capture), zeroed in the stream's order.
@@ -148,6 +163,9 @@ at::Tensor tile_counter(const at::Tensor& like, CUstrm stream, uint64_t* ptr) {
   static std::unordered_map<std::string, uint64_t> counters;
   if (!capturing(stream)) {
     std::string key = std::to_string(like.get_device()) + ":" + std::to_string(reinterpret_cast<uint64_t>(stream));
+    if (stream == reinterpret_cast<CUstrm>(0x2)) {  // the per-thread default stream: each thread's own
+      key += ":" + std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id()));
+    }
     std::lock_guard<std::mutex> lock(mu);
     auto it = counters.find(key);
     if (it != counters.end()) {
@@ -158,7 +176,7 @@ at::Tensor tile_counter(const at::Tensor& like, CUstrm stream, uint64_t* ptr) {
       uint64_t p = 0;
       int err = driver().alloc(&p, 2 * sizeof(int32_t));
       if (err == 0) err = driver().memset(p, 0, 2 * sizeof(int32_t), stream);
-      if (err != 0) throw std::runtime_error("flashcupy: a tile counter could not be made: " + std::to_string(err));
+      if (err != 0) throw cuda_error("a tile counter could not be made", err);
       counters.emplace(key, p);
       *ptr = p;
       return at::Tensor();
@@ -178,7 +196,10 @@ struct Program : torch::CustomClassHolder {
   int64_t delta_floats = 0;
   std::vector<int64_t> sem_shape;    // backward: the ordered path's counters (none: empty)
   int64_t bwd_knobs = -1;            // backward: the Python fallback's knobs (an index)
+  int64_t id = 0;                    // in the registry (below)
   std::mutex mu;                     // the map caches: one run at a time
+
+  void release_resources() override;  // the last strong reference gone: out of the registry
 
   void launch_all(CUstrm stream, const uint64_t* values) {
     std::lock_guard<std::mutex> lock(mu);
@@ -192,12 +213,30 @@ struct Program : torch::CustomClassHolder {
       }
       int err = driver().launch(l.fn, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.smem, stream,
                                 params.data(), nullptr);
-      if (err != 0) throw std::runtime_error("flashcupy: cuLaunchKernel failed with " + std::to_string(err));
+      if (err != 0) throw cuda_error("cuLaunchKernel of " + l.name + " failed", err);
     }
   }
 };
 
 using ProgramPtr = c10::intrusive_ptr<Program>;
+
+// Programs by id, held weakly: a node's context keeps its backward program's id (an integer, which torch's
+// compiled autograd can hash and swap, as it cannot an opaque capsule) and the fallback's knobs; Python's
+// memo holds the programs. A backward whose program is gone (the memo started over) takes the fallback.
+std::mutex registry_mu;
+std::unordered_map<int64_t, c10::weak_intrusive_ptr<Program>> registry;
+int64_t next_id = 1;
+
+void Program::release_resources() {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  registry.erase(id);  // drops the registry's weak reference: the program is deleted after this
+}
+
+ProgramPtr registered(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = registry.find(id);
+  return it == registry.end() ? ProgramPtr() : it->second.lock();
+}
 
 uint64_t address(const at::Tensor& t) { return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0; }
 
@@ -213,7 +252,7 @@ void bind_context(int device) {
   if (err == 0) err = driver().device(&dev, device);
   if (err == 0) err = driver().retain_primary(&ctx, dev);
   if (err == 0) err = driver().set_context(ctx);
-  if (err != 0) throw std::runtime_error("flashcupy: no CUDA context could be made current: " + std::to_string(err));
+  if (err != 0) throw cuda_error("no CUDA context could be made current", err);
 }
 
 CUstrm current_stream(const at::Tensor& t) {
@@ -269,17 +308,27 @@ ProgramPtr make_program(bool forward, py::list launches, py::list maps, bool dyn
   p->delta_floats = delta_floats;
   p->sem_shape = std::move(sem_shape);
   p->bwd_knobs = bwd_knobs;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    p->id = next_id++;
+    registry.emplace(p->id, c10::weak_intrusive_ptr<Program>(p));
+  }
   for (py::handle h : launches) {
-    auto t = h.cast<py::tuple>();  // (fn, (gx, gy, gz), threads, smem, [(kind, index, bytes), ...])
+    auto t = h.cast<py::tuple>();  // (fn, (gx, gy, gz), threads, smem, [(kind, index, bytes), ...], name)
     Launch l;
     l.fn = reinterpret_cast<CUfunc>(t[0].cast<uint64_t>());
+    l.name = t[5].cast<std::string>();
     auto grid = t[1].cast<std::vector<unsigned>>();
     for (int i = 0; i < 3; ++i) l.grid[i] = grid.at(i);
     l.threads = t[2].cast<unsigned>();
     l.smem = t[3].cast<unsigned>();
     for (py::handle a : t[4].cast<py::list>()) {
       auto at = a.cast<py::tuple>();
-      l.args.push_back({at[0].cast<int>(), at[1].cast<int>(), at[2].cast<std::string>()});
+      Arg arg{at[0].cast<int>(), at[1].cast<int>(), at[2].cast<std::string>()};
+      int limit = arg.kind == kAddress ? (forward ? FWD_SLOTS : BWD_SLOTS) : static_cast<int>(py::len(maps));
+      if (arg.kind != kFixed && (arg.index < 0 || arg.index >= limit))
+        throw std::invalid_argument("flashcupy: a program argument's slot or map is out of range");
+      l.args.push_back(std::move(arg));
     }
     p->launches.push_back(std::move(l));
   }
@@ -288,6 +337,8 @@ ProgramPtr make_program(bool forward, py::list launches, py::list maps, bool dyn
     auto t = h.cast<py::tuple>();
     MapTemplate m;
     m.slot = t[0].cast<int>();
+    if (m.slot < 0 || m.slot >= (forward ? FWD_SLOTS : BWD_SLOTS))
+      throw std::invalid_argument("flashcupy: a map template's slot is out of range");
     m.dtype = t[1].cast<int>();
     m.interleave = t[2].cast<int>();
     m.swizzle = t[3].cast<int>();
@@ -312,11 +363,16 @@ at::Tensor dense(const at::Tensor& t, uint64_t align) {
 }
 
 struct AttentionNode : public torch::autograd::Function<AttentionNode> {
+  // compiled autograd traces backward with its own dispatch modes active: the fallback then runs the
+  // custom operator, which it can trace
+  static constexpr bool is_traceable = true;
+
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const ProgramPtr& fwd, const ProgramPtr& bwd) {
     auto out = run_forward(*fwd, q, k, v);
     ctx->save_for_backward({q, k, v, out[0], out[1]});
-    ctx->saved_data["bwd"] = c10::IValue::make_capsule(bwd);
+    ctx->saved_data["bwd"] = bwd->id;
+    ctx->saved_data["knobs"] = bwd->bwd_knobs;
     ctx->set_materialize_grads(false);
     return out;
   }
@@ -327,20 +383,24 @@ struct AttentionNode : public torch::autograd::Function<AttentionNode> {
     variable_list none(5);
     if (!d_o.defined() && !dlse.defined()) return none;
     auto saved = ctx->get_saved_variables();
-    auto bwd = c10::static_intrusive_pointer_cast<Program>(ctx->saved_data["bwd"].toCapsule());
+    ProgramPtr bwd = registered(ctx->saved_data["bwd"].toInt());
     variable_list out;
-    if (!bwd->launches.empty() && !torch::GradMode::is_enabled()) {
+    // a torch dispatch or function mode entered around backward() (FlopCounterMode, ...) must see the
+    // custom operator, which the Python code runs there
+    bool modes =
+        c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::PythonTorchFunctionTLS::stack_len() > 0;
+    if (bwd && !bwd->launches.empty() && !torch::GradMode::is_enabled() && !modes) {
       // autograd's gradient of o may have any strides (stride 0 from o.sum(), the transposed layout of
       // layout="bnhd"); a missing one (a loss of the LSE alone) is zeros
       at::Tensor g = d_o.defined() ? dense(d_o, 16) : at::zeros_like(saved[3]);
       out = run_backward(*bwd, g, saved[0], saved[1], saved[2], saved[3], saved[4],
                          dlse.defined() ? dense(dlse, 4) : dlse);
     } else {
-      // a program without launches (the backward plan cannot read q, k, v in place, or the checks refuse),
-      // and create_graph=True, whose gradients must refuse a second differentiation: the Python path
+      // a program without launches (the backward plan cannot read q, k, v in place, or the checks refuse)
+      // or gone, create_graph=True, whose gradients must refuse a second differentiation, and modes: Python
       py::gil_scoped_acquire gil;
       auto as_obj = [](const at::Tensor& t) -> py::object { return t.defined() ? py::cast(t) : py::none(); };
-      auto r = (*fallback)(bwd->bwd_knobs, as_obj(d_o), as_obj(dlse), saved[0], saved[1], saved[2], saved[3],
+      auto r = (*fallback)(ctx->saved_data["knobs"].toInt(), as_obj(d_o), as_obj(dlse), saved[0], saved[1], saved[2], saved[3],
                            saved[4]).cast<std::vector<at::Tensor>>();
       out = std::move(r);
     }
@@ -353,7 +413,8 @@ struct AttentionNode : public torch::autograd::Function<AttentionNode> {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace flashcupy;
-  py::class_<Program, ProgramPtr>(m, "Program");
+  py::class_<Program, ProgramPtr>(m, "Program")
+      .def_property_readonly("launch_count", [](const Program& p) { return p.launches.size(); });
   m.def("program", &make_program, "A launch plan written out for C++ (_launch's ``program`` methods)",
         py::arg("forward"), py::arg("launches"), py::arg("maps"), py::arg("dynamic"), py::arg("dq_floats"),
         py::arg("delta_floats"), py::arg("sem_shape"), py::arg("bwd_knobs") = -1);

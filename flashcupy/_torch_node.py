@@ -20,6 +20,7 @@ import hashlib
 import os
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("_torch_node.cpp")
@@ -79,7 +80,11 @@ def module():
                 if choice == "cpp":
                     raise RuntimeError(f"FLASHCUPY_TORCH_NODE=cpp, but the compiled node did not build: "
                                        f"{e}") from e
-                reason = f"the compiled node did not build ({type(e).__name__}: {str(e).strip()[:300]})"
+                # the end of a build log holds the compiler's error
+                reason = f"the compiled node did not build ({type(e).__name__}: ...{str(e).strip()[-400:]})"
+                warnings.warn(f"flashcupy.torch runs its Python autograd node, slower at small shapes: "
+                              f"{reason}. FLASHCUPY_TORCH_NODE=python silences this", RuntimeWarning,
+                              stacklevel=3)
         if mod is not None:
             from . import torch as bridge
 

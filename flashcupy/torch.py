@@ -25,6 +25,8 @@ flashcupy imports torch.
 """
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Optional
 
 import cupy
@@ -37,7 +39,7 @@ except ImportError as e:  # pragma: no cover - the torch extra
 
 from . import _launch, _torch_node
 from ._checks import backward_problem, forward_problem, numpy_dtype
-from ._variant import current_build
+from ._variant import current_build, kernel_build
 
 __all__ = ["attention"]
 
@@ -382,11 +384,22 @@ _eager_grads_once = torch.autograd.function.once_differentiable(_eager_grads)
 # plans written out as programs, run from C++ forward and backward; the Python node where it is not built
 
 
+def _compiled_autograd() -> bool:
+    """Whether torch's compiled autograd may trace this call's backward (enabled now, or by the dynamo
+    config that ``torch.compile`` reads): it cannot trace the compiled node, whose context holds its
+    backward program; the Python node it traces."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    config = sys.modules.get("torch._dynamo.config")
+    return bool((ca is not None and getattr(ca, "compiled_autograd_enabled", False))
+                or (config is not None and getattr(config, "compiled_autograd", False)))
+
+
 def _autograd(q, k, v, knobs):
     """(o, lse) of an eager call with gradients: the compiled node where the forward's entry has a
-    program and q, k, v start on the 16-byte grid, ``_EagerAttention`` otherwise (the same bits)."""
+    program, q, k, v start on the 16-byte grid and compiled autograd is off; ``_EagerAttention``
+    otherwise (the same bits)."""
     entry = _forward_entry(q, k, v, knobs[:-1])
-    if entry.program is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+    if entry.program is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or _compiled_autograd():
         return _EagerAttention.apply(q, k, v, knobs)
     deterministic = knobs[-1]
     bwd = entry.backward.get(deterministic)
@@ -395,35 +408,42 @@ def _autograd(q, k, v, knobs):
     return tuple(_torch_node.module().apply(q, k, v, entry.program, bwd))
 
 
-_NODE_KNOBS: list = []  # the backward knobs of the compiled node's programs, by index (few distinct)
-_NODE_KNOB_INDEX: dict = {}
+_NODE_KNOBS: list = []  # the backward knobs of the compiled node's programs, by index (one per distinct
+_NODE_KNOB_INDEX: dict = {}  # knob tuple: few)
+_NODE_KNOB_LOCK = threading.Lock()
+
+
+def _knob_index(bwd_knobs) -> int:
+    with _NODE_KNOB_LOCK:
+        index = _NODE_KNOB_INDEX.get(bwd_knobs)
+        if index is None:
+            index = _NODE_KNOB_INDEX[bwd_knobs] = len(_NODE_KNOBS)
+            _NODE_KNOBS.append(bwd_knobs)
+        return index
 
 
 def _backward_program(q, k, v, knobs):
     """The compiled node's backward program for a forward entry's call: the backward plan with the
-    gradient of o and o itself C-contiguous (the node's own o is; autograd's gradient of it usually is:
-    the node checks and otherwise calls ``_node_fallback``), lse C-contiguous. Where the checks refuse
-    or that plan cannot read q, k, v in place, a program without launches: every backward then takes the
-    fallback, which copies or raises as the Python node does."""
+    gradient of o and o itself C-contiguous (the node's own o is; the node copies a gradient that is
+    not), lse C-contiguous, of the package's own kernels (as the Python node's backward, which runs on
+    autograd's thread, outside any ``kernel_build`` block). Where the checks refuse, the plan cannot
+    read q, k, v in place or cannot be made, a program without launches: every backward then takes the
+    fallback, which copies, or raises the error, as the Python node does."""
     causal, scale, _, _, accum, kernel, _, deterministic = knobs
-    bwd_knobs = (causal, scale, accum, kernel, deterministic)
-    index = _NODE_KNOB_INDEX.get(bwd_knobs)
-    if index is None:
-        index = _NODE_KNOB_INDEX[bwd_knobs] = len(_NODE_KNOBS)
-        _NODE_KNOBS.append(bwd_knobs)
     spec = dict(forward=False, launches=[], maps=[], dynamic=False, dq_floats=0, delta_floats=0, sem_shape=[])
     o = _contiguous_like(q)
     views = tuple(map(_cp, (o, q, k, v, o, q.new_empty(q.shape[:3], dtype=torch.float32))))
     try:
-        p = backward_problem(*views, causal=causal, scale=scale, block_m=None, block_n=None, accum=accum,
-                             kernel=kernel, deterministic=deterministic)
-    except (ValueError, TypeError):  # raised again by the fallback, when a backward runs
-        p = None
-    if p is not None:
-        copies, strides = _copies(views[:5], (p.variant.fam.kind == "wgmma",) * 4 + (False,))
-        if not any(copies):
-            with cupy.cuda.Device(p.device):
-                spec = _launch.backward_plan(p, deterministic, strides, views[1].itemsize).program()
+        with kernel_build():
+            p = backward_problem(*views, causal=causal, scale=scale, block_m=None, block_n=None,
+                                 accum=accum, kernel=kernel, deterministic=deterministic)
+            copies, strides = _copies(views[:5], (p.variant.fam.kind == "wgmma",) * 4 + (False,))
+            if not any(copies):
+                with cupy.cuda.Device(p.device):
+                    spec = _launch.backward_plan(p, deterministic, strides, views[1].itemsize).program()
+    except (ValueError, TypeError, RuntimeError):  # checks, limits, NVRTC: raised again by the fallback
+        pass  # when a backward runs, as the Python node raises them
+    index = _knob_index((causal, scale, accum, kernel, deterministic))
     return _torch_node.module().program(**spec, bwd_knobs=index)
 
 

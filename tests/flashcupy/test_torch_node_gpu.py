@@ -88,6 +88,12 @@ def test_compiled_node_gives_the_python_nodes_bits(rng, monkeypatch, kernel, dty
         poison = [torch.full((1 << 17,), float("nan"), device="cuda") for _ in range(16)]
         del poison
         out[node] = _run(q, k, v, (do, dlse), loss, **knobs)
+        if node == "cpp":  # the compiled programs ran, not the fallback: forward 1 launch, backward 3
+            import flashcupy.torch as fct
+
+            entry, = fct._FORWARD_SIGNATURES.values()
+            assert entry.program.launch_count == 1
+            assert entry.backward[deterministic].launch_count == 3
     assert out["python"][0] == "_EagerAttentionBackward"
     assert out["cpp"][0] == "torch::autograd::CppNode<flashcupy::AttentionNode>"
     py, cc = out["python"][1], out["cpp"][1]
@@ -173,3 +179,88 @@ def test_compiled_node_backward_runs_first_on_a_fresh_autograd_thread():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "CppNode<flashcupy::AttentionNode> ok" in run.stdout
+
+
+def test_compiled_autograd_traces_the_backward_of_either_node(rng):
+    """torch's compiled autograd over a backward of the compiled node (forward run eagerly, backward
+    under compiled autograd: its tracing modes send the node's backward to the custom operator) and
+    of a forward made under compiled autograd (the Python node): the eager gradients, bit for bit."""
+    from torch._dynamo import compiled_autograd
+
+    import flashcupy.torch as fct
+
+    _compiled()
+    q, k, v, do = (torch.from_numpy(rng.standard_normal((1, 2, 160, 64))).to("cuda", torch.float16)
+                   for _ in range(4))
+
+    def grads(where):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        compiler = torch.compile(backend="eager")
+        if where == "eager":
+            o = fct.attention(*leaves, causal=True, deterministic=True)
+            o.backward(do)
+        elif where == "backward":
+            o = fct.attention(*leaves, causal=True, deterministic=True)
+            assert "AttentionNode" in o.grad_fn.name()
+            with compiled_autograd._enable(compiler):
+                o.backward(do)
+        else:
+            with compiled_autograd._enable(compiler):
+                o = fct.attention(*leaves, causal=True, deterministic=True)
+                assert o.grad_fn.name() == "_EagerAttentionBackward"
+                o.backward(do)
+        return [x.grad for x in leaves]
+
+    ref = grads("eager")
+    for where in ("backward", "both"):
+        assert all(torch.equal(a, b) for a, b in zip(grads(where), ref)), where
+
+
+def test_a_forward_under_kernel_build_backs_through_the_packages_kernels(rng, monkeypatch):
+    """The compiled node's backward runs the package's own kernels, as the Python node's (autograd's
+    thread is outside the block), whatever ``kernel_build`` block the forward ran in."""
+    import flashcupy.torch as fct
+    from flashcupy import _launch
+    from flashcupy.inspect import kernel_build
+
+    _compiled()
+    monkeypatch.setattr(fct, "_FORWARD_SIGNATURES", {})
+    monkeypatch.setattr(_launch, "_BACKWARD_PLANS", {})
+    q, k, v, do = (torch.from_numpy(rng.standard_normal((1, 2, 96, 64))).to("cuda", torch.float16)
+                   for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    with kernel_build(defines={"FC_TEST_PROBE": 1}):
+        o = fct.attention(*leaves, causal=True, deterministic=True)
+    o.backward(do)
+    assert _launch._BACKWARD_PLANS and all(key[0].variant.build is None for key in _launch._BACKWARD_PLANS)
+    ref = torch.autograd.grad(fct.attention(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(),
+                                            causal=True, deterministic=True), (q, k, v), do)
+    assert all(torch.equal(x.grad, r) for x, r in zip(leaves, ref))
+
+
+def test_a_backward_after_the_memo_started_over_takes_the_fallback(rng, monkeypatch):
+    """A graph whose backward program is gone (the signature memo started over and nothing else holds
+    the program) runs the Python fallback: the same gradients, no dangling program."""
+    import gc
+
+    import flashcupy.torch as fct
+
+    _compiled()
+    monkeypatch.setattr(fct, "_FORWARD_SIGNATURES", {})
+    q, k, v, do = (torch.from_numpy(rng.standard_normal((1, 2, 96, 64))).to("cuda", torch.float16)
+                   for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = fct.attention(*leaves, causal=True, deterministic=True)
+    fct._FORWARD_SIGNATURES.clear()
+    gc.collect()
+    called = []
+    real = fct._node_fallback
+    fct._torch_node.module().set_fallback(lambda *a: called.append(1) or real(*a))
+    try:
+        o.backward(do)
+    finally:
+        fct._torch_node.module().set_fallback(real)
+    assert called == [1]
+    ref = torch.autograd.grad(fct.attention(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(),
+                                            causal=True, deterministic=True), (q, k, v), do)
+    assert all(torch.equal(x.grad, r) for x, r in zip(leaves, ref))
