@@ -322,9 +322,10 @@ def test_a_captured_fp8_forward_replays_into_its_own_memory(rng, monkeypatch, qg
         assert bool((x == 7).all()), "a replay wrote into memory the pool gave to another array"
     assert bool((captured == eager).all()) and float(cupy.abs(eager.astype(cupy.float32)).max()) > 0
     _, other = _pair(rng, (1, 2, 300, 128), *qg)
-    qd.data[...] = other.data
-    qd.scale[...] = other.scale
-    with stream:
+    cupy.cuda.Device().synchronize()
+    with stream:  # the new q in the captured input's memory, in the replay's stream order
+        qd.data[...] = other.data
+        qd.scale[...] = other.scale
         graph.launch(stream)
         fresh = flashcupy.attention_fp8(qd, kd, vd, causal=True)
         stream.synchronize()
