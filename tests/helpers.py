@@ -139,3 +139,34 @@ def run_backward_poisoned(do, q, k, v, o, lse, **kw):
     cupy.cuda.get_current_stream().synchronize()
     _assert_written(p.variant.key, **dict(zip(("dq", "dk", "dv"), grads)))
     return grads
+
+
+def record_scratch(monkeypatch) -> list:
+    """The (shape, dtype) of every temporary ``_launch._Scratch`` hands out from now on in this test, in
+    a list that grows as calls ask."""
+    from flashcupy import _launch
+
+    requests = []
+    real_empty = _launch._Scratch.empty
+
+    def recording(self, shape, dtype):
+        requests.append(((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype)))
+        return real_empty(self, shape, dtype)
+
+    monkeypatch.setattr(_launch._Scratch, "empty", recording)
+    return requests
+
+
+def replay_beside_sentinels(graph, stream, requests, times: int = 3) -> None:
+    """Allocate three arrays of each size in ``requests`` (filled with 7; CuPy's pool would hand them a
+    freed temporary's block first), replay ``graph`` ``times`` times on ``stream``, and assert that the
+    replays left every such array untouched."""
+    import cupy
+
+    sentinels = [cupy.full(shape, 7, dtype=dt) for shape, dt in requests for _ in range(3)]
+    cupy.cuda.Device().synchronize()
+    for _ in range(times):
+        graph.launch(stream)
+    stream.synchronize()
+    for x in sentinels:
+        assert bool((x == 7).all()), "a replay wrote into memory the pool gave to another array"

@@ -15,6 +15,7 @@ import pytest
 
 import flashcupy
 from flashcupy import _launch, fp8, reference
+from tests.helpers import record_scratch, replay_beside_sentinels
 
 pytestmark = pytest.mark.gpu
 
@@ -293,14 +294,7 @@ def test_a_captured_fp8_forward_replays_into_its_own_memory(rng, monkeypatch, qg
     memory changes the replayed output as it changes the eager one."""
     import cupy
 
-    requests = []
-    real_empty = _launch._Scratch.empty
-
-    def recording(self, shape, dtype):
-        requests.append(((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype)))
-        return real_empty(self, shape, dtype)
-
-    monkeypatch.setattr(_launch._Scratch, "empty", recording)
+    requests = record_scratch(monkeypatch)
     _, qd = _pair(rng, (1, 2, 300, 128), *qg)
     _, kd = _pair(rng, (1, 1, 257, 128), *kg)
     _, vd = _pair(rng, (1, 1, 257, 128), "head", shift=0.5)
@@ -313,13 +307,7 @@ def test_a_captured_fp8_forward_replays_into_its_own_memory(rng, monkeypatch, qg
         captured = flashcupy.attention_fp8(qd, kd, vd, causal=True)
         graph = stream.end_capture()
     assert len(requests) >= 4, requests  # three descales (q or k by blocks: one more), V^T
-    sentinels = [cupy.full(shape, 7, dtype=dt) for shape, dt in requests for _ in range(3)]
-    cupy.cuda.Device().synchronize()
-    for _ in range(3):
-        graph.launch(stream)
-    stream.synchronize()
-    for x in sentinels:
-        assert bool((x == 7).all()), "a replay wrote into memory the pool gave to another array"
+    replay_beside_sentinels(graph, stream, requests)
     assert bool((captured == eager).all()) and float(cupy.abs(eager.astype(cupy.float32)).max()) > 0
     _, other = _pair(rng, (1, 2, 300, 128), *qg)
     cupy.cuda.Device().synchronize()

@@ -12,7 +12,14 @@ import flashcupy
 from flashcupy import fp8, naive, reference
 from flashcupy._checks import SCALE_RANGE
 from flashcupy.accuracy import assert_accurate, backward_reduction
-from tests.helpers import do_qkv, run_backward_poisoned, run_poisoned, to_device
+from tests.helpers import (
+    do_qkv,
+    record_scratch,
+    replay_beside_sentinels,
+    run_backward_poisoned,
+    run_poisoned,
+    to_device,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -203,16 +210,7 @@ def test_captured_backward_replays_into_its_own_memory(rng, monkeypatch, kernel,
     (bitwise where deterministic)."""
     import cupy
 
-    from flashcupy import _launch
-
-    requests = []
-    real_empty = _launch._Scratch.empty
-
-    def recording(self, shape, dtype):
-        requests.append(((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype)))
-        return real_empty(self, shape, dtype)
-
-    monkeypatch.setattr(_launch._Scratch, "empty", recording)
+    requests = record_scratch(monkeypatch)
     if kernel == "wgmma" and not _hopper():
         pytest.skip("wgmma needs compute capability 9.0")
     dname = "f32" if kernel == "simt" else "f16"
@@ -231,13 +229,7 @@ def test_captured_backward_replays_into_its_own_memory(rng, monkeypatch, kernel,
         grads = flashcupy.attention_backward(*views, o_c, lse_c, deterministic=deterministic, **kw)
         graph = stream.end_capture()
     assert len(requests) >= 3, requests  # the copies of q and (wgmma) k, delta, ...
-    sentinels = [cupy.full(shape, 7, dtype=dt) for shape, dt in requests for _ in range(3)]
-    cupy.cuda.Device().synchronize()
-    for _ in range(3):
-        graph.launch(stream)
-    stream.synchronize()
-    for s in sentinels:
-        assert bool((s == 7).all()), "a replay wrote into memory the pool gave to another array"
+    replay_beside_sentinels(graph, stream, requests)
     assert bool((o_c == o).all())
     for name, g, e in zip(("dq", "dk", "dv"), grads, eager):
         if deterministic or name != "dq":
