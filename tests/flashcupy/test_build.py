@@ -251,3 +251,37 @@ def test_the_ordered_backward_waits_only_on_lower_blocks(n_kt, n_hb):
         assert 1 <= g <= n_hb
         if n_hb * n_kt <= 2 * 132:
             assert g == n_hb
+
+
+def _every_variant():
+    """Every variant the families accept over their tiles, dtypes, accumulators, masks, breaks, fp8 and
+    schedule knobs, at head dims 8, 40, 64, 96, 128 and 256."""
+    import itertools
+
+    for name, fam in _families.FAMILIES.items():
+        fp8 = [(None, "tile")] + ([(a, s) for a in _families.FP8_ACCUMULATIONS for s in _families.FP8_KSCALES]
+                                  if name == "fwd_wgmma" else [])
+        schedules = (None, *_families.SCHEDULES) if name == "fwd_wgmma" else (None,)
+        for dtype, bm, bn, d, causal, ablate, (acc8, kscale), schedule in itertools.product(
+                fam.dtypes, fam.block_m, fam.block_n, (8, 40, 64, 96, 128, 256), (False, True),
+                _families.ABLATIONS, fp8, schedules):
+            for accum in fam.accums(dtype):
+                try:
+                    yield Variant(name, dtype, accum, bm, bn, d, causal, ablate, fp8=acc8, fp8_kscale=kscale,
+                                  schedule=schedule)
+                except ValueError:  # a combination the family refuses
+                    pass
+
+
+def test_a_variants_key_names_its_compilation():
+    """Two variants share a key exactly when they compile the same module: the same family source and
+    the same defines (the module cache and ``covering_variants`` go by the key)."""
+    by_key, by_defines = {}, {}
+    count = 0
+    for v in _every_variant():
+        compiled = (v.family, tuple(sorted(v.defines().items())))
+        assert by_key.setdefault(v.key, compiled) == compiled, f"{v.key} names two compilations"
+        other = by_defines.setdefault(compiled, v.key)
+        assert other == v.key, f"{v.key} and {other} compile alike"
+        count += 1
+    assert count > 1000 and len(by_key) == len(by_defines)
