@@ -67,9 +67,9 @@ def experiment_help(name: str, parser: argparse.ArgumentParser) -> str:
     import inspect
 
     module, _, line = EXPERIMENTS[name]
-    doc = inspect.getdoc(importlib.import_module(f"analysis.{module}")) or ""
+    doc = inspect.getdoc(importlib.import_module(f"{__package__}.{module}")) or ""
     options = parser.format_help().split("options:", 1)[-1].split("experiments:", 1)[0].rstrip()
-    return (f"python -m analysis {name} [options]: {line}\n\n{doc}\n\nWrites {name}.json, {name}.md and "
+    return (f"python -m {__package__} {name} [options]: {line}\n\n{doc}\n\nWrites {name}.json, {name}.md and "
             f"(most experiments) {name}.png into the output folder.\n\noptions:{options}\n")
 
 
@@ -77,14 +77,14 @@ def main(argv=None) -> int:
     width = max(len(n) for n in EXPERIMENTS) + 2
     listing = "\n".join(f"  {name:<{width}}{desc}" for name, (_, _, desc) in EXPERIMENTS.items())
     ap = argparse.ArgumentParser(
-        prog="python -m analysis", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=f"python -m {__package__}", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="flashcupy's break-it experiments and numerical reports (and the benchmark). Each "
                     "experiment writes <name>.json, <name>.md and usually <name>.png into the output "
                     "folder; 'all' runs every one and writes index.md.",
         epilog=f"experiments:\n{listing}\n  {'all':<{width}}every experiment above, then index.md\n"
                f"  {'index':<{width}}rebuild index.md from the JSON reports in --out\n\n"
                "Nsight Compute counters beside FlashAttention-2 and cuDNN (needs ncu and torch): "
-               "python -m analysis.profile_ncu --help")
+               f"python -m {__package__}.profile_ncu --help")
     ap.add_argument("experiment", choices=list(EXPERIMENTS) + ["all", "index"], metavar="EXPERIMENT",
                     help="one of the experiments listed below, 'all' or 'index'")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "numpy"],

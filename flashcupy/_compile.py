@@ -7,7 +7,6 @@ NVRTC library and the CUDA headers (the ``nvidia-cuda-nvrtc`` and ``nvidia-cuda-
 from __future__ import annotations
 
 import functools
-import importlib.resources
 import os
 import re
 import threading
@@ -28,8 +27,14 @@ CHECK_ARCH = "sm_90"                   # what the CPU compile check targets: the
 # sources and options
 
 
+@functools.lru_cache(maxsize=None)
 def _kernels_dir() -> str:
-    return str(importlib.resources.files("kernels_cu"))
+    """The package's kernel sources: ``flashcupy/kernels_cu`` where flashcupy is installed (the wheel
+    maps the checkout's top-level kernels_cu/ there), the checkout's ``kernels_cu/`` beside this
+    flashcupy/ otherwise: always the sources of the flashcupy that runs."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(here, "kernels_cu")
+    return installed if os.path.isdir(installed) else os.path.join(os.path.dirname(here), "kernels_cu")
 
 
 def source_text(filename: str, kernels_dir: str | None = None) -> str:
@@ -59,7 +64,8 @@ def _headers_digest(folder: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _package_source(filename: str) -> str:
-    text = importlib.resources.files("kernels_cu").joinpath(filename).read_text()
+    with open(os.path.join(_kernels_dir(), filename)) as f:
+        text = f.read()
     return f'// headers {_headers_digest(_kernels_dir())}\n#line 1 "kernels_cu/{filename}"\n' + text
 
 
