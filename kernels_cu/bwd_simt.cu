@@ -148,11 +148,15 @@ __device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const 
                     // testing it costs fewer registers than computing it)
                     const bool visible = row < nq && fc_visible(row, key, nq, nk) && lse_log2 != INFINITY;
                     // (2) P = exp2(S * scale_log2 - lse * log2(e)); 0 where masked or the row saw no key
-                    p_s[slot(t, kcol)] = visible ? fc_softmax_p(x[t][g], scale_log2, lse_log2) : 0.f;
+                    // (the score hook first, flash_common.cuh)
+                    p_s[slot(t, kcol)] =
+                        visible ? fc_softmax_p(FcScoreHook::apply(x[t][g], row, key), scale_log2, lse_log2) : 0.f;
                 } else {
                     const float p = p_s[slot(t, kcol)];
-                    // (4) dS = P * (dP - delta); exactly 0 where P is (masked entries never see dP)
-                    const float ds = p == 0.f ? 0.f : p * (x[t][g] - delta_s[r0 + t]);
+                    // (4) dS = P * (dP - delta) (times the score hook's derivative); exactly 0 where P is
+                    // (masked entries never see dP)
+                    float ds = p == 0.f ? 0.f : p * (x[t][g] - delta_s[r0 + t]);
+                    if constexpr (FcScoreHook::active) ds *= FcScoreHook::grad(m0 + r0 + t, n0 + kcol);
                     if (!TRANSPOSED) p_s[slot(t, kcol)] = fc_round_elem(p);
                     ds_s[slot(t, kcol)] = fc_round_elem(ds);
                 }

@@ -519,7 +519,10 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                         float p[2];
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
-                            p[e] = fc_softmax_p(acc_get(wg_tile(s_acc, i), 2 * hf + e), scale_log2, lq[e]);
+                            // (the score hook first, flash_common.cuh: key key_g + 8 hf, query m0 + qc + e)
+                            p[e] = fc_softmax_p(FcScoreHook::apply(acc_get(wg_tile(s_acc, i), 2 * hf + e),
+                                                                   m0 + qc + e, key_g + 8 * hf),
+                                                scale_log2, lq[e]);
                             if constexpr (decltype(masked)::value) {  // query qc + e sees key key_g + 8 hf
                                 const int query = m0 + qc + e;
                                 p[e] = (query < nq && query >= q_first_vis[hf]) ? p[e] : 0.f;
@@ -562,8 +565,11 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 for (int hf = 0; hf < 2; ++hf) {
                     float ds[2];
 #pragma unroll
-                    for (int e = 0; e < 2; ++e)
+                    for (int e = 0; e < 2; ++e) {
                         ds[e] = acc_get(wg_tile(s_acc, i), 2 * hf + e) * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
+                        if constexpr (FcScoreHook::active)  // the score hook's derivative
+                            ds[e] *= FcScoreHook::grad(m0 + qc + e, key_g + 8 * hf);
+                    }
                     if constexpr (!EARLY_DV) p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
                 }

@@ -131,6 +131,16 @@ __device__ __forceinline__ float acc_get(const acc_t (&c)[ACC_REGS], int i) {
     return c[i];
 #endif
 }
+// Element i := v, rounded to the accumulator type.
+__device__ __forceinline__ void acc_set(acc_t (&c)[ACC_REGS], int i, float v) {
+#if FC_ACCUM_F16
+    __half2 h = *reinterpret_cast<const __half2 *>(&c[i >> 1]);
+    if (i & 1) h.y = __float2half_rn(v); else h.x = __float2half_rn(v);
+    c[i >> 1] = *reinterpret_cast<const u32 *>(&h);
+#else
+    c[i] = v;
+#endif
+}
 // Element i := -inf (a masked score).
 __device__ __forceinline__ void acc_set_neg_inf(acc_t (&c)[ACC_REGS], int i) {
 #if FC_ACCUM_F16
@@ -288,6 +298,47 @@ __device__ __forceinline__ void fc_mask_scores(int row, int key0, int nq, int nk
 #pragma unroll
             for (int e = 0; e < 2; ++e)
                 if (8 * i + e > last) acc_set_neg_inf(tile(i), 2 * hf + e);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The score hook: what a variant does to each raw score s = q_i . k_j of query row i and key j (the
+// softmax scale stays folded into the exponent's c) before the mask and the softmax, t = hook(s), and
+// the derivative by which the backward turns dL/dt into dL/ds:  dS = P (dP - delta) hook'(s). Every
+// kernel applies it where its loop holds the raw scores (the forwards in place before the mask,
+// fc_hook_scores; the backwards per element where they recompute P) and multiplies its dS; with no hook
+// that code is discarded at compile time. The derivative takes the position only (enough for a scale
+// or a position bias); a hook whose derivative needs the score (softcap) must also keep S, or t, up to
+// dS: bwd_simt's second score pass holds P alone.
+//   FC_SCORE_HOOK 0  none: t = s (the package's build)
+//   FC_SCORE_HOOK 1  t = s / 2: the attention of scale / 2, computed another way; a test arm, through
+//                    which tests/kernels checks that every kernel applies the hook and its derivative
+// Softcap, ALiBi and other score variants (issue 35) are arms of this one struct.
+#ifndef FC_SCORE_HOOK
+#define FC_SCORE_HOOK 0
+#endif
+struct FcScoreHook {
+    static constexpr bool active = FC_SCORE_HOOK != 0;
+    __device__ __forceinline__ static float apply(float s, int row, int key) {
+        return FC_SCORE_HOOK == 1 ? 0.5f * s : s;
+    }
+    __device__ __forceinline__ static float grad(int row, int key) { return FC_SCORE_HOOK == 1 ? 0.5f : 1.f; }
+};
+static_assert(FC_SCORE_HOOK == 0 || FC_SCORE_HOOK == 1, "FC_SCORE_HOOK: 0 (none) or 1 (the test arm)");
+
+// The hook over NT accumulator tiles of a lane's rows row and row + 8 (fc_mask_scores's layout: columns
+// key0 + 8 i, + 1), in place; nothing without a hook.
+template <int NT, typename Tile>
+__device__ __forceinline__ void fc_hook_scores(int row, int key0, Tile tile) {
+    if constexpr (FcScoreHook::active) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int i = 0; i < NT; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    acc_set(tile(i), 2 * hf + e,
+                            FcScoreHook::apply(acc_get(tile(i), 2 * hf + e), row + 8 * hf, key0 + 8 * i + e));
     }
 }
 

@@ -159,7 +159,12 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
                 ldsm_x4(a, a_base + mt * 16 * ROW_BYTES + chunk_off(2 * kk, frag_w));
             }
         }, k_base, frag_w);
-        // ---- mask: invisible keys (causal edge, keys >= nk) score -inf ----
+        // ---- the score hook (flash_common.cuh), then the mask: invisible keys (causal edge, keys >= nk)
+        //      score -inf ----
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            fc_hook_scores<NT>(row_g + mt * 16, j * BN + 2 * t,
+                               [&](int nt) -> acc_t(&)[ACC_REGS] { return acc_s[mt][nt]; });
         if (tiles.masked(j)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)

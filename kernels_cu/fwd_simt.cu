@@ -98,7 +98,9 @@ __device__ __forceinline__ void scores_tile(const float* __restrict__ q_s, const
             for (int g = 0; g < GS; ++g) {
                 const int key = key0 + (i0 + g) * TN;
                 const bool visible = fc_visible(row0 + t, key, nq, nk);
-                s_s[(rg * TM + t) * S_PITCH + c + (i0 + g) * TN] = visible ? acc[t][g] : -INFINITY;
+                // the score hook (flash_common.cuh), then the mask
+                s_s[(rg * TM + t) * S_PITCH + c + (i0 + g) * TN] =
+                    visible ? FcScoreHook::apply(acc[t][g], row0 + t, key) : -INFINITY;
             }
     }
 }

@@ -492,6 +492,10 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 }
 #endif
 #endif
+                // the score hook (flash_common.cuh; not with fp8), then the mask
+                static_assert(!(FC_FP8 && FcScoreHook::active), "fwd_wgmma: no score hook with fp8 operands");
+                fc_hook_scores<BN / 8>(row_g, j * BN + 2 * t,
+                                       [&](int i) -> acc_t(&)[ACC_REGS] { return wg_tile(sacc, i); });
                 if (tl.keys.masked(j))
                     fc_mask_scores<BN / 8>(row_g, j * BN + 2 * t, nq, nk,
                                            [&](int i) -> acc_t(&)[ACC_REGS] { return wg_tile(sacc, i); });

@@ -1,0 +1,48 @@
+"""The score hook (kernels_cu/flash_common.cuh, FcScoreHook) reaches every kernel where the algorithm needs
+it: built with its test arm (FC_SCORE_HOOK 1: t = s / 2), every family's forward and backward give, bit for
+bit, the attention of half the scale, which reaches the kernels by another road (the exponent's constant).
+A kernel that skipped the hook in its forward or in the backward's P would be off by the factor in the
+exponent; one that skipped the derivative would return dQ and dK twice too large."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcupy
+from flashcupy.inspect import kernel_build
+from tests.helpers import do_qkv, to_device
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+def _run(kernel, views, scale, causal):
+    do, q, k, v = views
+    o, lse = flashcupy.attention(q, k, v, causal=causal, scale=scale, kernel=kernel, return_lse=True)
+    grads = flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, kernel=kernel,
+                                         deterministic=True)
+    return (o, lse, *grads)
+
+
+@pytest.mark.parametrize("kernel,dname", [("wgmma", "bf16"), ("mma", "bf16"), ("simt", "f32")])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_score_hook_reaches_every_kernel_forward_and_backward(rng, kernel, dname, causal):
+    import cupy
+
+    if kernel == "wgmma" and not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    views = to_device(*do_qkv(rng, (2, 4, 2, 150, 211, 64), dname))
+    scale = 0.3
+    with kernel_build(defines={"FC_SCORE_HOOK": 1}):
+        hooked = _run(kernel, views, scale, causal)
+    half = _run(kernel, views, scale / 2, causal)
+    plain = _run(kernel, views, scale, causal)
+    for name, a, b, c in zip(("o", "lse", "dq", "dk", "dv"), hooked, half, plain):
+        a, b, c = (cupy.asnumpy(x).astype(np.float32) for x in (a, b, c))
+        assert np.isfinite(a).all() and np.array_equal(a, b), name
+        assert not np.array_equal(a, c), f"{name}: the hook changed nothing"
