@@ -109,7 +109,7 @@ def _assert_matches_central_differences(grads, loss, inputs, eps: float = 1e-6):
             args[which][idx] -= 2 * eps
             num[idx] = (plus - loss(*args)) / (2 * eps)
         np.testing.assert_allclose(grads[which], num, rtol=1e-6, atol=1e-7,
-                                   err_msg="dq dk dv"[3 * which:3 * which + 2])
+                                   err_msg=("dq", "dk", "dv", "dsinks")[which])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -157,3 +157,132 @@ def test_backward_with_lse_gradient_matches_finite_differences(rng):
     plain = reference.attention_backward(do, q, k, v, causal=True)
     np.testing.assert_allclose(grads[2], plain[2], rtol=1e-12, atol=1e-12)
     assert np.abs(grads[0] - plain[0]).max() > 1e-3
+
+
+# ---- the score variants: sliding window, softcap, ALiBi, sinks ----------------------------------------
+
+
+def _brute_variants(q, k, v, scale, causal, window, softcap, sinks, slopes):
+    """Per (b, h, i) loop over plain Python floats: each score capped, biased and masked by hand, the sink
+    in the denominator; an independent route to the reference's numbers."""
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    left, right = window
+    o = np.zeros_like(q)
+    lse = np.full((b, hq, nq), -np.inf)
+    for bi in range(b):
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            for i in range(nq):
+                ip = i + nk - nq
+                terms = []
+                for j in range(nk):
+                    hidden = (causal and j > ip) or (left >= 0 and j < ip - left)
+                    if hidden or (right >= 0 and j > ip + right):
+                        continue
+                    s = scale * float(q[bi, h, i] @ k[bi, kh, j])
+                    if softcap:
+                        s = softcap * np.tanh(s / softcap)
+                    if slopes is not None:
+                        slope = slopes[h] if slopes.ndim == 1 else slopes[bi, h]
+                        s -= slope * abs(ip - j)
+                    terms.append((s, j))
+                logits = [s for s, _ in terms] + ([sinks[h]] if sinks is not None else [])
+                if not logits:
+                    continue
+                lse[bi, h, i] = logsumexp(logits)
+                for s, j in terms:
+                    o[bi, h, i] += np.exp(s - lse[bi, h, i]) * v[bi, kh, j]
+    return o, lse
+
+
+VARIANTS = [  # (causal, window, softcap, sinks?, slopes: None, "h" (Hq,) or "bh" (B, Hq))
+    pytest.param(False, (3, 2), 0.0, False, None, id="window"),
+    pytest.param(True, (4, -1), 0.0, False, None, id="window-causal"),
+    pytest.param(False, (0, 0), 0.0, False, None, id="window-diagonal"),
+    pytest.param(False, (-1, -1), 1.5, False, None, id="softcap"),
+    pytest.param(False, (-1, -1), 0.0, True, None, id="sinks"),
+    pytest.param(True, (-1, -1), 0.0, True, None, id="sinks-causal-empty-rows"),
+    pytest.param(False, (-1, -1), 0.0, False, "h", id="alibi"),
+    pytest.param(True, (-1, -1), 0.0, False, "bh", id="alibi-per-batch-causal"),
+    pytest.param(True, (5, 1), 2.0, True, "h", id="all"),
+]
+
+
+def _variant_inputs(rng, shape, sinks, slopes):
+    b, hq, hkv, nq, nk, d = shape
+    q = rng.standard_normal((b, hq, nq, d))
+    k, v = rng.standard_normal((b, hkv, nk, d)), rng.standard_normal((b, hkv, nk, d))
+    sink = rng.standard_normal(hq) + 1.0 if sinks else None
+    slope = None if slopes is None else rng.uniform(0.05, 0.6, (hq,) if slopes == "h" else (b, hq))
+    return q, k, v, sink, slope
+
+
+@pytest.mark.parametrize("causal,window,softcap,sinks,slopes", VARIANTS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_variants_match_a_per_element_loop(rng, shape, causal, window, softcap, sinks, slopes):
+    q, k, v, sink, slope = _variant_inputs(rng, shape, sinks, slopes)
+    kw = dict(window_size=window, softcap=softcap, sinks=sink, alibi_slopes=slope)
+    o, lse = reference.attention(q, k, v, causal=causal, scale=0.4, return_lse=True, **kw)
+    o_ref, lse_ref = _brute_variants(q, k, v, 0.4, causal, window, softcap, sink, slope)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_ref))
+    np.testing.assert_allclose(lse[np.isfinite(lse)], lse_ref[np.isfinite(lse_ref)], rtol=1e-12, atol=1e-12)
+    assert np.abs(o).max() > 0
+
+
+def test_causal_is_the_window_minus_one_zero_and_variants_change_the_output(rng):
+    q, k, v, sink, slope = _variant_inputs(rng, (1, 2, 2, 9, 13, 8), True, "h")
+    causal = reference.attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(reference.attention(q, k, v, window_size=(-1, 0)), causal)
+    np.testing.assert_array_equal(reference.attention(q, k, v, causal=True, window_size=(-1, 3)), causal)
+    plain = reference.attention(q, k, v)
+    for kw in (dict(window_size=(2, 2)), dict(softcap=0.5), dict(sinks=sink), dict(alibi_slopes=slope)):
+        assert np.abs(reference.attention(q, k, v, **kw) - plain).max() > 1e-3, kw
+
+
+def test_a_sink_takes_its_share_and_a_row_that_sees_nothing_keeps_it(rng):
+    """With sinks the probabilities of a row sum to 1 - exp(sink - LSE); a row whose window holds no key
+    has o = 0 and LSE = its head's sink."""
+    q, k, v, sink, _ = _variant_inputs(rng, (1, 2, 1, 6, 4, 8), True, None)
+    o, lse = reference.attention(q, k, v, causal=True, sinks=sink, return_lse=True)
+    rows_seeing_nothing = o[:, :, :2]  # Nq - Nk = 2 rows see no key under the causal mask
+    np.testing.assert_array_equal(rows_seeing_nothing, 0.0)
+    np.testing.assert_allclose(lse[0, :, :2], np.repeat(sink[:, None], 2, axis=1), rtol=0, atol=0)
+    p, lse2, p_sink, _ = reference._probabilities(q.reshape(1, 1, 2, 6, 8), k[:, :, None], 8 ** -0.5,
+                                                  np.arange(6), 6, 4, True,
+                                                  ((-1, -1), 0.0, sink.reshape(1, 1, 2, 1, 1), None))
+    np.testing.assert_allclose(p.sum(-1) + p_sink[..., 0], 1.0, rtol=1e-13)
+
+
+@pytest.mark.parametrize("causal,window,softcap,sinks,slopes", VARIANTS)
+def test_variant_backward_matches_finite_differences(rng, causal, window, softcap, sinks, slopes):
+    """dq, dk, dv and d sinks of sum(do * o) + sum(g * lse) against central differences."""
+    q, k, v, sink, slope = _variant_inputs(rng, (1, 4, 2, 5, 8, 8), sinks, slopes)
+    do, g = rng.standard_normal(q.shape), rng.standard_normal(q.shape[:3])
+    kw = dict(window_size=window, softcap=softcap, alibi_slopes=slope)
+    grads = reference.attention_backward(do, q, k, v, causal=causal, scale=0.45, dlse=g, sinks=sink, **kw)
+    assert len(grads) == (4 if sinks else 3)
+
+    def loss(q_, k_, v_, *s_):
+        o, lse = reference.attention(q_, k_, v_, causal=causal, scale=0.45, return_lse=True,
+                                     sinks=s_[0] if s_ else None, **kw)
+        finite = np.isfinite(lse)
+        return float(np.sum(do * o) + np.sum((g * lse)[finite]))
+
+    _assert_matches_central_differences(grads, loss, (q, k, v, sink) if sinks else (q, k, v))
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(window_size=(-2, 0)), "window_size entries"),
+    (dict(window_size=3), "pair of ints"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(softcap=float("inf")), "softcap"),
+    (dict(sinks=np.zeros(3)), "sinks"),
+    (dict(sinks=np.array([0.0, np.nan])), "sinks"),
+    (dict(alibi_slopes=np.zeros((2, 2, 1))), "alibi_slopes"),
+], ids=["window-below", "window-scalar", "negative-cap", "inf-cap", "sinks-shape", "sinks-nan", "slopes"])
+def test_bad_variant_arguments_are_refused(rng, kw, words):
+    x = rng.standard_normal((1, 2, 4, 8))
+    with pytest.raises((ValueError, TypeError), match=words):
+        reference.attention(x, x, x, **kw)
