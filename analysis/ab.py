@@ -530,7 +530,7 @@ def render(meta: dict, arms, rows, args: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m analysis.ab", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=f"python -m {__package__}.ab", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arm", action="append", default=[], metavar="NAME[@FOLDER][:FC_X=1,...]",
                     help="a build of the kernels; the first is the baseline (at least two)")
@@ -567,7 +567,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     args = {"cells": cells, "b": a.b, "h": a.h, "kernel": a.kernel, "directions": directions,
             "rounds": a.rounds, "budget_s": a.budget, "name": a.name}
-    command = "python -m analysis.ab " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"python -m {__package__}.ab " + " ".join(sys.argv[1:] if argv is None else argv)
 
     def write(rows, done=False):
         """The report of the rows so far (each row rewrites it: a run cut short keeps what it measured)."""

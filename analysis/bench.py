@@ -706,4 +706,4 @@ def run_bench(ctx: Context, cells=None) -> Report:
                                   "table." if ctx.backend == "cuda" else "NumPy backend: ms per call."),
                   notes=[__doc__.split("\n\n")[1].replace("\n", " "),
                          "Why cells miss: hardware counters of the same kernels on the same inputs are in "
-                         "profile.md (python -m analysis.profile_ncu under Nsight Compute)."])
+                         f"profile.md (python -m {__package__}.profile_ncu under Nsight Compute)."])

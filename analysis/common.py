@@ -160,7 +160,7 @@ def metadata(ctx: Context) -> dict:
         "quick": ctx.quick,
         "quick_forced_by_numpy_backend": ctx.forced_quick,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "python -m analysis " + " ".join(sys.argv[1:]) if sys.argv else None,
+        "command": f"python -m {__package__} " + " ".join(sys.argv[1:]) if sys.argv else None,
     }
 
 

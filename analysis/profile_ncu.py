@@ -551,7 +551,8 @@ def write_sass_reports(kernels, out, name, device=None, commit=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m analysis.profile_ncu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=f"python -m {__package__}.profile_ncu",
+                                description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="the profiled calls (launch under ncu, see the module docstring)")
     r.add_argument("--cells", default="f16:4096:128:0,f16:4096:64:1", help="dtype:N:D:causal,...")

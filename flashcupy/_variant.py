@@ -10,7 +10,7 @@ import functools
 import os
 import re
 
-from ._families import ABLATIONS, DTYPES, FAMILIES, SCHEDULES, SMEM_LIMIT, Family
+from ._families import ABLATIONS, DTYPES, FAMILIES, FP8_KSCALES, SCHEDULES, SMEM_LIMIT, Family
 from ._policy import wgmma_o_stage, wgmma_persistent, wgmma_schedule
 
 __all__ = ["Build", "Variant", "current_build", "kernel_build"]
@@ -127,6 +127,10 @@ class Variant:
             raise ValueError(f"unknown kernel family {self.family!r}; known: {sorted(FAMILIES)}")
         if self.fp8 is not None and self.family != "fwd_wgmma":
             raise ValueError(f"fp8 variants exist in fwd_wgmma only, not {self.family}")
+        if self.fp8 is None:  # k's descale granularity means nothing without fp8: one key, one variant
+            if self.fp8_kscale not in FP8_KSCALES:
+                raise ValueError(f"fp8_kscale must be one of {FP8_KSCALES}, got {self.fp8_kscale!r}")
+            object.__setattr__(self, "fp8_kscale", "tile")
         if self.dtype not in fam.dtypes:
             raise ValueError(f"{self.family} supports dtypes {fam.dtypes}, not {self.dtype!r}")
         if self.accum not in fam.accums(self.dtype):

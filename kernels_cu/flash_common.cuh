@@ -313,14 +313,21 @@ __device__ __forceinline__ void fc_mask_scores(int row, int key0, int nq, int nk
 //   FC_SCORE_HOOK 0  none: t = s (the package's build)
 //   FC_SCORE_HOOK 1  t = s / 2: the attention of scale / 2, computed another way; a test arm, through
 //                    which tests/kernels checks that every kernel applies the hook and its derivative
-// Softcap, ALiBi and other score variants (issue 35) are arms of this one struct.
+// Softcap and ALiBi (issue 35) will be arms of this struct; they need more than (s, row, key): the scale
+// (they are defined on scaled scores: a raw-unit softcap is t = (c / scale) tanh(scale s / c)) and, for
+// ALiBi, the head and batch, which the dK/dV loops change inside a CTA (the GQA group): the hook then
+// becomes an object made per (batch, head) with the call's parameters. Sinks are no score hook: they add
+// a term to the softmax's denominator (the running max and sum start from the sink) and have their own
+// gradient.
 #ifndef FC_SCORE_HOOK
 #define FC_SCORE_HOOK 0
 #endif
 struct FcScoreHook {
     static constexpr bool active = FC_SCORE_HOOK != 0;
+    // (an active hook rounds t to the accumulator type, as the forwards' tiles hold it, so that every
+    // kernel and direction sees the same t)
     __device__ __forceinline__ static float apply(float s, int row, int key) {
-        return FC_SCORE_HOOK == 1 ? 0.5f * s : s;
+        return FC_SCORE_HOOK == 1 ? fc_round_acc(0.5f * s) : s;
     }
     __device__ __forceinline__ static float grad(int row, int key) { return FC_SCORE_HOOK == 1 ? 0.5f : 1.f; }
 };

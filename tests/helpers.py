@@ -150,7 +150,7 @@ def record_scratch(monkeypatch) -> list:
     real_empty = _launch._Scratch.empty
 
     def recording(self, shape, dtype):
-        requests.append(((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype)))
+        requests.append(((shape,) if isinstance(shape, (int, np.integer)) else tuple(shape), np.dtype(dtype)))
         return real_empty(self, shape, dtype)
 
     monkeypatch.setattr(_launch._Scratch, "empty", recording)

@@ -255,10 +255,12 @@ def test_a_sink_takes_its_share_and_a_row_that_sees_nothing_keeps_it(rng):
     np.testing.assert_allclose(p.sum(-1) + p_sink[..., 0], 1.0, rtol=1e-13)
 
 
+@pytest.mark.parametrize("shape", [(1, 4, 2, 5, 8, 8), (1, 2, 1, 9, 5, 8)], ids=["nq<nk", "nq>nk"])
 @pytest.mark.parametrize("causal,window,softcap,sinks,slopes", VARIANTS)
-def test_variant_backward_matches_finite_differences(rng, causal, window, softcap, sinks, slopes):
-    """dq, dk, dv and d sinks of sum(do * o) + sum(g * lse) against central differences."""
-    q, k, v, sink, slope = _variant_inputs(rng, (1, 4, 2, 5, 8, 8), sinks, slopes)
+def test_variant_backward_matches_finite_differences(rng, causal, window, softcap, sinks, slopes, shape):
+    """dq, dk, dv and d sinks of sum(do * o) + sum(g * lse) against central differences (Nq > Nk: rows
+    that see no key under a causal mask or a window, whose d sinks is their dlse)."""
+    q, k, v, sink, slope = _variant_inputs(rng, shape, sinks, slopes)
     do, g = rng.standard_normal(q.shape), rng.standard_normal(q.shape[:3])
     kw = dict(window_size=window, softcap=softcap, alibi_slopes=slope)
     grads = reference.attention_backward(do, q, k, v, causal=causal, scale=0.45, dlse=g, sinks=sink, **kw)

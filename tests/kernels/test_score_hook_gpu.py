@@ -1,6 +1,9 @@
 """The score hook (kernels_cu/flash_common.cuh, FcScoreHook) reaches every kernel where the algorithm needs
-it: built with its test arm (FC_SCORE_HOOK 1: t = s / 2), every family's forward and backward give, bit for
-bit, the attention of half the scale, which reaches the kernels by another road (the exponent's constant).
+it: built with its test arm (FC_SCORE_HOOK 1: t = s / 2), every family's forward and deterministic backward
+give, bit for bit on bf16 and float32 elements, the attention of half the scale, which reaches the kernels
+by another road (the exponent's constant). (With fp16 elements halving and rounding do not commute below
+2^-14, so fp16 would need a tolerance; the atomic backwards, D > 64 and fp16 accumulators are not run
+here yet.)
 A kernel that skipped the hook in its forward or in the backward's P would be off by the factor in the
 exponent; one that skipped the derivative would return dQ and dK twice too large."""
 from __future__ import annotations
