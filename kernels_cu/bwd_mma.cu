@@ -317,9 +317,8 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
                             const bool vis = query < nq && fc_visible(query, key, nq, nk);
                             p[e] = vis ? p[e] : 0.f;
                         }
-                        ds[e] = p[e] * (acc_get(acc_p[0][n], 2 * hf + e) - dq2[e]);
-                        if constexpr (FcScoreHook::active)
-                            ds[e] *= FcScoreHook::grad(m0 + qcol + e, n0 + kg * 16 + g + 8 * hf);
+                        ds[e] = fc_hook_ds(p[e] * (acc_get(acc_p[0][n], 2 * hf + e) - dq2[e]), m0 + qcol + e,
+                                           n0 + kg * 16 + g + 8 * hf);
                     }
                     p_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(p[0], p[1]);
                     ds_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
@@ -495,8 +494,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
                         float p = fc_softmax_p(FcScoreHook::apply(acc_get(acc_s[0][n], 2 * hf + e), row_g + 8 * hf, key),
                                                scale_log2, lrow[hf]);
                         if (need_mask && n * 8 + e > last) p = 0.f;
-                        ds[e] = p * (acc_get(acc_p[0][n], 2 * hf + e) - drow[hf]);
-                        if constexpr (FcScoreHook::active) ds[e] *= FcScoreHook::grad(row_g + 8 * hf, key);
+                        ds[e] = fc_hook_ds(p * (acc_get(acc_p[0][n], 2 * hf + e) - drow[hf]), row_g + 8 * hf, key);
                     }
                     ds_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
                 }

@@ -155,8 +155,7 @@ __device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const 
                     const float p = p_s[slot(t, kcol)];
                     // (4) dS = P * (dP - delta) (times the score hook's derivative); exactly 0 where P is
                     // (masked entries never see dP)
-                    float ds = p == 0.f ? 0.f : p * (x[t][g] - delta_s[r0 + t]);
-                    if constexpr (FcScoreHook::active) ds *= FcScoreHook::grad(m0 + r0 + t, n0 + kcol);
+                    const float ds = fc_hook_ds(p == 0.f ? 0.f : p * (x[t][g] - delta_s[r0 + t]), m0 + r0 + t, n0 + kcol);
                     if (!TRANSPOSED) p_s[slot(t, kcol)] = fc_round_elem(p);
                     ds_s[slot(t, kcol)] = fc_round_elem(ds);
                 }

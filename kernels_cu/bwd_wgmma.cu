@@ -565,11 +565,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 for (int hf = 0; hf < 2; ++hf) {
                     float ds[2];
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        ds[e] = acc_get(wg_tile(s_acc, i), 2 * hf + e) * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
-                        if constexpr (FcScoreHook::active)  // the score hook's derivative
-                            ds[e] *= FcScoreHook::grad(m0 + qc + e, key_g + 8 * hf);
-                    }
+                    for (int e = 0; e < 2; ++e)  // (times the score hook's derivative)
+                        ds[e] = fc_hook_ds(acc_get(wg_tile(s_acc, i), 2 * hf + e) * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]),
+                                           m0 + qc + e, key_g + 8 * hf);
                     if constexpr (!EARLY_DV) p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
                 }

@@ -333,6 +333,12 @@ struct FcScoreHook {
 };
 static_assert(FC_SCORE_HOOK == 0 || FC_SCORE_HOOK == 1, "FC_SCORE_HOOK: 0 (none) or 1 (the test arm)");
 
+// A backward's dS of query row and key times the hook's derivative (dS itself without a hook).
+__device__ __forceinline__ float fc_hook_ds(float ds, int row, int key) {
+    if constexpr (FcScoreHook::active) return ds * FcScoreHook::grad(row, key);
+    return ds;
+}
+
 // The hook over NT accumulator tiles of a lane's rows row and row + 8 (fc_mask_scores's layout: columns
 // key0 + 8 i, + 1), in place; nothing without a hook.
 template <int NT, typename Tile>
