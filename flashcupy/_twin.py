@@ -43,6 +43,14 @@ instead of summing in float32, since the fp8 accumulator's loss is the effect be
 
 Numerics do not depend on ``block_m`` (query rows are independent); ``block_n`` sets the tiles the
 running statistics are updated over, which is what the "rescaling" break exposes.
+
+Score variants (issue 35; ``forward`` and ``backward`` take ``reference.attention``'s ``window_size``,
+``softcap``, ``sinks`` and ``alibi_slopes``): applied to the raw scores as the kernels will apply them,
+the scale staying folded into c (``_score_variants``): softcap t = (cap / scale) tanh(scale s / cap),
+ALiBi t - (slope / scale) |i' - j|, then the mask (causal, window); a sink logit z enters as the online
+softmax's first term, m = z / scale and l = 1, so that lse includes it and a row that sees no key keeps
+lse = z. The backward multiplies dS by the softcap's 1 - tanh^2 and returns d sinks = -sum P_sink delta.
+The flashcupy entry points do not take these arguments yet; the kernels do not run them yet.
 """
 from __future__ import annotations
 
@@ -71,9 +79,52 @@ def _fp16_accumulate(acc, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return acc
 
 
-def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem):
-    """Run the twin for a checked problem. Returns (o in q's dtype, lse float32 (B, Hq, Nq))."""
+def _score_variants(p: Problem, window_size, softcap, sinks, alibi_slopes):
+    """The score variants (``reference.attention``'s arguments, checked there) as the kernels will apply
+    them to raw scores s = q k^T, the scale folded into the exponent's c: a softcap of c_s on the scaled
+    scores is t = (c_s / scale) tanh(scale s / c_s) (float32 tanh: the kernels' tanh is their own choice
+    to model), an ALiBi slope a subtracts (a / scale) |i' - j|, a sink logit z starts the online softmax
+    at m = z / scale with l = 1 (its term, exp(z - m scale), counted before any key). Returns (window,
+    softcap, sinks (B?, Hkv, G, 1, 1) float32 raw units or None, slopes likewise or None)."""
+    from .reference import _variants
+
+    shape = (p.batch, p.heads_kv, p.group, p.nq, p.head_dim)
+    window, cap, sink, slope = _variants(np.empty(shape[:3] + (0, 0)), window_size, softcap, sinks,
+                                         alibi_slopes)
+    f32 = np.float32
+    return (window, cap, None if sink is None else (sink / p.scale).astype(f32),
+            None if slope is None else (slope / p.scale).astype(f32))
+
+
+def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants):
+    """Raw scores of key tile [j0, j1) through the softcap and the ALiBi bias, then masked (-inf where
+    the row does not see the key: causal, window, keys past nk); also the softcap's derivative
+    1 - tanh^2 (None without one)."""
+    window, cap, _, slope = variants
+    f32 = np.float32
+    dcap = None
+    if cap:
+        th = np.tanh(s * f32(scale / cap))
+        s, dcap = th * f32(cap / scale), f32(1) - th * th
+    if slope is not None:
+        s = s - slope * np.abs(rows + (nk - nq) - np.arange(j0, j1)[None, :]).astype(f32)
+    if causal or window != (-1, -1):
+        from .reference import visible_mask
+
+        s = np.where(visible_mask(rows[:, 0], nq, nk, causal, window)[:, j0:j1], s, f32(-np.inf))
+    return s, dcap
+
+
+_NO_VARIANTS = ((-1, -1), 0.0, None, None)
+
+
+def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, window_size=(-1, -1),
+            softcap: float = 0.0, sinks=None, alibi_slopes=None):
+    """Run the twin for a checked problem. Returns (o in q's dtype, lse float32 (B, Hq, Nq)). The score
+    variants are ``reference.attention``'s, applied as the kernels will (``_score_variants``)."""
     var = p.variant
+    variants = _score_variants(p, window_size, softcap, sinks, alibi_slopes)
+    sink = variants[2]
     elem = numpy_dtype(var.dtype)
     f16 = var.accum == "fp16"
     rnd_acc = (lambda x: _round_to(x, np.float16)) if f16 else (lambda x: x)
@@ -90,6 +141,9 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem):
 
     m = np.full((b, hkv, g, nq, 1), -np.inf, dtype=np.float32)
     l = np.zeros((b, hkv, g, nq, 1), dtype=np.float32)
+    if sink is not None:  # the sink's term first: m = z / scale, l = exp2(0) (max subtraction: exp2(z c))
+        m = np.broadcast_to(sink, m.shape).astype(np.float32)
+        l = np.exp2(m * c) if ablate == "max_subtraction" else np.ones_like(l)
     acc = np.zeros((b, hkv, g, nq, d), dtype=np.float32)
     rows = np.arange(nq)[:, None]
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -97,9 +151,7 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem):
             j1 = min(nk, j0 + var.block_n)
             kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
             s = _fp16_accumulate(None, qf, kt) if f16 else np.matmul(qf, kt)   # raw scores (.., Nq, bn)
-            if var.causal:
-                visible = np.arange(j0, j1)[None, :] <= rows + (nk - nq)
-                s = np.where(visible, s, np.float32(-np.inf))
+            s, _ = _hooked_scores(s, rows, j0, j1, nq, nk, p.scale, var.causal, variants)
             m_tile = s.max(axis=-1, keepdims=True)
             m_new = np.maximum(m, m_tile)
             if ablate == "max_subtraction":
@@ -143,8 +195,12 @@ def _fp16_accumulate_rows(acc, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return acc
 
 
-def backward(do, q, k, v, o, lse, p: Problem, dlse=None):
-    """The twin of the backward kernels. Returns (dq, dk, dv) in q's dtype.
+def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, window_size=(-1, -1), softcap: float = 0.0,
+             sinks=None, alibi_slopes=None):
+    """The twin of the backward kernels. Returns (dq, dk, dv) in q's dtype; with ``sinks`` also d sinks
+    (float32 (Hq,)) = -sum over the head's rows of P_sink * delta, P_sink = 2^(c z / scale - lse log2 e)
+    the sink's probability (delta = rowsum(dO * O) - dlse, as below). The score variants as in
+    ``forward``; a softcap multiplies dS by 1 - tanh^2.
 
     Per key tile j (``block_n`` keys), for all query rows at once, with c = scale * log2(e):
         P  = 2^(c*S - lse*log2(e))   (0 where masked or where lse = -inf)
@@ -155,6 +211,7 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None):
     (the LSE's gradient) is subtracted from delta in fp32, as the kernels do.
     """
     var = p.variant
+    variants = _score_variants(p, window_size, softcap, sinks, alibi_slopes)
     elem = numpy_dtype(var.dtype)
     f16 = var.accum == "fp16"
     rnd_elem = (lambda x: x) if var.dtype == "f32" else (lambda x: _round_to(x, elem))
@@ -183,12 +240,12 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None):
             kj, vj = kf[..., j0:j1, :], vf[..., j0:j1, :]
             kt, vt = np.swapaxes(kj, -1, -2), np.swapaxes(vj, -1, -2)
             s = _fp16_accumulate(None, qf, kt) if f16 else np.matmul(qf, kt)
-            masked = row_empty
-            if var.causal:
-                masked = masked | ~(np.arange(j0, j1)[None, :] <= rows + (nk - nq))
-            pr = np.where(masked, np.float32(0), np.exp2(s * c - lse2)).astype(np.float32)
+            s, dcap = _hooked_scores(s, rows, j0, j1, nq, nk, p.scale, var.causal, variants)
+            pr = np.where(row_empty | np.isneginf(s), np.float32(0), np.exp2(s * c - lse2)).astype(np.float32)
             dp = _fp16_accumulate(None, dof, vt) if f16 else np.matmul(dof, vt)
             ds = (pr * (dp - delta)).astype(np.float32)
+            if dcap is not None:
+                ds = (ds * dcap).astype(np.float32)
             pe, dse = rnd_elem(pr), rnd_elem(ds)
             if f16:
                 dv[:, :, j0:j1] = _fp16_accumulate_rows(np.zeros_like(dv[:, :, j0:j1]), pe, dof)
@@ -199,7 +256,11 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None):
                 dk[:, :, j0:j1] = np.einsum("bhgik,bhgid->bhkd", dse, qf, dtype=np.float32)
                 dq = dq + np.matmul(dse, kj)
     scale = np.float32(p.scale)
-    return ((dq * scale).reshape(b, hq, nq, d).astype(elem), (dk * scale).astype(elem), dv.astype(elem))
+    grads = ((dq * scale).reshape(b, hq, nq, d).astype(elem), (dk * scale).astype(elem), dv.astype(elem))
+    if variants[2] is None:
+        return grads
+    p_sink = np.exp2(variants[2] * c - lse2)  # (with a sink no row is empty: lse >= its logit)
+    return (*grads, -(p_sink * delta).sum(axis=(0, 3, 4), dtype=np.float32).reshape(hq))
 
 
 def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: int, p_scale: float,
