@@ -28,11 +28,15 @@ if _typing.TYPE_CHECKING:  # the annotations' names (not evaluated at run time)
     Array = Union[numpy.ndarray, cupy.ndarray]
 
 
+_NO_WINDOW, _NO_CAP = (-1, -1), 0.0  # the score variants' defaults (a call that leaves them pays nothing)
+
+
 def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
               block_m: int | None = None, block_n: int | None = None, accum: Literal["fp32", "fp16"] = "fp32",
               kernel: Literal["auto", "wgmma", "mma", "simt"] = "auto",
               ablate: Literal["max_subtraction", "rescaling"] | None = None,
-              return_lse: bool = False) -> Array | tuple[Array, Array]:
+              return_lse: bool = False, window_size: tuple[int, int] = _NO_WINDOW, softcap: float = _NO_CAP,
+              sinks: Array | None = None, alibi_slopes: Array | None = None) -> Array | tuple[Array, Array]:
     """FlashAttention forward: ``o = softmax(scale * q k^T) v`` computed tile by tile.
 
     Parameters
@@ -70,6 +74,11 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     ablate : None, "max_subtraction" (exponentiate raw scores, no running max, no rescaling) or
         "rescaling" (subtract each tile's own max, never rescale the running sum and output).
     return_lse : also return lse, float32 (B, Hq, Nq), the natural log of the softmax denominator.
+    window_size, softcap, sinks, alibi_slopes : flash_attn_func's score variants and per-head attention
+        sinks (semantics and math: ``flashcupy.reference.attention``): a sliding window (left, right)
+        (-1: unbounded), a softcap c tanh(S / c), ALiBi slopes (Hq,) or (B, Hq), sink logits (Hq,).
+        They run on NumPy inputs (the twin, as the kernels will run them) only so far; with CuPy inputs
+        a ValueError says so before any launch (issue 35).
 
     The algorithm, per tile of keys j, with running max m, sum l and output accumulator O:
     m' = max(m, rowmax(S_j)), P = exp(S_j - m'), l = e^(m - m') l + rowsum(P),
@@ -84,15 +93,45 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     _check_bool("return_lse", return_lse)
     problem = _forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                               accum=accum, kernel=kernel, ablate=ablate)
-    o, lse = (_twin if problem.backend == "numpy" else _launch).forward(q, k, v, problem)
+    variants = _score_variants(problem, window_size, softcap, sinks, alibi_slopes)
+    if problem.backend == "numpy":
+        o, lse = _twin.forward(q, k, v, problem, **variants)
+    else:
+        o, lse = _launch.forward(q, k, v, problem)
     return (o, lse) if return_lse else o
+
+
+def _score_variants(problem, window_size, softcap, sinks, alibi_slopes) -> dict:
+    """The score variants a call asks for (those away from their defaults), as keyword arguments of the
+    twin; on CuPy inputs a ValueError naming them, before any launch: no kernel family runs them yet."""
+    if window_size is _NO_WINDOW and softcap is _NO_CAP and sinks is None and alibi_slopes is None:
+        return {}  # (the defaults themselves: the common call pays four comparisons)
+    given = {"window_size": window_size, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes}
+    asked = {name: value for name, value in given.items() if not _variant_off(name, value)}
+    if asked and problem.backend != "numpy":
+        raise ValueError(f"{', '.join(asked)}: these score variants run on NumPy inputs (the twin) only so "
+                         "far; no kernel family runs them yet")
+    return asked
+
+
+def _variant_off(name: str, value) -> bool:
+    """Whether a score variant's argument is its default (off): no window (-1, -1), softcap 0, no sinks,
+    no slopes. A value of another kind counts as asked for: the twin's checks say what is allowed."""
+    if name in ("sinks", "alibi_slopes"):
+        return value is None
+    try:
+        return tuple(value) == (-1, -1) if name == "window_size" else float(value) == 0.0
+    except (TypeError, ValueError):
+        return False
 
 
 def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: Array, *, causal: bool = False,
                        scale: float | None = None, block_m: int | None = None, block_n: int | None = None,
                        accum: Literal["fp32", "fp16"] = "fp32",
                        kernel: Literal["auto", "wgmma", "mma", "simt"] = "auto", deterministic: bool = False,
-                       dlse: Array | None = None) -> tuple[Array, Array, Array]:
+                       dlse: Array | None = None, window_size: tuple[int, int] = _NO_WINDOW,
+                       softcap: float = _NO_CAP, sinks: Array | None = None,
+                       alibi_slopes: Array | None = None) -> tuple[Array, ...]:
     """FlashAttention backward: the gradients (dq, dk, dv) of ``sum(do * attention(q, k, v))``
     (plus ``sum(dlse * lse)`` when ``dlse`` is given).
 
@@ -135,10 +174,15 @@ def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: A
     forward returned. Since d lse_i / d S_ij = P_ij, it adds dlse_i * P_ij to dS, which is the same as
     replacing delta_i by delta_i - dlse_i: dS = P * (dP - (delta - dlse)). The torch bridge passes it
     when its caller differentiates through the returned LSE.
+
+    ``window_size``, ``softcap``, ``sinks``, ``alibi_slopes``: as in ``attention`` (NumPy inputs only so
+    far); with ``sinks`` the gradient of the sink logits, float32 (Hq,), is a fourth output
+    (``flashcupy.reference.attention_backward`` writes its math).
     """
     problem = _backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
                                block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic,
                                dlse=dlse)
+    variants = _score_variants(problem, window_size, softcap, sinks, alibi_slopes)
     if problem.backend == "numpy":  # one fixed order: deterministic either way
-        return _twin.backward(do, q, k, v, o, lse, problem, dlse=dlse)
+        return _twin.backward(do, q, k, v, o, lse, problem, dlse=dlse, **variants)
     return _launch.backward(do, q, k, v, o, lse, problem, deterministic=deterministic, dlse=dlse)

@@ -71,7 +71,10 @@ def _variants(qg, window_size, softcap, sinks, alibi_slopes):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size!r}")
-    softcap = float(softcap)
+    try:
+        softcap = float(softcap)
+    except (TypeError, ValueError):
+        raise TypeError(f"softcap must be a number (0: off), got {type(softcap).__name__}") from None
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap}")
     if sinks is not None:

@@ -95,3 +95,31 @@ def test_naive_variants_follow_the_reference(rng, causal, window, softcap, sinks
         err = np.abs(a.astype(np.float64) - r).max()
         # (relative to the largest value, or to 1 where the truth is 0: a one-key window's dS)
         assert err <= 1e-5 * max(np.abs(r).max(), 1.0), f"{name}: {err:.3g} against {np.abs(r).max():.3g}"
+
+
+def test_the_entry_points_run_the_variants_on_numpy_inputs(rng):
+    """flashcupy.attention and attention_backward take the variants on NumPy inputs (the twin's bits;
+    d sinks a fourth output); on CuPy inputs the variants are refused by name before any launch (checked
+    here on the refusal itself: it runs right after the call's checks, from the problem's backend)."""
+    import types
+
+    import flashcupy
+
+    do, q, k, v = do_qkv(rng, (1, 2, 1, 30, 41, 16), "f32")
+    kw = dict(window_size=(6, 2), softcap=3.0, sinks=np.array([0.4, -0.3], dtype=np.float32),
+              alibi_slopes=np.array([0.2, 0.1], dtype=np.float32))
+    o, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True, **kw)
+    p = forward_problem(q, k, v, causal=True, scale=None, block_m=None, block_n=None, accum="fp32",
+                        kernel="auto", ablate=None)
+    twin = _twin.forward(q, k, v, p, **kw)
+    assert np.array_equal(o, twin[0]) and np.array_equal(lse, twin[1])
+    grads = flashcupy.attention_backward(do, q, k, v, o, lse, causal=True, **kw)
+    assert len(grads) == 4 and grads[3].shape == (2,) and np.abs(grads[3]).max() > 0
+    plain = flashcupy.attention(q, k, v, causal=True, window_size=[-1, -1], softcap=0)
+    assert np.array_equal(plain, flashcupy.attention(q, k, v, causal=True))
+    gpu = types.SimpleNamespace(backend="cuda")
+    assert flashcupy._score_variants(gpu, [-1, -1], 0, None, None) == {}  # the defaults by value
+    with pytest.raises(ValueError, match="window_size, sinks: these score variants run on NumPy inputs"):
+        flashcupy._score_variants(gpu, (3, 0), 0.0, kw["sinks"], None)
+    with pytest.raises(TypeError, match="softcap must be a number"):
+        flashcupy.attention(q, k, v, softcap=None)
