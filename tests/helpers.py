@@ -170,3 +170,28 @@ def replay_beside_sentinels(graph, stream, requests, times: int = 3) -> None:
     stream.synchronize()
     for x in sentinels:
         assert bool((x == 7).all()), "a replay wrote into memory the pool gave to another array"
+
+
+# ---------------------------------------------------------------------------------------------------
+# issue 35's score variants: the cases the reference, naive and twin tests share
+
+# (causal, window_size, softcap, sinks?, slopes: None, "h" (Hq,) or "bh" (B, Hq)); the windows' edges fall
+# inside and across tiles of 16 keys at the twin tests' lengths
+SCORE_VARIANTS = [
+    pytest.param(False, (3, 2), 0.0, False, None, id="window"),
+    pytest.param(True, (17, -1), 0.0, False, None, id="window-causal"),
+    pytest.param(False, (0, 0), 0.0, False, None, id="window-diagonal"),
+    pytest.param(False, (-1, -1), 1.5, False, None, id="softcap"),
+    pytest.param(False, (-1, -1), 0.0, True, None, id="sinks"),
+    pytest.param(True, (-1, -1), 0.0, True, None, id="sinks-causal"),
+    pytest.param(False, (-1, -1), 0.0, False, "h", id="alibi"),
+    pytest.param(True, (-1, -1), 0.0, False, "bh", id="alibi-per-batch-causal"),
+    pytest.param(True, (5, 1), 2.0, True, "h", id="all"),
+]
+
+
+def score_variant_args(rng, b: int, hq: int, sinks: bool, slopes) -> dict:
+    """The ``sinks`` and ``alibi_slopes`` arguments of a SCORE_VARIANTS case (float32, drawn from rng)."""
+    return dict(sinks=rng.standard_normal(hq).astype(np.float32) + 1.0 if sinks else None,
+                alibi_slopes=None if slopes is None else
+                rng.uniform(0.05, 0.6, (hq,) if slopes == "h" else (b, hq)).astype(np.float32))

@@ -6,6 +6,7 @@ import pytest
 from scipy.special import logsumexp, softmax
 
 from flashcupy import reference
+from tests.helpers import SCORE_VARIANTS, score_variant_args
 
 SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D)
     pytest.param((2, 3, 3, 7, 7, 8), id="mha-square"),
@@ -196,29 +197,16 @@ def _brute_variants(q, k, v, scale, causal, window, softcap, sinks, slopes):
     return o, lse
 
 
-VARIANTS = [  # (causal, window, softcap, sinks?, slopes: None, "h" (Hq,) or "bh" (B, Hq))
-    pytest.param(False, (3, 2), 0.0, False, None, id="window"),
-    pytest.param(True, (4, -1), 0.0, False, None, id="window-causal"),
-    pytest.param(False, (0, 0), 0.0, False, None, id="window-diagonal"),
-    pytest.param(False, (-1, -1), 1.5, False, None, id="softcap"),
-    pytest.param(False, (-1, -1), 0.0, True, None, id="sinks"),
-    pytest.param(True, (-1, -1), 0.0, True, None, id="sinks-causal-empty-rows"),
-    pytest.param(False, (-1, -1), 0.0, False, "h", id="alibi"),
-    pytest.param(True, (-1, -1), 0.0, False, "bh", id="alibi-per-batch-causal"),
-    pytest.param(True, (5, 1), 2.0, True, "h", id="all"),
-]
-
-
 def _variant_inputs(rng, shape, sinks, slopes):
     b, hq, hkv, nq, nk, d = shape
     q = rng.standard_normal((b, hq, nq, d))
     k, v = rng.standard_normal((b, hkv, nk, d)), rng.standard_normal((b, hkv, nk, d))
-    sink = rng.standard_normal(hq) + 1.0 if sinks else None
-    slope = None if slopes is None else rng.uniform(0.05, 0.6, (hq,) if slopes == "h" else (b, hq))
+    args = score_variant_args(rng, b, hq, sinks, slopes)  # float64 here: the truth, and finite differences
+    sink, slope = (None if x is None else x.astype(np.float64) for x in (args["sinks"], args["alibi_slopes"]))
     return q, k, v, sink, slope
 
 
-@pytest.mark.parametrize("causal,window,softcap,sinks,slopes", VARIANTS)
+@pytest.mark.parametrize("causal,window,softcap,sinks,slopes", SCORE_VARIANTS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_variants_match_a_per_element_loop(rng, shape, causal, window, softcap, sinks, slopes):
     q, k, v, sink, slope = _variant_inputs(rng, shape, sinks, slopes)
@@ -256,7 +244,7 @@ def test_a_sink_takes_its_share_and_a_row_that_sees_nothing_keeps_it(rng):
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 2, 5, 8, 8), (1, 2, 1, 9, 5, 8)], ids=["nq<nk", "nq>nk"])
-@pytest.mark.parametrize("causal,window,softcap,sinks,slopes", VARIANTS)
+@pytest.mark.parametrize("causal,window,softcap,sinks,slopes", SCORE_VARIANTS)
 def test_variant_backward_matches_finite_differences(rng, causal, window, softcap, sinks, slopes, shape):
     """dq, dk, dv and d sinks of sum(do * o) + sum(g * lse) against central differences (Nq > Nk: rows
     that see no key under a causal mask or a window, whose d sinks is their dlse)."""

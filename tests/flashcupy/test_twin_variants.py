@@ -9,38 +9,21 @@ import pytest
 from flashcupy import _twin, naive, reference
 from flashcupy._checks import backward_problem, forward_problem
 from flashcupy.accuracy import assert_accurate, assert_lse_accurate, backward_reduction
-from tests.helpers import do_qkv
+from tests.helpers import SCORE_VARIANTS, do_qkv, score_variant_args
 
-VARIANTS = [  # (causal, window, softcap, sinks?, slopes: None, "h" or "bh")
-    pytest.param(False, (3, 2), 0.0, False, None, id="window"),
-    pytest.param(True, (17, -1), 0.0, False, None, id="window-causal"),
-    pytest.param(False, (0, 0), 0.0, False, None, id="window-diagonal"),
-    pytest.param(False, (-1, -1), 1.5, False, None, id="softcap"),
-    pytest.param(False, (-1, -1), 0.0, True, None, id="sinks"),
-    pytest.param(True, (-1, -1), 0.0, True, None, id="sinks-causal"),
-    pytest.param(False, (-1, -1), 0.0, False, "h", id="alibi"),
-    pytest.param(True, (-1, -1), 0.0, False, "bh", id="alibi-per-batch-causal"),
-    pytest.param(True, (20, 3), 4.0, True, "h", id="all"),
-]
 SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D)
     pytest.param((2, 4, 2, 37, 70, 16), id="gqa-37x70"),
     pytest.param((1, 2, 1, 70, 37, 16), id="mqa-70x37"),
 ]
 
 
-def _variant_args(rng, shape, sinks, slopes):
-    b, hq = shape[0], shape[1]
-    return dict(sinks=rng.standard_normal(hq).astype(np.float32) + 1.0 if sinks else None,
-                alibi_slopes=None if slopes is None else
-                rng.uniform(0.05, 0.6, (hq,) if slopes == "h" else (b, hq)).astype(np.float32))
-
-
 @pytest.mark.parametrize("dname", ["f32", "bf16"])
-@pytest.mark.parametrize("causal,window,softcap,sinks,slopes", VARIANTS)
+@pytest.mark.parametrize("causal,window,softcap,sinks,slopes", SCORE_VARIANTS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_twin_variants_match_the_reference(rng, shape, causal, window, softcap, sinks, slopes, dname):
     do, q, k, v = do_qkv(rng, shape, dname)
-    kw = dict(window_size=window, softcap=softcap, **_variant_args(rng, shape, sinks, slopes))
+    kw = dict(window_size=window, softcap=softcap,
+              **score_variant_args(rng, shape[0], shape[1], sinks, slopes))
     g = rng.standard_normal(q.shape[:3]).astype(np.float32)
     p = forward_problem(q, k, v, causal=causal, scale=None, block_m=None, block_n=16, accum="fp32",
                         kernel="simt", ablate=None)
@@ -78,14 +61,15 @@ def test_a_window_costs_what_its_keys_cost_and_sinks_fill_empty_rows(rng):
     np.testing.assert_allclose(lse[0, :, :16], np.repeat(sinks[:, None], 16, axis=1), rtol=1e-6)
 
 
-@pytest.mark.parametrize("causal,window,softcap,sinks,slopes", VARIANTS)
+@pytest.mark.parametrize("causal,window,softcap,sinks,slopes", SCORE_VARIANTS)
 def test_naive_variants_follow_the_reference(rng, causal, window, softcap, sinks, slopes):
     """The naive baseline sets the accuracy rule's bound: with float32 inputs it must be the reference's
     attention to float32 roundoff, variants and d sinks included (a naive that dropped a variant would
     widen the bound until any twin passed)."""
     shape = (2, 4, 2, 37, 70, 16)
     do, q, k, v = do_qkv(rng, shape, "f32")
-    kw = dict(window_size=window, softcap=softcap, **_variant_args(rng, shape, sinks, slopes))
+    kw = dict(window_size=window, softcap=softcap,
+              **score_variant_args(rng, shape[0], shape[1], sinks, slopes))
     outs = (naive.attention(q, k, v, causal=causal, **kw),
             *naive.attention_backward(do, q, k, v, causal=causal, **kw))
     refs = (reference.attention(q, k, v, causal=causal, **kw),
