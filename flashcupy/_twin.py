@@ -88,8 +88,7 @@ def _score_variants(p: Problem, window_size, softcap, sinks, alibi_slopes):
     softcap, sinks (B?, Hkv, G, 1, 1) float32 raw units or None, slopes likewise or None)."""
     from .reference import _variants
 
-    shape = (p.batch, p.heads_kv, p.group, p.nq, p.head_dim)
-    window, cap, sink, slope = _variants(np.empty(shape[:3] + (0, 0)), window_size, softcap, sinks,
+    window, cap, sink, slope = _variants((p.batch, p.heads_kv, p.group), window_size, softcap, sinks,
                                          alibi_slopes)
     f32 = np.float32
     return (window, cap, None if sink is None else (sink / p.scale).astype(f32),

@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from .reference import _variants
+
 __all__ = ["attention", "attention_backward"]
 
 
@@ -61,12 +63,6 @@ def _probabilities(q, k, causal, scale, rnd, variants=_NO_VARIANTS):
     return rnd(e / l), (None if sinks is None else xp.exp(sinks - m) / l), dcap
 
 
-def _variants(qf, window_size, softcap, sinks, alibi_slopes):
-    from .reference import _variants as check
-
-    return check(np.empty(qf.shape[:3] + (0, 0)), window_size, softcap, sinks, alibi_slopes)
-
-
 def _setup(q, k, v, scale):
     """Array module, the rounding to q's dtype, the scale, and float32 views grouped for GQA:
     q (B, Hkv, G, Nq, D), k and v (B, Hkv, 1, Nk, D)."""
@@ -88,7 +84,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, *, wind
     """Naive attention; returns o in q's dtype (float16, bfloat16 or float32)."""
     xp, rnd, scale, qf, kf, vf = _setup(q, k, v, scale)
     p, _, _ = _probabilities(qf, kf, causal, scale, rnd,
-                             _variants(qf, window_size, softcap, sinks, alibi_slopes))
+                             _variants(qf.shape[:3], window_size, softcap, sinks, alibi_slopes))
     o = rnd(xp.matmul(p, vf))
     return o.reshape(q.shape).astype(q.dtype)
 
@@ -107,7 +103,7 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
     dtype = q.dtype
     dof = do.astype(xp.float32).reshape(qf.shape)
     p, p_sink, dcap = _probabilities(qf, kf, causal, scale, rnd,
-                                     _variants(qf, window_size, softcap, sinks, alibi_slopes))
+                                     _variants(qf.shape[:3], window_size, softcap, sinks, alibi_slopes))
     o = rnd(xp.matmul(p, vf))
     dv = rnd(xp.matmul(xp.swapaxes(p, -1, -2), dof).sum(axis=2))
     dp = rnd(xp.matmul(dof, xp.swapaxes(vf, -1, -2)))

@@ -60,10 +60,11 @@ def visible_mask(rows: np.ndarray, nq: int, nk: int, causal: bool = False,
     return seen
 
 
-def _variants(qg, window_size, softcap, sinks, alibi_slopes):
-    """The variant arguments checked and shaped against the grouped queries qg (B, Hkv, G, Nq, D):
-    (window, softcap, sinks (1, Hkv, G, 1, 1) or None, slopes (B or 1, Hkv, G, 1, 1) or None)."""
-    b, hkv, g = qg.shape[:3]
+def _variants(groups, window_size, softcap, sinks, alibi_slopes):
+    """The variant arguments checked and shaped for the grouped heads ``groups`` = (B, Hkv, G) (query
+    head h = G kv + g): (window, softcap, sinks (1, Hkv, G, 1, 1) or None, slopes (B or 1, Hkv, G, 1, 1) or
+    None). The one check of these arguments: naive and the twin call it too."""
+    b, hkv, g = groups
     hq = hkv * g
     try:
         left, right = (int(w) for w in window_size)
@@ -166,7 +167,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, return_
       1 - exp(sink_h - LSE_i); a row that sees no key then has o_i = 0 and LSE_i = sink_h.
     """
     qg, k, v, scale, (b, hq, nq, d, hkv, nk) = _prepare(q, k, v, scale)
-    variants = _variants(qg, window_size, softcap, sinks, alibi_slopes)
+    variants = _variants(qg.shape[:3], window_size, softcap, sinks, alibi_slopes)
     o = np.empty(qg.shape, dtype=np.float64)
     lse = np.empty(qg.shape[:-1], dtype=np.float64)
     for r0, r1 in _chunks(nq, b, hq, nk):
@@ -193,7 +194,7 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
         d sink_h = sum over the head's rows of P_sink,i (dlse_i - D_i).
     """
     qg, k, v, scale, (b, hq, nq, d, hkv, nk) = _prepare(q, k, v, scale)
-    variants = _variants(qg, window_size, softcap, sinks, alibi_slopes)
+    variants = _variants(qg.shape[:3], window_size, softcap, sinks, alibi_slopes)
     do = to_float64(do)
     if do.shape != (b, hq, nq, d):
         raise ValueError(f"do has shape {do.shape}; expected {(b, hq, nq, d)}")
