@@ -28,7 +28,7 @@ if _typing.TYPE_CHECKING:  # the annotations' names (not evaluated at run time)
     Array = Union[numpy.ndarray, cupy.ndarray]
 
 
-_NO_WINDOW, _NO_CAP = (-1, -1), 0.0  # the score variants' defaults (a call that leaves them pays nothing)
+_NO_WINDOW, _NO_CAP = (-1, -1), 0.0  # the score variants' defaults
 
 
 def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
@@ -74,11 +74,16 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     ablate : None, "max_subtraction" (exponentiate raw scores, no running max, no rescaling) or
         "rescaling" (subtract each tile's own max, never rescale the running sum and output).
     return_lse : also return lse, float32 (B, Hq, Nq), the natural log of the softmax denominator.
-    window_size, softcap, sinks, alibi_slopes : flash_attn_func's score variants and per-head attention
-        sinks (semantics and math: ``flashcupy.reference.attention``): a sliding window (left, right)
-        (-1: unbounded), a softcap c tanh(S / c), ALiBi slopes (Hq,) or (B, Hq), sink logits (Hq,).
-        They run on NumPy inputs (the twin, as the kernels will run them) only so far; with CuPy inputs
-        a ValueError says so before any launch (issue 35).
+    window_size : (left, right), a sliding window (flash_attn_func's): key j is visible to query i iff
+        i' - left <= j <= i' + right, i' = i + Nk - Nq, a side of -1 unbounded; with ``causal`` the
+        window (left, 0). Every family runs it, forward and backward: key tiles wholly outside the window
+        are never visited, so the cost follows the window, not Nk. Each window is compiled into its
+        kernel (one module per (left, right), cached like the rest); a side that reaches past every key
+        of the call runs as unbounded, so a window wider than the problem runs the plain kernel.
+    softcap, sinks, alibi_slopes : flash_attn_func's other score variants and per-head attention sinks
+        (semantics and math: ``flashcupy.reference.attention``): a softcap c tanh(S / c), ALiBi slopes
+        (Hq,) or (B, Hq), sink logits (Hq,). They run on NumPy inputs (the twin, as the kernels will run
+        them) only so far; with CuPy inputs a ValueError says so before any launch (issue 35).
 
     The algorithm, per tile of keys j, with running max m, sum l and output accumulator O:
     m' = max(m, rowmax(S_j)), P = exp(S_j - m'), l = e^(m - m') l + rowsum(P),
@@ -92,8 +97,8 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     """
     _check_bool("return_lse", return_lse)
     problem = _forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                              accum=accum, kernel=kernel, ablate=ablate)
-    variants = _score_variants(problem, window_size, softcap, sinks, alibi_slopes)
+                              accum=accum, kernel=kernel, ablate=ablate, window_size=window_size)
+    variants = _score_variants(problem, softcap, sinks, alibi_slopes)
     if problem.backend == "numpy":
         o, lse = _twin.forward(q, k, v, problem, **variants)
     else:
@@ -101,12 +106,13 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     return (o, lse) if return_lse else o
 
 
-def _score_variants(problem, window_size, softcap, sinks, alibi_slopes) -> dict:
+def _score_variants(problem, softcap, sinks, alibi_slopes) -> dict:
     """The score variants a call asks for (those away from their defaults), as keyword arguments of the
-    twin; on CuPy inputs a ValueError naming them, before any launch: no kernel family runs them yet."""
-    if window_size is _NO_WINDOW and softcap is _NO_CAP and sinks is None and alibi_slopes is None:
-        return {}  # (the defaults themselves: the common call pays four comparisons)
-    given = {"window_size": window_size, "softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes}
+    twin; on CuPy inputs a ValueError naming them, before any launch: no kernel family runs them yet.
+    (The window is part of the problem's variant, which every family compiles.)"""
+    if softcap is _NO_CAP and sinks is None and alibi_slopes is None:
+        return {}  # (the defaults themselves: the common call pays three comparisons)
+    given = {"softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes}
     asked = {name: value for name, value in given.items() if not _variant_off(name, value)}
     if asked and problem.backend != "numpy":
         raise ValueError(f"{', '.join(asked)}: these score variants run on NumPy inputs (the twin) only so "
@@ -115,12 +121,12 @@ def _score_variants(problem, window_size, softcap, sinks, alibi_slopes) -> dict:
 
 
 def _variant_off(name: str, value) -> bool:
-    """Whether a score variant's argument is its default (off): no window (-1, -1), softcap 0, no sinks,
-    no slopes. A value of another kind counts as asked for: the twin's checks say what is allowed."""
+    """Whether a score variant's argument is its default (off): softcap 0, no sinks, no slopes. A value
+    of another kind counts as asked for: the twin's checks say what is allowed."""
     if name in ("sinks", "alibi_slopes"):
         return value is None
     try:
-        return tuple(value) == (-1, -1) if name == "window_size" else float(value) == 0.0
+        return float(value) == 0.0
     except (TypeError, ValueError):
         return False
 
@@ -175,14 +181,14 @@ def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: A
     replacing delta_i by delta_i - dlse_i: dS = P * (dP - (delta - dlse)). The torch bridge passes it
     when its caller differentiates through the returned LSE.
 
-    ``window_size``, ``softcap``, ``sinks``, ``alibi_slopes``: as in ``attention`` (NumPy inputs only so
-    far); with ``sinks`` the gradient of the sink logits, float32 (Hq,), is a fourth output
-    (``flashcupy.reference.attention_backward`` writes its math).
+    ``window_size``: as in ``attention`` (every family); ``softcap``, ``sinks``, ``alibi_slopes``: as in
+    ``attention`` (NumPy inputs only so far); with ``sinks`` the gradient of the sink logits, float32
+    (Hq,), is a fourth output (``flashcupy.reference.attention_backward`` writes its math).
     """
     problem = _backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
                                block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic,
-                               dlse=dlse)
-    variants = _score_variants(problem, window_size, softcap, sinks, alibi_slopes)
+                               dlse=dlse, window_size=window_size)
+    variants = _score_variants(problem, softcap, sinks, alibi_slopes)
     if problem.backend == "numpy":  # one fixed order: deterministic either way
         return _twin.backward(do, q, k, v, o, lse, problem, dlse=dlse, **variants)
     return _launch.backward(do, q, k, v, o, lse, problem, deterministic=deterministic, dlse=dlse)

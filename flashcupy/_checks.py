@@ -15,6 +15,7 @@ import numpy as np
 from ._families import ABLATIONS, ACCUMS, FAMILIES, SMEM_LIMIT, WGMMA_BWD_HEAD_DIMS, WGMMA_HEAD_DIMS
 from ._policy import auto_family, default_tile, wgmma_schedule
 from ._variant import Variant, current_build
+from .reference import check_window
 
 KERNELS = ("auto", "mma", "simt", "wgmma")
 _GRID_YZ_MAX = 65535
@@ -125,8 +126,29 @@ def _check_bool(name, value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+def window_of(window_size, causal: bool, nq: int, nk: int) -> tuple[bool, tuple[int, int] | None]:
+    """The mask a call asks for (``causal`` and ``window_size``, checked) in the one form a Variant holds
+    it, (causal, window): a causal window (left, right) is the window (left, 0) (flash_attn_func's rule);
+    a side that reaches past every key of every row of this Nq x Nk problem is unbounded (-1: left >=
+    Nk - 1, right >= Nq - 1); then the window (-1, 0) is causal=True and (-1, -1) no window. Equal
+    masks compile one module, and a window wider than the problem runs the kernel without one."""
+    if window_size is None or (isinstance(window_size, tuple) and window_size == (-1, -1)):
+        return causal, None
+    left, right = check_window(window_size)
+    if (left, right) == (-1, -1):
+        return causal, None
+    right = 0 if causal else right
+    left = -1 if left >= nk - 1 else left
+    right = -1 if right >= nq - 1 and right != 0 else right
+    if right == -1 and left == -1:
+        return False, None
+    if (left, right) == (-1, 0):
+        return True, None
+    return False, (left, right)
+
+
 def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate,
-                  direction: str = "fwd") -> Problem:
+                  window_size=None, direction: str = "fwd") -> Problem:
     """Validate the arguments of ``flashcupy.attention`` (``direction="bwd"``: the q, k, v part of
     ``flashcupy.attention_backward``) and resolve defaults."""
     arrays = {"q": q, "k": k, "v": v}
@@ -174,6 +196,7 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     _check_choice("kernel", kernel, KERNELS)
     _check_choice("ablate", ablate, ABLATIONS)
     block_m, block_n = check_tile("block_m", block_m), check_tile("block_n", block_n)
+    causal, window = window_of(window_size, bool(causal), nq, nk)
 
     family = resolve_family(kernel, dname, accum, direction, head_dim=d, block_m=block_m, block_n=block_n,
                             causal=causal, backend=backend, device=device)
@@ -186,7 +209,8 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
             raise ValueError(f"{name}={val} is not supported by {which}; "
                              f"supported: {allowed}")
     schedule = wgmma_schedule(d, bool(causal), nq, (bm, bn)) if family == "fwd_wgmma" else None
-    variant = Variant(family, dname, accum, int(bm), int(bn), d, bool(causal), ablate, schedule=schedule)
+    variant = Variant(family, dname, accum, int(bm), int(bn), d, causal, ablate, schedule=schedule,
+                      window=window)
     if not variant.fits():
         raise ValueError(f"block_m={bm}, block_n={bn} with D={d} in {dname} needs "
                          f"{variant.smem_bytes} bytes of shared memory in {family}; the limit is "
@@ -277,10 +301,10 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
 
 
 def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,
-                   deterministic, dlse=None) -> Problem:
+                   deterministic, dlse=None, window_size=None) -> Problem:
     """Validate the arguments of ``flashcupy.attention_backward`` and resolve defaults."""
     p = check_forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                      accum=accum, kernel=kernel, ablate=None, direction="bwd")
+                      accum=accum, kernel=kernel, ablate=None, window_size=window_size, direction="bwd")
     _check_bool("deterministic", deterministic)
     for name, x in (("do", do), ("o", o), ("lse", lse)):
         if _backend_of(name, x) != p.backend:
@@ -350,18 +374,25 @@ def _memoized(check, arrays: tuple, knobs: tuple, kwargs: dict) -> Problem:
     return problem
 
 
-def forward_problem(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate) -> Problem:
+def _knobs(kwargs: dict) -> tuple:
+    """The memo's knobs: the values, and the window's entries' types (``(True, 3)`` equals ``(1, 3)``)."""
+    window = kwargs["window_size"]
+    return (*kwargs.values(), tuple(map(type, window)) if isinstance(window, tuple) else type(window))
+
+
+def forward_problem(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate,
+                    window_size=None) -> Problem:
     """``check_forward`` memoized (see ``_memoized``): what ``flashcupy.attention`` calls."""
     kwargs = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum, kernel=kernel,
-                  ablate=ablate)
-    return _memoized(check_forward, (q, k, v), tuple(kwargs.values()), kwargs)
+                  ablate=ablate, window_size=window_size)
+    return _memoized(check_forward, (q, k, v), _knobs(kwargs), kwargs)
 
 
 def backward_problem(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,
-                     deterministic, dlse=None) -> Problem:
+                     deterministic, dlse=None, window_size=None) -> Problem:
     """``check_backward`` memoized (see ``_memoized``): what ``flashcupy.attention_backward`` calls."""
     kwargs = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum, kernel=kernel,
-                  deterministic=deterministic)
+                  deterministic=deterministic, window_size=window_size)
     if dlse is not None:  # rare: checked every time
         return check_backward(do, q, k, v, o, lse, dlse=dlse, **kwargs)
-    return _memoized(check_backward, (do, q, k, v, o, lse), tuple(kwargs.values()), kwargs)
+    return _memoized(check_backward, (do, q, k, v, o, lse), _knobs(kwargs), kwargs)

@@ -362,8 +362,8 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
 
 def covering_variants(family: str) -> list[Variant]:
     """A covering set for the compile check: every value of every knob at least once, and the pairs
-    dtype x accum, block_m x block_n and causal x ablate in full (variants that do not fit in shared
-    memory are left out)."""
+    dtype x accum, block_m x block_n, causal x ablate and window x ablate in full (variants that do not
+    fit in shared memory are left out)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
     fam = FAMILIES[family]
@@ -417,6 +417,13 @@ def covering_variants(family: str) -> list[Variant]:
                     add(block_m=bm, block_n=bn, head_dim=128, ablate=ab, schedule="static")
         add(head_dim=128, causal=True, accum="fp16", schedule="dynamic")
         add(head_dim=128, accum="fp16", schedule="static")
+    # sliding windows (FC_WINDOW): a left reach only, a right reach only, both (with each break), and
+    # a causal window at D=128
+    for window in ((37, -1), (-1, 21)):
+        add(window=window)
+    for ab in ABLATIONS:
+        add(window=(64, 64), ablate=ab)
+    add(head_dim=128, window=(128, 0))
     # fp8 (fwd_wgmma): every accumulation x k-descale x causal on its default tile, the 64- and 128-row
     # tiles, and the breaks
     if family == "fwd_wgmma":
@@ -432,4 +439,6 @@ def covering_variants(family: str) -> list[Variant]:
         for causal in (False, True):
             for ks in FP8_KSCALES:
                 add(head_dim=256, block_m=128, block_n=128, causal=causal, fp8="single", fp8_kscale=ks)
+        for acc in FP8_ACCUMULATIONS:
+            add(head_dim=128, block_m=fp8_block_m(acc, 128), block_n=128, fp8=acc, window=(200, 0))
     return list(out.values())

@@ -126,7 +126,7 @@ ROTATED_DQ_ROLES = ("dkdvdq_rotated", "dq_convert")
 
 def _bwd_wgmma_roles(v: "Variant") -> tuple[str, ...]:
     roles = FAMILIES["bwd_wgmma"].roles
-    return tuple(r for r in roles if not (v.causal and r == "dkdvdq_rotated"))
+    return tuple(r for r in roles if not ((v.causal or v.window) and r == "dkdvdq_rotated"))
 
 
 def _bwd_mma_roles(v: "Variant") -> tuple[str, ...]:

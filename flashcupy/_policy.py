@@ -222,7 +222,8 @@ def bwd_wgmma_rotated(d: int, causal: bool, n: int | None = None) -> bool:
     """Whether the wgmma backward's atomic path runs its rotated twin (ROTATED_DQ_ROLES) at head dim ``d``
     for ``n`` query rows (None: any length): CTA kt starts at query tile kt * n_qt / n_kt instead of 0,
     so that the CTAs of a head do not add into the same dQ rows at the same time. Without a causal mask
-    only (the causal order is FlashAttention-3's LPT), and up to 2048 query rows. Measured (same process,
+    only (the causal order is FlashAttention-3's LPT; a window's CTAs start on different query tiles
+    anyway, and backward_roles never rotates one), and up to 2048 query rows. Measured (same process,
     fp16, B=4, H=32; docs/design/wgmma_backward.md): D=64 1.053x / 1.003x / 0.989x / 0.962x at N = 1024 /
     2048 / 4096 / 16384 (H200, before dQ by rows), 1.13x / 1.08x at N = 1024 / 2048 (H100), and with dQ
     by rows 1.042x / 1.007x / 0.985x at N = 1024 / 4096 / 16384 (H100); D=128 1.013x / 1.018x / 1.031x /
@@ -261,7 +262,8 @@ def backward_roles(var, deterministic: bool, n: int | None = None) -> tuple[str,
     if var.fam.ordered_dq:
         if deterministic:
             return ORDERED_DQ_ROLES
-        return ROTATED_DQ_ROLES if bwd_wgmma_rotated(var.head_dim, var.causal, n) else ATOMIC_DQ_ROLES
+        rotated = var.window is None and bwd_wgmma_rotated(var.head_dim, var.causal, n)
+        return ROTATED_DQ_ROLES if rotated else ATOMIC_DQ_ROLES
     if not deterministic and set(ATOMIC_DQ_ROLES) <= set(var.roles):
         return ATOMIC_DQ_ROLES
     return DETERMINISTIC_DQ_ROLES

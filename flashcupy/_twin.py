@@ -44,13 +44,14 @@ instead of summing in float32, since the fp8 accumulator's loss is the effect be
 Numerics do not depend on ``block_m`` (query rows are independent); ``block_n`` sets the tiles the
 running statistics are updated over, which is what the "rescaling" break exposes.
 
-Score variants (issue 35; ``forward`` and ``backward`` take ``reference.attention``'s ``window_size``,
-``softcap``, ``sinks`` and ``alibi_slopes``): applied to the raw scores as the kernels will apply them,
+Score variants (issue 35; the window comes with the problem's variant, ``forward`` and ``backward`` take
+``reference.attention``'s ``softcap``, ``sinks`` and ``alibi_slopes``): applied to the raw scores as the
+kernels apply them,
 the scale staying folded into c (``_score_variants``): softcap t = (cap / scale) tanh(scale s / cap),
 ALiBi t - (slope / scale) |i' - j|, then the mask (causal, window); a sink logit z enters as the online
 softmax's first term, m = z / scale and l = 1, so that lse includes it and a row that sees no key keeps
 lse = z. The backward multiplies dS by the softcap's 1 - tanh^2 and returns d sinks = -sum P_sink delta.
-The flashcupy entry points do not take these arguments yet; the kernels do not run them yet.
+Every kernel family runs the window; the other variants run on the twin only so far.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def _fp16_accumulate(acc, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _score_variants(p: Problem, window_size, softcap, sinks, alibi_slopes):
+def _score_variants(p: Problem, softcap, sinks, alibi_slopes):
     """The score variants (``reference.attention``'s arguments, checked there) as the kernels will apply
     them to raw scores s = q k^T, the scale folded into the exponent's c: a softcap of c_s on the scaled
     scores is t = (c_s / scale) tanh(scale s / c_s) (float32 tanh: the kernels' tanh is their own choice
@@ -88,8 +89,8 @@ def _score_variants(p: Problem, window_size, softcap, sinks, alibi_slopes):
     softcap, sinks (B?, Hkv, G, 1, 1) float32 raw units or None, slopes likewise or None)."""
     from .reference import _variants
 
-    window, cap, sink, slope = _variants((p.batch, p.heads_kv, p.group), window_size, softcap, sinks,
-                                         alibi_slopes)
+    window, cap, sink, slope = _variants((p.batch, p.heads_kv, p.group), p.variant.window or (-1, -1),
+                                         softcap, sinks, alibi_slopes)
     f32 = np.float32
     return (window, cap, None if sink is None else (sink / p.scale).astype(f32),
             None if slope is None else (slope / p.scale).astype(f32))
@@ -117,12 +118,12 @@ def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants):
 _NO_VARIANTS = ((-1, -1), 0.0, None, None)
 
 
-def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, window_size=(-1, -1),
-            softcap: float = 0.0, sinks=None, alibi_slopes=None):
+def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap: float = 0.0, sinks=None,
+            alibi_slopes=None):
     """Run the twin for a checked problem. Returns (o in q's dtype, lse float32 (B, Hq, Nq)). The score
     variants are ``reference.attention``'s, applied as the kernels will (``_score_variants``)."""
     var = p.variant
-    variants = _score_variants(p, window_size, softcap, sinks, alibi_slopes)
+    variants = _score_variants(p, softcap, sinks, alibi_slopes)
     sink = variants[2]
     elem = numpy_dtype(var.dtype)
     f16 = var.accum == "fp16"
@@ -194,8 +195,8 @@ def _fp16_accumulate_rows(acc, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return acc
 
 
-def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, window_size=(-1, -1), softcap: float = 0.0,
-             sinks=None, alibi_slopes=None):
+def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, softcap: float = 0.0, sinks=None,
+             alibi_slopes=None):
     """The twin of the backward kernels. Returns (dq, dk, dv) in q's dtype; with ``sinks`` also d sinks
     (float32 (Hq,)) = -sum over the head's rows of P_sink * delta, P_sink = 2^(c z / scale - lse log2 e)
     the sink's probability (delta = rowsum(dO * O) - dlse, as below). The score variants as in
@@ -210,7 +211,7 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, window_size=(-1, -1)
     (the LSE's gradient) is subtracted from delta in fp32, as the kernels do.
     """
     var = p.variant
-    variants = _score_variants(p, window_size, softcap, sinks, alibi_slopes)
+    variants = _score_variants(p, softcap, sinks, alibi_slopes)
     elem = numpy_dtype(var.dtype)
     f16 = var.accum == "fp16"
     rnd_elem = (lambda x: x) if var.dtype == "f32" else (lambda x: _round_to(x, elem))
@@ -263,7 +264,7 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, window_size=(-1, -1)
 
 
 def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: int, p_scale: float,
-                accumulation: str, model=None, ablate=None):
+                accumulation: str, model=None, ablate=None, window=(-1, -1)):
     """The twin of the fp8 (e4m3) forward: q8, k8, v8 float64 arrays of e4m3 values (B, H, N, D), sq, sk
     their float32 scales broadcastable to (B, H, N, 1), sv (B, Hkv, 1, 1) or (1, 1, 1, 1) (constant over
     keys). Returns (o float32, lse float32). Per tile of ``block_n`` keys, with c = scale * log2(e):
@@ -283,7 +284,9 @@ def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: 
     "max_subtraction" exponentiates the raw scores (m' = 0, alpha = 1, lse = ln l), "rescaling" subtracts
     each tile's own max and never rescales (alpha = 1). mm is ``_tensorcore.matmul`` with the
     accumulation measured for e4m3 wgmma (k32 steps, W = 14, the partial truncated to 14 bits), or
-    ``model`` (W, rounding, P) instead; (None, "rn", None) sums exactly and rounds to fp32 per step."""
+    ``model`` (W, rounding, P) instead; (None, "rn", None) sums exactly and rounds to fp32 per step.
+    ``window``: a sliding window as in ``forward`` (a tile no row sees changes nothing: P = 0, alpha = 1,
+    and the accumulator it leaves was truncated already)."""
     import ml_dtypes
 
     from ._tensorcore import matmul
@@ -308,8 +311,10 @@ def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: 
             kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
             s_raw = matmul(qf, kt, None, "e4m3", "fp32", model).astype(f32)
             s = s_raw * (sqf * np.swapaxes(skf[..., j0:j1, :], -1, -2))
-            if causal:
-                s = np.where(np.arange(j0, j1)[None, :] <= rows + (nk - nq), s, f32(-np.inf))
+            if causal or window != (-1, -1):
+                from .reference import visible_mask
+
+                s = np.where(visible_mask(rows[:, 0], nq, nk, causal, window)[:, j0:j1], s, f32(-np.inf))
             m_tile = s.max(axis=-1, keepdims=True)
             m_new = np.maximum(m, m_tile)
             if ablate == "max_subtraction":

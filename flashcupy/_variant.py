@@ -111,6 +111,10 @@ class Variant:
     # fwd_wgmma only: how the CTAs walk the tiles (SCHEDULES); None, or the value equal to it, is the
     # default for any length, wgmma_schedule(head_dim, causal)
     schedule: str | None = None
+    # a sliding window (left, right) around i' = i + Nk - Nq (a side of -1: unbounded), compiled in
+    # (FC_WINDOW): key j visible iff i' - left <= j <= i' + right; the causal window is causal=False
+    # with right = 0, and (-1, 0) is causal=True (one form per mask: _checks.window_of); None: no window
+    window: tuple[int, int] | None = None
     # compiled otherwise than the package does (experiments on the kernels; see Build). None: the
     # Build of the enclosing kernel_build block, if any
     build: Build | None = None
@@ -149,6 +153,15 @@ class Variant:
                                  f"{self.schedule!r} in {self.family}")
             if self.schedule == wgmma_schedule(self.head_dim, self.causal):
                 object.__setattr__(self, "schedule", None)  # one key per kernel
+        if self.window is not None:
+            from .reference import check_window
+
+            window = check_window(self.window)
+            if self.causal or window in ((-1, -1), (-1, 0)):
+                raise ValueError(f"window must be None or a (left, right) other than (-1, -1) and (-1, 0) "
+                                 f"(those are causal=False and causal=True) with causal=False (a causal "
+                                 f"window has right = 0); got window={self.window!r}, causal={self.causal}")
+            object.__setattr__(self, "window", window)
         problem = fam.limits(self)
         if problem:
             raise ValueError(problem)
@@ -205,6 +218,8 @@ class Variant:
                  f"bn{self.block_n}", f"d{self.head_dim}"]
         if self.causal:
             parts.append("causal")
+        if self.window:
+            parts.append("win{}_{}".format(*self.window))
         if self.ablate:
             parts.append("ablate_" + self.ablate)
         if self.fp8:
@@ -229,6 +244,9 @@ class Variant:
             "FC_HEAD_DIM_PAD": self.head_dim_pad,
             "FC_NUM_THREADS": self.threads,
             "FC_CAUSAL": int(self.causal),
+            "FC_WINDOW": int(self.window is not None),
+            "FC_WINDOW_LEFT": self.window[0] if self.window else -1,
+            "FC_WINDOW_RIGHT": self.window[1] if self.window else -1,
             "FC_ABLATE_MAX_SUBTRACTION": int(self.ablate == "max_subtraction"),
             "FC_ABLATE_RESCALING": int(self.ablate == "rescaling"),
             **{f"FC_SMEM_{role.upper()}": self.smem_for(role) for role in self.roles},

@@ -303,7 +303,7 @@ def _check_magnitudes(q: Quantized, k: Quantized, v: Quantized, scale: float, d:
 
 def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, scale=None, block_n=128,
                   p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False, block_m=None,
-                  ablate=None):
+                  ablate=None, window_size=(-1, -1)):
     """Attention on e4m3 inputs, FlashAttention-3's fp8 forward: ``o = softmax(scale * q k^T) v`` with
     q = q.data * q.scale and so on (the outputs of ``quantize``), o in ``out_dtype``.
 
@@ -329,7 +329,8 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
 
     Parameters: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) ``Quantized`` e4m3 (Hq % Hkv == 0; D 64, 128 or
     256); q and k at any granularity, v at "tensor" or "head" (its scale must be constant over keys, the
-    reduction axis of P V); ``causal`` bottom-right aligned as in ``flashcupy.attention``; ``scale``
+    reduction axis of P V); ``causal`` bottom-right aligned and ``window_size`` as in
+    ``flashcupy.attention``; ``scale``
     default 1/sqrt(D); ``p_scale`` in (0, 448]; ``out_dtype`` "float16" or "bfloat16". Returns o (and
     lse, float32 (B, Hq, Nq), with ``return_lse``).
 
@@ -345,7 +346,7 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     Its launches go through a plan remembered per variant, shapes, strides, scale and p_scale, as the
     16-bit forward's do.
     """
-    from ._checks import _check_bool, check_scale, check_tile
+    from ._checks import _check_bool, check_scale, check_tile, window_of
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Quantized):
@@ -367,6 +368,7 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
         raise ValueError(f"fp8 attention runs head dims {FP8_HEAD_DIMS}, not {d}")
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
+    causal, window = window_of(window_size, bool(causal), q.shape[2], k.shape[2])
     scale = check_scale(scale, d)
     block_n = check_tile("block_n", block_n, FP8_BLOCK_N)
     block_m = check_tile("block_m", block_m, (64, 128, 192))
@@ -394,7 +396,7 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     if _xp(q.data) is not np:
         return _attention_fp8_kernel(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                                      p_scale=float(p_scale), accumulation=accumulation, out_dtype=out_dtype,
-                                     return_lse=return_lse, ablate=ablate)
+                                     return_lse=return_lse, ablate=ablate, window=window)
     from . import _twin
     from ._checks import numpy_dtype
 
@@ -402,13 +404,14 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     o, lse = _twin.forward_fp8(*(x.data.astype(np.float64) for x in (q, k, v)), expand_scale(q),
                                expand_scale(k), v.scale, causal=causal, scale=scale, block_n=block_n,
                                p_scale=float(p_scale), accumulation="tile" if exact else accumulation,
-                               model=(None, "rn", None) if exact else None, ablate=ablate)
+                               model=(None, "rn", None) if exact else None, ablate=ablate,
+                               window=window or (-1, -1))
     o = o.astype(numpy_dtype({"float16": "f16", "bfloat16": "bf16"}[out_dtype]))
     return (o, lse) if return_lse else o
 
 
 def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, accumulation, out_dtype,
-                          return_lse, ablate):
+                          return_lse, ablate, window):
     """attention_fp8 on CuPy inputs (arguments checked): the fp8 fwd_wgmma variant of this call."""
     import cupy
 
@@ -438,7 +441,7 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
     # k's descale is constant over each key tile unless it varies by token or by blocks that split a tile
     per_tile = k.granularity in ("tensor", "head") or (k.granularity == "block" and k.block % block_n == 0)
     var = Variant("fwd_wgmma", {"float16": "f16", "bfloat16": "bf16"}[out_dtype], "fp32", block_m, block_n, d,
-                  causal, ablate, fp8=accumulation, fp8_kscale="tile" if per_tile else "key")
+                  causal, ablate, fp8=accumulation, fp8_kscale="tile" if per_tile else "key", window=window)
     blocks = tuple(x.block if x.granularity == "block" else None for x in (q, k))
     with cupy.cuda.Device(device):
         o, lse = forward_fp8(q.data, k.data, v.data, q.scale, k.scale, v.scale, var, scale=scale,

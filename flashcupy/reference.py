@@ -60,18 +60,28 @@ def visible_mask(rows: np.ndarray, nq: int, nk: int, causal: bool = False,
     return seen
 
 
+def check_window(window_size) -> tuple[int, int]:
+    """``window_size`` checked: a pair of ints (left, right), each -1 (unbounded) or a reach of 0 to
+    2^30 - 1 keys. The one check of it (the kernels' problem check calls it too)."""
+    try:
+        left, right = window_size
+        if not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in (left, right)):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
+    left, right = int(left), int(right)
+    if not (-1 <= left < 1 << 30 and -1 <= right < 1 << 30):
+        raise ValueError(f"window_size entries must be -1 (unbounded) or 0 to 2^30 - 1, got {window_size!r}")
+    return left, right
+
+
 def _variants(groups, window_size, softcap, sinks, alibi_slopes):
     """The variant arguments checked and shaped for the grouped heads ``groups`` = (B, Hkv, G) (query
     head h = G kv + g): (window, softcap, sinks (1, Hkv, G, 1, 1) or None, slopes (B or 1, Hkv, G, 1, 1) or
     None). The one check of these arguments: naive and the twin call it too."""
     b, hkv, g = groups
     hq = hkv * g
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size!r}")
+    left, right = check_window(window_size)
     try:
         softcap = float(softcap)
     except (TypeError, ValueError):

@@ -231,7 +231,7 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
     const int Hq = gridDim.y * group;
 
     // The query tiles this key tile visits and masks (the range hook, flash_common.cuh): [qt0, qtiles.end).
-    const FcQueryTiles qtiles = fc_query_tiles<BM>(n0, nq, nk);
+    const FcQueryTiles qtiles = fc_query_tiles<BM, BN>(n0, nq, nk);
     const int qt0 = qtiles.first;
     const int qt_per_head = qtiles.end - qt0;
     const int n_it = group * qt_per_head;
@@ -483,6 +483,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int last = fc_last_key(row_g + 8 * hf, nq, nk) - (j * BN + kr0 + 2 * t);
+                const int first = fc_first_key(row_g + 8 * hf, nq, nk) - (j * BN + kr0 + 2 * t);
 #pragma unroll
                 for (int n = 0; n < Q_KC / 8; ++n) {
                     float ds[2];
@@ -493,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
                         const int key = j * BN + kr0 + 2 * t + 8 * n + e;
                         float p = fc_softmax_p(FcScoreHook::apply(acc_get(acc_s[0][n], 2 * hf + e), row_g + 8 * hf, key),
                                                scale_log2, lrow[hf]);
-                        if (need_mask && n * 8 + e > last) p = 0.f;
+                        if (need_mask && (n * 8 + e > last || (FC_BOUND_LEFT && n * 8 + e < first))) p = 0.f;
                         ds[e] = fc_hook_ds(p * (acc_get(acc_p[0][n], 2 * hf + e) - drow[hf]), row_g + 8 * hf, key);
                     }
                     ds_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);

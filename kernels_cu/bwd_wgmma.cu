@@ -327,16 +327,17 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     const int heads_kv = gridDim.y, heads_q = heads_kv * group;
 
     // The query tiles of each of the group's heads this key tile visits and masks (the range hook,
-    // flash_common.cuh): [qt0, n_qt).
-    const FcQueryTiles qtiles = fc_query_tiles<BM>(n0, nq, nk);
-    const int n_qt = qtiles.end, qt0 = qtiles.first, qt_per_head = n_qt - qt0;
+    // flash_common.cuh): [qt0, qtiles.end) of the n_qt query tiles of a head (the tiled L and delta
+    // buffer and the counters have n_qt per head).
+    const FcQueryTiles qtiles = fc_query_tiles<BM, BN>(n0, nq, nk);
+    const int n_qt = (nq + BM - 1) / BM, qt0 = qtiles.first, qt_per_head = qtiles.end - qt0;
     const int n_it = group * qt_per_head;
     // iteration it: query head hk * group + it / qt_per_head, query tile qt0 + it % qt_per_head
     auto head_of = [&](int it) { return hk * group + it / qt_per_head; };
-#if FC_CAUSAL
-    const int rot = 0;
+#if FC_CAUSAL || FC_WINDOW
+    const int rot = 0;  // (a window's CTAs start on different query tiles anyway)
 #else
-    // ROTATE (the atomic path, non-causal): CTA kt starts at query tile rot = floor(kt n_qt / n_kt) and
+    // ROTATE (the atomic path, no mask): CTA kt starts at query tile rot = floor(kt n_qt / n_kt) and
     // wraps around, so that a head's CTAs read different query tiles at each step
     const int rot = ROTATE ? (int)((long long)kt * n_qt / n_kt) : 0;
 #endif
@@ -418,7 +419,8 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #if FC_CAUSAL
                     const int place = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) / BN - kt;  // diagonal first
 #else
-                    const int place = kt;  // ascending key tiles
+                    // ascending key tiles, from the first that query tile qt visits
+                    const int place = kt - fc_key_tiles<BN>(m0, BM, nq, nk).first;
 #endif
                     while (ld_acquire_gpu(sem) != place) {
                     }
@@ -457,9 +459,11 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         const u32 k_rows = sK + 64 * cw * 128, v_rows = sV + 64 * cw * 128;  // this warpgroup's 64 rows
         const int key_g = n0 + 64 * cw + 16 * wq + g;  // keys key_g and key_g + 8 (rows of S^T)
         const int dcol0 = dq_share_col(cw);            // this warpgroup's dQ columns
-        // query row r < nq sees key key_g + 8 hf iff r >= q_first_vis[hf] (keys past nk: no row)
+        // query row r < nq sees key key_g + 8 hf iff q_first_vis[hf] <= r <= q_last_vis[hf] (keys past
+        // nk: no row)
         const int q_first_vis[2] = {key_g < nk ? fc_first_query(key_g, nq, nk) : nq,
                                     key_g + 8 < nk ? fc_first_query(key_g + 8, nq, nk) : nq};
+        const int q_last_vis[2] = {fc_last_query(key_g, nq, nk), fc_last_query(key_g + 8, nq, nk)};
 
         acc_t dk_acc[DN], dv_acc[DN];
 #pragma unroll
@@ -525,7 +529,8 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                                                 scale_log2, lq[e]);
                             if constexpr (decltype(masked)::value) {  // query qc + e sees key key_g + 8 hf
                                 const int query = m0 + qc + e;
-                                p[e] = (query < nq && query >= q_first_vis[hf]) ? p[e] : 0.f;
+                                p[e] = (query < nq && query >= q_first_vis[hf] &&
+                                        (!FC_BOUND_LEFT || query <= q_last_vis[hf])) ? p[e] : 0.f;
                             }
                         }
                         acc_set_pair(wg_tile(s_acc, i), hf, p[0], p[1]);
@@ -796,8 +801,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1) flash_bwd_dkdvdq_wgmma(FC_
     dkdvdq_body<false, false>(FC_BWD_MAP_ARGS, FC_BWD_ARGS, nullptr, 0);
 }
 
-#if !FC_CAUSAL
-// The atomic path with rotated key-tile starts (ROTATE): non-causal variants only.
+#if !FC_CAUSAL && !FC_WINDOW
+// The atomic path with rotated key-tile starts (ROTATE): variants without a causal mask or window only.
 extern "C" __global__ void __launch_bounds__(NTHR, 1) flash_bwd_dkdvdq_rotated_wgmma(FC_BWD_MAPS, FC_BWD_PARAMS) {
     dkdvdq_body<false, true>(FC_BWD_MAP_ARGS, FC_BWD_ARGS, nullptr, 0);
 }

@@ -9,6 +9,8 @@
 //                              FC_HEAD_DIM are read as 0 and never written
 //   FC_NUM_THREADS             threads per CTA
 //   FC_CAUSAL                  1: key j is visible to query i iff j <= i + (nk - nq) (bottom-right)
+//   FC_WINDOW                  1: a sliding window of FC_WINDOW_LEFT, FC_WINDOW_RIGHT keys (-1: unbounded)
+//                              around i + (nk - nq) (the visibility section below)
 //   FC_ABLATE_MAX_SUBTRACTION  1: exponentiate raw scores; sum and output on one fixed scale
 //   FC_ABLATE_RESCALING        1: subtract each tile's own max, never rescale the running state
 //                              (both act only inside fc_softmax_step below)
@@ -202,58 +204,102 @@ __device__ __forceinline__ void red_add_f32x2(float *addr, float a, float b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Causal masking, the one place the rule is written: query row i (0 <= i < nq) sees key j
-// (0 <= j < nk) iff j <= i + (nk - nq) (bottom-right aligned, FlashAttention-2's convention), and
-// every key without FC_CAUSAL. A row with i + (nk - nq) < 0 sees no key.
+// Visibility, the one place the rule is written. With i' = i + (nk - nq) (bottom-right aligned,
+// FlashAttention-2's convention), query row i (0 <= i < nq) sees key j (0 <= j < nk) iff
+//   FC_CAUSAL   j <= i'
+//   FC_WINDOW   i' - FC_WINDOW_LEFT <= j <= i' + FC_WINDOW_RIGHT   (a side of -1: unbounded there)
+// and every key with neither (the host compiles a causal window (left, 0) as FC_WINDOW, never both; the
+// window's sides are compile-time constants, one module per window). A row that sees no key (every
+// family) gets o = 0 and lse = -inf.
 // ---------------------------------------------------------------------------------------------
+#ifndef FC_CAUSAL  // (sources that use flash_common.cuh without a variant: tc_probe.cu)
+#define FC_CAUSAL 0
+#endif
+#ifndef FC_WINDOW
+#define FC_WINDOW 0
+#endif
+#ifndef FC_WINDOW_LEFT
+#define FC_WINDOW_LEFT -1
+#endif
+#ifndef FC_WINDOW_RIGHT
+#define FC_WINDOW_RIGHT -1
+#endif
+static_assert(FC_WINDOW || (FC_WINDOW_LEFT == -1 && FC_WINDOW_RIGHT == -1), "FC_WINDOW_LEFT/RIGHT without FC_WINDOW");
+static_assert(!(FC_WINDOW && FC_CAUSAL), "a causal window is FC_WINDOW with FC_WINDOW_RIGHT 0, FC_CAUSAL 0");
+static_assert(!FC_WINDOW || (FC_WINDOW_LEFT >= -1 && FC_WINDOW_RIGHT >= -1 && FC_WINDOW_LEFT < (1 << 30) &&
+                             FC_WINDOW_RIGHT < (1 << 30) && FC_WINDOW_LEFT + FC_WINDOW_RIGHT > -2),
+              "FC_WINDOW_LEFT, FC_WINDOW_RIGHT: -1 (unbounded) or a reach below 2^30, not both -1");
+// Whether keys left of the row's reach (j < i' - left) or right of it (j > i' + right) are hidden,
+// and the right reach (0 when causal).
+constexpr bool FC_BOUND_LEFT = FC_WINDOW && FC_WINDOW_LEFT >= 0;
+constexpr bool FC_BOUND_RIGHT = FC_CAUSAL || (FC_WINDOW && FC_WINDOW_RIGHT >= 0);
+constexpr int FC_REACH_RIGHT = FC_CAUSAL ? 0 : FC_WINDOW_RIGHT;
+
 // Last key index query row `row` may see (inclusive; < 0 when it sees none).
 __device__ __forceinline__ int fc_last_key(int row, int nq, int nk) {
-#if FC_CAUSAL
-    return min(row + (nk - nq), nk - 1);
-#else
+    if constexpr (FC_BOUND_RIGHT) return min(row + (nk - nq) + FC_REACH_RIGHT, nk - 1);
     return nk - 1;
-#endif
 }
-__device__ __forceinline__ bool fc_visible(int row, int key, int nq, int nk) { return key <= fc_last_key(row, nq, nk); }
-// First query row that may see key `key` (0 <= key < nk): a row sees it iff first <= row < nq (the same
-// rule read from the key's side; > nq - 1 when no row sees it).
-__device__ __forceinline__ int fc_first_query(int key, int nq, int nk) {
-#if FC_CAUSAL
-    return max(key - (nk - nq), 0);
-#else
+// First key index query row `row` may see (> fc_last_key when it sees none).
+__device__ __forceinline__ int fc_first_key(int row, int nq, int nk) {
+    if constexpr (FC_BOUND_LEFT) return max(row + (nk - nq) - FC_WINDOW_LEFT, 0);
     return 0;
-#endif
+}
+__device__ __forceinline__ bool fc_visible(int row, int key, int nq, int nk) {
+    if constexpr (FC_BOUND_LEFT)
+        if (key < fc_first_key(row, nq, nk)) return false;
+    return key <= fc_last_key(row, nq, nk);
+}
+// The rows that may see key `key` (0 <= key < nk), the same rule read from the key's side: a row sees
+// it iff fc_first_query <= row <= fc_last_query (first > nq - 1 or last < 0: no row).
+__device__ __forceinline__ int fc_first_query(int key, int nq, int nk) {
+    if constexpr (FC_BOUND_RIGHT) return max(key - (nk - nq) - FC_REACH_RIGHT, 0);
+    return 0;
+}
+__device__ __forceinline__ int fc_last_query(int key, int nq, int nk) {
+    if constexpr (FC_BOUND_LEFT) return min(key - (nk - nq) + FC_WINDOW_LEFT, nq - 1);
+    return nq - 1;
 }
 
 // ---------------------------------------------------------------------------------------------
 // The range hooks: which tiles a loop visits and which of those it masks, the one place every family
-// asks (a mask with another shape, such as a sliding window or packed sequences, changes these two
-// functions, not the loops).
+// asks (a mask with another shape, such as packed sequences, changes these functions, not the loops).
 //
-// Key-tile-outer loops (the dK/dV kernels): the query tiles (of bm rows; n_qt = ceil(nq / bm)) that
+// Key-tile-outer loops (the dK/dV kernels): the query tiles (of BM rows; n_qt = ceil(nq / BM)) that
 // the key tile of keys [n0, n0 + BN) visits: tiles [first, end) hold a row that sees some key of the
-// tile (causal: from the tile of fc_first_query(n0), none when no row sees key n0; all otherwise).
+// tile (from the tile of fc_first_query(n0) to that of fc_last_query of the tile's last key; none when
+// no row sees them). The two hooks agree exactly, tile pair by tile pair (a query tile visits a key
+// tile iff the key tile visits it: the rows, and the keys, that a window's band reaches from a tile
+// form one interval), which the deterministic backward's count of additions per query tile relies on.
 // FC_QUERY_TILE_MASKED: whether the visited query tile of rows [m0, m0 + BM) needs the mask (some of its
 // rows miss some key of the tile): it holds rows past nq, or the kernel's own condition `also` holds
 // (bwd_wgmma: keys past nk, which bwd_mma's zeroed loads make harmless; false there), or, causal, its
-// first row misses the tile's last key. A macro, so that the test is compiled where it stands in the
-// loop: as an inline function NVVM evaluates it otherwise (mma's dK/dV kernels then took 2 to 4 more
-// registers, and the terms in another order cost bwd_wgmma 0.5-0.9% at N=4096 causal).
+// first row misses the tile's last key, or, in a window, its first row misses the tile's last key
+// (right reach) or its last row the tile's first key (left reach). A macro, so that the test is
+// compiled where it stands in the loop: as an inline function NVVM evaluates it otherwise (mma's dK/dV
+// kernels then took 2 to 4 more registers, and the terms in another order cost bwd_wgmma 0.5-0.9% at
+// N=4096 causal).
 struct FcQueryTiles {
     int first, end;
 };
-template <int BM>
+template <int BM, int BN>
 __device__ __forceinline__ FcQueryTiles fc_query_tiles(int n0, int nq, int nk) {
     const int n_qt = (nq + BM - 1) / BM;
-#if FC_CAUSAL
-    const int q_first = fc_first_query(n0, nq, nk);
-    return {q_first < nq ? q_first / BM : n_qt, n_qt};
-#else
-    return {0, n_qt};
-#endif
+    int first = 0, end = n_qt;
+    if constexpr (FC_BOUND_RIGHT) {
+        const int q_first = fc_first_query(n0, nq, nk);
+        first = q_first < nq ? q_first / BM : n_qt;
+    }
+    if constexpr (FC_BOUND_LEFT) {  // (the rows that see a key of the tile are [q_first, q_last], when any)
+        const int q_first = fc_first_query(n0, nq, nk), q_last = fc_last_query(min(n0 + BN, nk) - 1, nq, nk);
+        end = q_last >= q_first ? q_last / BM + 1 : first;
+    }
+    return {first, end};
 }
-#define FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk, also) \
-    (((m0) + (BM) > (nq)) || (also) || (FC_CAUSAL && (m0) < (n0) + (BN) - 1 - ((nk) - (nq))))
+#define FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk, also)                                           \
+    (((m0) + (BM) > (nq)) || (also) || (FC_CAUSAL && (m0) < (n0) + (BN) - 1 - ((nk) - (nq))) ||       \
+     (FC_WINDOW && FC_WINDOW_RIGHT >= 0 && (m0) + ((nk) - (nq)) + FC_WINDOW_RIGHT < (n0) + (BN) - 1) || \
+     (FC_BOUND_LEFT && (m0) + (BM) - 1 + ((nk) - (nq)) - FC_WINDOW_LEFT > (n0)))
 
 // The query tile run x-th of n (x = blockIdx.x of a grid of n = ceil(nq / BM) tiles, or a persistent
 // CTA's x-th tile of a head). Causal grids run the heaviest tiles (the last query rows, which see the
@@ -269,35 +315,46 @@ __device__ __forceinline__ int fc_query_tile() { return fc_query_tile(blockIdx.x
 
 // Query-tile-outer loops (every forward, the dQ kernels): the key tiles (BN keys each) that the query
 // rows [m0, min(m0 + rows, nq)) of one CTA visit: tiles [first, end) hold a key visible to some of
-// those rows (end - first of them; end = 0: none), and keys [0, key_end) include every key visible to
-// one of them; a visited tile j is masked (masked(j): some key of it is invisible to some row, at the
-// causal edge or past nk) from mask_from on, and visible to every row before it.
+// those rows (end - first of them; none when end <= first), and keys [0, key_end) include every key
+// visible to one of them; a visited tile j is masked (masked(j): some key of it is invisible to some
+// row: at the causal or window edges, past nk) before mask_below and from mask_from on, and visible to
+// every row between.
 struct FcKeyTiles {
-    int first, end, mask_from, key_end;
+    int first, end, mask_from, key_end, mask_below;
     __device__ __forceinline__ int count() const { return end - first; }
-    __device__ __forceinline__ bool masked(int j) const { return j >= mask_from; }
+    __device__ __forceinline__ bool masked(int j) const { return (FC_BOUND_LEFT && j < mask_below) || j >= mask_from; }
 };
 template <int BN>
 __device__ __forceinline__ FcKeyTiles fc_key_tiles(int m0, int rows, int nq, int nk) {
-    const int last_key = fc_last_key(min(m0 + rows, nq) - 1, nq, nk);
-    const int keys_all = fc_last_key(m0, nq, nk) + 1;  // keys visible to every row
-    return {0, last_key >= 0 ? last_key / BN + 1 : 0, keys_all > 0 ? keys_all / BN : 0, last_key + 1};
+    const int row_last = min(m0 + rows, nq) - 1;
+    const int last_key = fc_last_key(row_last, nq, nk);
+    const int keys_all = fc_last_key(m0, nq, nk) + 1;  // keys before it are right of no row's reach
+    const int end = last_key >= 0 ? last_key / BN + 1 : 0;
+    int first = 0, mask_below = 0;
+    if constexpr (FC_BOUND_LEFT) {
+        const int first_key = fc_first_key(m0, nq, nk);  // (the rows see keys [first_key, last_key], if any)
+        first = first_key <= last_key ? first_key / BN : end;
+        mask_below = (fc_first_key(row_last, nq, nk) + BN - 1) / BN;  // tiles from it: left of no row's reach
+    }
+    return {first, end, keys_all > 0 ? keys_all / BN : 0, last_key + 1, mask_below};
 }
 
 // The masked-tile routine of the tensor-core forwards, for the tiles masked(j) names: NT accumulator
 // tiles (tile(i): an m16n8 tile of mma.sync, or 8-column slice i of a wgmma m64nN accumulator, which hold
 // the same elements per lane) of this lane's rows row and row + 8, whose columns start at key key0 + 8 i;
-// every score whose key the row cannot see (fc_last_key: the causal edge, keys >= nk) becomes -inf.
+// every score whose key the row cannot see (fc_first_key, fc_last_key: the causal or window edges, keys
+// >= nk) becomes -inf.
 template <int NT, typename Tile>
 __device__ __forceinline__ void fc_mask_scores(int row, int key0, int nq, int nk, Tile tile) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const int last = fc_last_key(row + 8 * hf, nq, nk) - key0;
+        const int first = fc_first_key(row + 8 * hf, nq, nk) - key0;
 #pragma unroll
         for (int i = 0; i < NT; ++i)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-                if (8 * i + e > last) acc_set_neg_inf(tile(i), 2 * hf + e);
+                if (8 * i + e > last || (FC_BOUND_LEFT && 8 * i + e < first)) acc_set_neg_inf(tile(i), 2 * hf + e);
     }
 }
 

@@ -358,3 +358,66 @@ def test_default_tiles_and_schedules_that_depend_on_the_length():
     for family, bm, bn, schedule in (("fwd_mma", 128, 64, "dynamic"), ("fwd_wgmma", 128, 128, "loop")):
         with pytest.raises(ValueError, match="schedule must be"):
             Variant(family, "f16", "fp32", bm, bn, 64, schedule=schedule)
+
+
+# ---- sliding windows: one form per mask ----------------------------------------------------------------
+
+@pytest.mark.parametrize("window,causal,nq,nk,want", [
+    ((-1, -1), False, 10, 10, (False, None)),
+    ((-1, 0), False, 10, 10, (True, None)),          # flash_attn_func's causal
+    ((5, -1), True, 10, 10, (False, (5, 0))),        # a causal window has right reach 0
+    ((5, 7), True, 10, 10, (False, (5, 0))),
+    ((9, -1), True, 10, 10, (True, None)),           # left >= Nk - 1 reaches every key: plain causal
+    ((3, 20), False, 10, 30, (False, (3, -1))),      # right >= Nq - 1: unbounded on the right
+    ((3, 8), False, 10, 30, (False, (3, 8))),
+    ((29, 9), False, 10, 30, (False, None)),         # wider than the problem: no window at all
+    ((2, 0), True, 1, 5, (False, (2, 0))),
+])
+def test_a_window_has_one_form(window, causal, nq, nk, want):
+    """``window_of`` maps equal masks to one (causal, window) pair, so that they compile one module and a
+    window wider than the problem runs the kernel without one; the reference's mask agrees."""
+    from flashcupy._checks import window_of
+    from flashcupy.reference import visible_mask
+
+    got = window_of(window, causal, nq, nk)
+    assert got == want
+    rows = np.arange(nq)
+    np.testing.assert_array_equal(visible_mask(rows, nq, nk, causal, window),
+                                  visible_mask(rows, nq, nk, got[0], got[1] or (-1, -1)))
+
+
+def test_window_reaches_the_variant_and_bad_windows_are_refused():
+    """The call's window lands in the variant (key and defines); bad values are refused before any work,
+    and a Variant holds only the one form."""
+    from flashcupy._checks import check_forward
+    from flashcupy._variant import Variant
+
+    q, k, v = qkv(np.random.default_rng(0), (1, 2, 1, 40, 60, 16), "f32")
+    p = check_forward(q, k, v, **{**FORWARD_DEFAULTS, "causal": True, "window_size": (7, 3)})
+    assert p.variant.window == (7, 0) and not p.variant.causal and ".win7_0" in p.variant.key
+    d = p.variant.defines()
+    assert (d["FC_WINDOW"], d["FC_WINDOW_LEFT"], d["FC_WINDOW_RIGHT"], d["FC_CAUSAL"]) == (1, 7, 0, 0)
+    plain = check_forward(q, k, v, **FORWARD_DEFAULTS).variant.defines()
+    assert (plain["FC_WINDOW"], plain["FC_WINDOW_LEFT"], plain["FC_WINDOW_RIGHT"]) == (0, -1, -1)
+    for bad, exc in (((-2, 0), ValueError), ((1 << 30, 0), ValueError), ((1.0, 2), TypeError),
+                     ((True, 2), TypeError), (3, TypeError), ((1, 2, 3), TypeError)):
+        with pytest.raises(exc, match="window_size"):
+            flashcupy.attention(q, k, v, window_size=bad)
+    for bad in ((-1, 0), (-1, -1)):
+        with pytest.raises(ValueError, match="window must be None"):
+            Variant("fwd_simt", "f32", "fp32", 64, 64, 16, window=bad)
+    with pytest.raises(ValueError, match="window must be None"):
+        Variant("fwd_simt", "f32", "fp32", 64, 64, 16, causal=True, window=(5, 0))
+
+
+def test_a_remembered_window_does_not_pass_a_bool_for_an_int():
+    """(True, 3) equals (1, 3) as a tuple: the memo keys the entries' types too, so the bool is refused."""
+    from flashcupy import _checks
+
+    q, k, v = qkv(np.random.default_rng(0), (1, 1, 1, 20, 20, 16), "f32")
+    kw = {**FORWARD_DEFAULTS, "window_size": (1, 3)}
+    kw.pop("ablate", None)
+    good = _checks.forward_problem(q, k, v, ablate=None, **kw)
+    assert good.variant.window == (1, 3)
+    with pytest.raises(TypeError, match="window_size"):
+        _checks.forward_problem(q, k, v, ablate=None, **{**kw, "window_size": (True, 3)})

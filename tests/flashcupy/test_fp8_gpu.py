@@ -126,6 +126,34 @@ def test_fp8_kernel_agrees_with_twin_and_float64(rng, poisoned, case, causal, ac
     np.testing.assert_allclose(lse[seen], lt[seen], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("accumulation", ["single", "tile"])
+@pytest.mark.parametrize("causal,window", [(True, (200, -1)), (False, (77, 128))],
+                         ids=["causal-w200", "w77-128"])
+def test_fp8_kernel_with_a_window(rng, poisoned, causal, window, accumulation):
+    """A sliding window (issue 35) on the fp8 kernel: it visits the key tiles the window reaches only, and
+    agrees with the twin (which visits every tile) as closely as without one; rows that see no key
+    (Nq > Nk) get o = 0, lse = -inf."""
+    import cupy
+
+    qh, qd = _pair(rng, (1, 2, 700, 128), "token")
+    kh, kd = _pair(rng, (1, 1, 500, 128), "token")
+    vh, vd = _pair(rng, (1, 1, 500, 128), "head", shift=0.5)
+    kw = dict(causal=causal, window_size=window, accumulation=accumulation, return_lse=True)
+    o, lse = flashcupy.attention_fp8(qd, kd, vd, block_m=128, **kw)
+    assert len(poisoned) == 1 and ".win" in poisoned[0]
+    o, lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse)
+    ot, lt = flashcupy.attention_fp8(qh, kh, vh, **kw)
+    ro = reference.attention(*(fp8.dequantize(x).astype(np.float64) for x in (qh, kh, vh)), causal=causal,
+                             window_size=window)
+    seen = np.isfinite(lt)
+    assert not seen.all()
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+    assert np.all(o[~seen] == 0)
+    err_kern, err_twin = _agree(o, ot.astype(np.float64), ro, seen, "float16")
+    assert err_kern <= 1.05 * err_twin
+    np.testing.assert_allclose(lse[seen], lt[seen], rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", [(1, 2, 1, 113, 300, ("token",), ("tensor",)),
                                   (1, 2, 2, 200, 129, ("block", 64), ("token",))], ids=["kt", "kk"])

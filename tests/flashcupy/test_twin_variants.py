@@ -17,6 +17,11 @@ SHAPES = [  # (B, Hq, Hkv, Nq, Nk, D)
 ]
 
 
+def _no_window(kw: dict) -> dict:
+    """The twin's keyword arguments: the window travels in the problem's variant."""
+    return {name: value for name, value in kw.items() if name != "window_size"}
+
+
 @pytest.mark.parametrize("dname", ["f32", "bf16"])
 @pytest.mark.parametrize("causal,window,softcap,sinks,slopes", SCORE_VARIANTS)
 @pytest.mark.parametrize("shape", SHAPES)
@@ -26,15 +31,15 @@ def test_twin_variants_match_the_reference(rng, shape, causal, window, softcap, 
               **score_variant_args(rng, shape[0], shape[1], sinks, slopes))
     g = rng.standard_normal(q.shape[:3]).astype(np.float32)
     p = forward_problem(q, k, v, causal=causal, scale=None, block_m=None, block_n=16, accum="fp32",
-                        kernel="simt", ablate=None)
-    o, lse = _twin.forward(q, k, v, p, **kw)
+                        kernel="simt", ablate=None, window_size=window)
+    o, lse = _twin.forward(q, k, v, p, **_no_window(kw))
     o_ref, lse_ref = reference.attention(q, k, v, causal=causal, return_lse=True, **kw)
     # the package's accuracy rule: within a bound set by the naive same-precision attention's error
     assert_accurate(o, o_ref, naive.attention(q, k, v, causal=causal, **kw), dname, "fp32", what="o")
     assert_lse_accurate(lse, lse_ref, "fp32", what="lse")
     pb = backward_problem(do, q, k, v, o, lse, causal=causal, scale=None, block_m=None, block_n=16,
-                          accum="fp32", kernel="simt", deterministic=True)
-    grads = _twin.backward(do, q, k, v, o, lse, pb, dlse=g, **kw)
+                          accum="fp32", kernel="simt", deterministic=True, window_size=window)
+    grads = _twin.backward(do, q, k, v, o, lse, pb, dlse=g, **_no_window(kw))
     refs = reference.attention_backward(do, q, k, v, causal=causal, dlse=g, **kw)
     # the naive backward has no LSE gradient: its error is measured against the plain gradients
     naives = naive.attention_backward(do, q, k, v, causal=causal, **kw)
@@ -53,8 +58,8 @@ def test_a_window_costs_what_its_keys_cost_and_sinks_fill_empty_rows(rng):
     outs = []
     for bn in (16, 64):
         p = forward_problem(q, k, v, causal=True, scale=None, block_m=None, block_n=bn, accum="fp32",
-                            kernel="simt", ablate=None)
-        outs.append(_twin.forward(q, k, v, p, window_size=(5, 0), sinks=sinks))
+                            kernel="simt", ablate=None, window_size=(5, 0))
+        outs.append(_twin.forward(q, k, v, p, sinks=sinks))
     np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
     o, lse = outs[0]
     np.testing.assert_array_equal(o[:, :, :16], 0)  # Nq - Nk = 16 rows see no key
@@ -94,16 +99,16 @@ def test_the_entry_points_run_the_variants_on_numpy_inputs(rng):
               alibi_slopes=np.array([0.2, 0.1], dtype=np.float32))
     o, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True, **kw)
     p = forward_problem(q, k, v, causal=True, scale=None, block_m=None, block_n=None, accum="fp32",
-                        kernel="auto", ablate=None)
-    twin = _twin.forward(q, k, v, p, **kw)
+                        kernel="auto", ablate=None, window_size=kw["window_size"])
+    twin = _twin.forward(q, k, v, p, **_no_window(kw))
     assert np.array_equal(o, twin[0]) and np.array_equal(lse, twin[1])
     grads = flashcupy.attention_backward(do, q, k, v, o, lse, causal=True, **kw)
     assert len(grads) == 4 and grads[3].shape == (2,) and np.abs(grads[3]).max() > 0
     plain = flashcupy.attention(q, k, v, causal=True, window_size=[-1, -1], softcap=0)
     assert np.array_equal(plain, flashcupy.attention(q, k, v, causal=True))
     gpu = types.SimpleNamespace(backend="cuda")
-    assert flashcupy._score_variants(gpu, [-1, -1], 0, None, None) == {}  # the defaults by value
-    with pytest.raises(ValueError, match="window_size, sinks: these score variants run on NumPy inputs"):
-        flashcupy._score_variants(gpu, (3, 0), 0.0, kw["sinks"], None)
+    assert flashcupy._score_variants(gpu, 0, None, None) == {}  # the defaults by value
+    with pytest.raises(ValueError, match="softcap, sinks: these score variants run on NumPy inputs"):
+        flashcupy._score_variants(gpu, 2.0, kw["sinks"], None)
     with pytest.raises(TypeError, match="softcap must be a number"):
         flashcupy.attention(q, k, v, softcap=None)

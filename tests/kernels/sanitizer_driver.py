@@ -44,18 +44,33 @@ def main() -> None:
                     for det in (False, True):
                         flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel,
                                                      accum=accum, deterministic=det, **bwd_tile)
+    # sliding windows (issue 35): both edges inside the tiles, and a left edge only, in each family
+    # (default tiles), forward and both dQ paths, Nq above and below Nk (rows that see no key)
+    for kernel, dt in (("wgmma", np.float16), ("mma", np.float16), ("simt", np.float32)):
+        for causal, window in ((False, (20, 5)), (True, (40, -1))):
+            for nq, nk in ((77, 330), (330, 77)):
+                q = cupy.asarray(rng.standard_normal((1, 4, nq, 64)).astype(dt))
+                k = cupy.asarray(rng.standard_normal((1, 2, nk, 64)).astype(dt))
+                do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
+                o, lse = flashcupy.attention(q, k, k, causal=causal, kernel=kernel, window_size=window,
+                                             return_lse=True)
+                for det in (False, True):
+                    flashcupy.attention_backward(do, q, k, k, o, lse, causal=causal, kernel=kernel,
+                                                 deterministic=det, window_size=window)
     # the persistent wgmma forward (D=64) on 3 CTAs, so that each runs several tiles: the static split
-    # and, with a causal mask, the dynamic scheduler's tile slot and counter
+    # (with a window too: tiles that see no key) and, with a causal mask, the dynamic scheduler's tile
+    # slot and counter
     from flashcupy import _launch
 
     ctas = _launch._wgmma_ctas
     _launch._wgmma_ctas = lambda tiles: min(tiles, 3)
     try:
-        for causal in (False, True):
+        for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (50, 10))):
             for nq, nk in ((301, 130), (130, 301)):
                 q = cupy.asarray(rng.standard_normal((1, 4, nq, 64)).astype(np.float16))
                 k = cupy.asarray(rng.standard_normal((1, 2, nk, 64)).astype(np.float16))
-                flashcupy.attention(q, k, k, causal=causal, kernel="wgmma", block_m=128, block_n=64)
+                flashcupy.attention(q, k, k, causal=causal, kernel="wgmma", block_m=128, block_n=64,
+                                    window_size=window)
     finally:
         _launch._wgmma_ctas = ctas
     # fp8 (e4m3) forward: both accumulations, k descales per tile and per key, every tile, GQA, ragged
