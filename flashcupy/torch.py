@@ -40,6 +40,7 @@ except ImportError as e:  # pragma: no cover - the torch extra
 from . import _launch, _torch_node
 from ._checks import backward_problem, forward_problem, numpy_dtype
 from ._variant import current_build, kernel_build
+from .reference import check_window
 
 __all__ = ["attention"]
 
@@ -194,13 +195,13 @@ def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
 
 def _forward_entry(q, k, v, knobs) -> _Entry:
     """The remembered entry of a forward call (``knobs``: causal, scale, block_m, block_n, accum, kernel,
-    ablate)."""
+    ablate, window)."""
 
     def make() -> _Entry:
-        causal, scale, block_m, block_n, accum, kernel, ablate = knobs
+        causal, scale, block_m, block_n, accum, kernel, ablate, window = knobs
         views = tuple(map(_cp, (q, k, v)))
         p = forward_problem(*views, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                            accum=accum, kernel=kernel, ablate=ablate)
+                            accum=accum, kernel=kernel, ablate=ablate, window_size=window)
         copies, strides = _copies(views, (p.variant.fam.kind == "wgmma",) * 3)
         with cupy.cuda.Device(p.device):
             plan = _launch.forward_plan(p, *strides, views[0].itemsize)
@@ -210,9 +211,10 @@ def _forward_entry(q, k, v, knobs) -> _Entry:
     return _entry(_FORWARD_SIGNATURES, _signature((q, k, v), knobs), make)
 
 
-def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate):
-    """(o, lse) of ``flashcupy.attention`` on tensors (the custom op's and the eager path's body)."""
-    knobs = (causal, scale, block_m, block_n, accum, kernel, ablate)
+def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window):
+    """(o, lse) of ``flashcupy.attention`` on tensors (the custom op's and the eager path's body;
+    ``window``: a checked (left, right) pair)."""
+    knobs = (causal, scale, block_m, block_n, accum, kernel, ablate, window)
     entry = _forward_entry(q, k, v, knobs)
     if entry.program is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         return tuple(_torch_node.module().forward(q, k, v, entry.program))  # on q's device, from C++
@@ -235,7 +237,7 @@ def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate):
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic):
+def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window):
     """(dq, dk, dv) of ``flashcupy.attention_backward`` on tensors (``dlse`` may be None)."""
     tensors = (do, q, k, v, o, lse) if dlse is None else (do, q, k, v, o, lse, dlse)
 
@@ -243,7 +245,8 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
         views = [_cp(x) for x in tensors]
         dlse_view = views[6] if dlse is not None else None
         p = backward_problem(*views[:6], causal=causal, scale=scale, block_m=None, block_n=None,
-                             accum=accum, kernel=kernel, deterministic=deterministic, dlse=dlse_view)
+                             accum=accum, kernel=kernel, deterministic=deterministic, dlse=dlse_view,
+                             window_size=window)
         tma = p.variant.fam.kind == "wgmma"
         copies, strides = _copies(views[:5], (tma,) * 4 + (False,))  # o: read by the prep kernel alone
         # lse and dlse: read as rows, C-contiguous
@@ -251,7 +254,7 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
         with cupy.cuda.Device(p.device):
             return _Entry(p, _launch.backward_plan(p, deterministic, strides, views[1].itemsize), copies)
 
-    knobs = (causal, scale, accum, kernel, deterministic)
+    knobs = (causal, scale, accum, kernel, deterministic, window)
     entry = _entry(_BACKWARD_SIGNATURES, _signature(tensors, knobs), make)
     device = q.get_device()
     if torch._C._cuda_getDevice() != device:
@@ -282,36 +285,49 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
 @torch.library.custom_op("flashcupy::attention", mutates_args=(), device_types="cuda")
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
                   block_m: Optional[int], block_n: Optional[int], accum: str, kernel: str,
-                  ablate: Optional[str], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  ablate: Optional[str], deterministic: bool, window_left: int = -1,
+                  window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     # ``deterministic`` is the backward's knob, kept by the forward for its autograd context
-    return _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate)
+    return _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate,
+                    (window_left, window_right))
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, deterministic):
+def _(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, deterministic, window_left=-1,
+      window_right=-1):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("flashcupy::attention_backward", mutates_args=(), device_types="cuda")
 def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            o: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
-                           scale: Optional[float], accum: str, kernel: str,
-                           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           scale: Optional[float], accum: str, kernel: str, deterministic: bool,
+                           window_left: int = -1,
+                           window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # do may come with any strides (autograd hands o.mean()'s a stride-0 one): what the kernels cannot
     # read is copied
-    return _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic)
+    return _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic,
+                     (window_left, window_right))
 
 
 @_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic):
+def _(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window_left=-1,
+      window_right=-1):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _backward_op(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window):
+    """``_backward``'s arguments through the backward operator (whose schema takes the window's sides as
+    two ints)."""
+    return _attention_backward_op(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic,
+                                  *window)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _, _, accum, kernel, ablate, deterministic = inputs
+    q, k, v, causal, scale, _, _, accum, kernel, ablate, deterministic, *window = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.knobs = (causal, scale, accum, kernel, deterministic)
+    ctx.knobs = (causal, scale, accum, kernel, deterministic, tuple(window) or (-1, -1))
     ctx.ablate = ablate
 
 
@@ -325,8 +341,8 @@ def _backward_of_op(ctx, do, dlse):
     if ctx.ablate is not None:
         raise RuntimeError(_no_backward(ctx.ablate))
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(do, q, k, v, o, lse, dlse, *ctx.knobs)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    dq, dk, dv = _backward_op(do, q, k, v, o, lse, dlse, *ctx.knobs)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("flashcupy::attention", _backward_of_op, setup_context=_setup_context)
@@ -339,15 +355,15 @@ torch.library.register_autograd("flashcupy::attention", _backward_of_op, setup_c
 
 
 class _EagerAttention(torch.autograd.Function):
-    """``apply(q, k, v, knobs)``, knobs = (causal, scale, block_m, block_n, accum, kernel, ablate,
-    deterministic): one argument for the eight, since ``apply`` inspects each argument it is given."""
+    """``apply(q, k, v, knobs)``, knobs = (causal, scale, block_m, block_n, accum, kernel, ablate, window,
+    deterministic): one argument for the nine, since ``apply`` inspects each argument it is given."""
 
     @staticmethod
     def forward(ctx, q, k, v, knobs):
-        causal, scale, block_m, block_n, accum, kernel, ablate, deterministic = knobs
-        o, lse = _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate)
+        causal, scale, block_m, block_n, accum, kernel, ablate, window, deterministic = knobs
+        o, lse = _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.knobs = (causal, scale, accum, kernel, deterministic)
+        ctx.knobs = (causal, scale, accum, kernel, deterministic, window)
         ctx.ablate = ablate
         ctx.set_materialize_grads(False)
         return o, lse
@@ -371,7 +387,7 @@ def _eager_grads(ctx, do, dlse):
     if do is None:
         do = torch.zeros_like(o)
     # a backward run under a mode or compiled autograd goes through the operator those can see
-    backward = _backward if _plain_torch() else _attention_backward_op
+    backward = _backward if _plain_torch() else _backward_op
     dq, dk, dv = backward(do, q, k, v, o, lse, dlse, *ctx.knobs)
     return dq, dk, dv, None
 
@@ -429,21 +445,21 @@ def _backward_program(q, k, v, knobs):
     autograd's thread, outside any ``kernel_build`` block). Where the checks refuse, the plan cannot
     read q, k, v in place or cannot be made, a program without launches: every backward then takes the
     fallback, which copies, or raises the error, as the Python node does."""
-    causal, scale, _, _, accum, kernel, _, deterministic = knobs
+    causal, scale, _, _, accum, kernel, _, window, deterministic = knobs
     spec = dict(forward=False, launches=[], maps=[], dynamic=False, dq_floats=0, delta_floats=0, sem_shape=[])
     o = _contiguous_like(q)
     views = tuple(map(_cp, (o, q, k, v, o, q.new_empty(q.shape[:3], dtype=torch.float32))))
     try:
         with kernel_build():
             p = backward_problem(*views, causal=causal, scale=scale, block_m=None, block_n=None,
-                                 accum=accum, kernel=kernel, deterministic=deterministic)
+                                 accum=accum, kernel=kernel, deterministic=deterministic, window_size=window)
             copies, strides = _copies(views[:5], (p.variant.fam.kind == "wgmma",) * 4 + (False,))
             if not any(copies):
                 with cupy.cuda.Device(p.device):
                     spec = _launch.backward_plan(p, deterministic, strides, views[1].itemsize).program()
     except (ValueError, TypeError, RuntimeError):  # checks, limits, NVRTC: raised again by the fallback
         pass  # when a backward runs, as the Python node raises them
-    index = _knob_index((causal, scale, accum, kernel, deterministic))
+    index = _knob_index((causal, scale, accum, kernel, deterministic, window))
     return _torch_node.module().program(**spec, bwd_knobs=index)
 
 
@@ -483,7 +499,7 @@ def _eager(q, k, v) -> bool:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None, *, layout: str = "bhnd", return_lse: bool = False,
-              deterministic: bool = False, **knobs):
+              deterministic: bool = False, window_size: tuple[int, int] = (-1, -1), **knobs):
     """Differentiable flashcupy attention on CUDA tensors.
 
     ``layout="bhnd"`` (default): q is (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), as in
@@ -491,6 +507,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     (B, Nk, Hkv, D), as in flash-attn's ``flash_attn_func``, read through strided views without copies,
     and the output comes back in the same layout (a view of a (B, H, N, D) buffer). The causal mask is
     bottom-right aligned when Nq != Nk (flash-attn's; SDPA's ``is_causal`` is top-left).
+
+    ``window_size`` (left, right): a sliding window as in ``flashcupy.attention`` (bottom-right aligned,
+    with ``causal`` the window (left, 0)), forward and backward, in every family.
 
     ``knobs`` are ``flashcupy.attention``'s block_m, block_n, accum, kernel and ablate; the backward uses
     the same accum and kernel with its own default tiles, and ``deterministic`` as in
@@ -528,16 +547,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if ablate is not None and grad:
         raise ValueError(_no_backward(ablate))
+    window = (-1, -1) if window_size == (-1, -1) else check_window(window_size)
     if layout == "bnhd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    args = (q, k, v, causal, scale, knobs.get("block_m"), knobs.get("block_n"), knobs.get("accum", "fp32"),
-            knobs.get("kernel", "auto"), ablate, deterministic)
+    fwd = (causal, scale, knobs.get("block_m"), knobs.get("block_n"), knobs.get("accum", "fp32"),
+           knobs.get("kernel", "auto"), ablate)
     if not _eager(q, k, v):
-        o, lse = _attention_op(*args)
+        o, lse = _attention_op(q, k, v, *fwd, deterministic, *window)
     elif grad:
-        o, lse = _autograd(q, k, v, args[3:])
+        o, lse = _autograd(q, k, v, (*fwd, window, deterministic))
     else:
-        o, lse = _forward(*args[:-1])
+        o, lse = _forward(q, k, v, *fwd, window)
     if layout == "bnhd":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o

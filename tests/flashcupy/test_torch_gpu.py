@@ -147,3 +147,46 @@ def test_bridge_runs_tensors_on_a_gpu_that_is_not_current(rng):
     assert torch.cuda.current_device() == 0
     for a, b in zip(grads["cuda:0"], grads["cuda:1"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+def test_a_window_runs_on_every_torch_path(rng, kernel):
+    """``window_size`` through flashcupy.torch: the eager node (compiled C++ where it builds), the custom
+    operators (opcheck with the window's two ints) and torch.compile (fullgraph) give the bits of
+    flashcupy.attention and attention_backward on the same values, and the window is applied (the result
+    is not the causal one)."""
+    import cupy
+
+    import flashcupy
+    import flashcupy.torch as fct
+
+    w = (100, 0)
+    kw = dict(causal=True, window_size=w, kernel=kernel, deterministic=True)
+    q, k, v = _tensors(rng, [(1, 4, 300, 64), (1, 2, 350, 64), (1, 2, 350, 64)])
+    do = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    o = fct.attention(q, k, v, **kw)
+    o.backward(do)
+    eager = (o.detach(), q.grad, k.grad, v.grad)
+
+    qc, kc, vc, doc = (cupy.asarray(x.detach()) for x in (q, k, v, do))
+    oc, lse = flashcupy.attention(qc, kc, vc, causal=True, window_size=w, kernel=kernel, return_lse=True)
+    grads = flashcupy.attention_backward(doc, qc, kc, vc, oc, lse, causal=True, window_size=w, kernel=kernel,
+                                         deterministic=True)
+    for a, b in zip(eager, (oc, *grads)):
+        assert bool((cupy.asarray(a) == b).all())
+    causal = flashcupy.attention(qc, kc, vc, causal=True, kernel=kernel)
+    assert not bool((causal == oc).all())
+
+    args = (q.detach(), k.detach(), v.detach(), True, None, None, None, "fp32", kernel, None, True, *w)
+    torch.library.opcheck(torch.ops.flashcupy.attention.default, args)
+    o2, lse2 = torch.ops.flashcupy.attention(*args)
+    assert torch.equal(o2, eager[0])
+    bwd_args = (do, *args[:3], o2, lse2, None, True, None, "fp32", kernel, True, *w)
+    torch.library.opcheck(torch.ops.flashcupy.attention_backward.default, bwd_args)
+
+    qs, ks, vs = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    compiled = torch.compile(lambda a, b, c: fct.attention(a, b, c, **kw), fullgraph=True)
+    o3 = compiled(qs, ks, vs)
+    o3.backward(do)
+    for a, b in zip(eager, (o3.detach(), qs.grad, ks.grad, vs.grad)):
+        assert torch.equal(a, b)
