@@ -256,3 +256,19 @@ def test_bench_fp8_rows_per_head_dim():
     assert [r[:4] for r in rows] == [["f16", 4096, 128, False], ["f16", 4096, 256, False]]
     assert rows[0][4:] == [800.0, 700.0, 640.0, 800.0 / 640.0, 700.0 / 640.0, 660.0, 800.0 / 660.0]
     assert rows[1][5] is None and rows[1][8] is None and rows[1][7] == 1000.0 / 680.0
+
+
+def test_window_error_within_the_rule_at_every_width(reports):
+    """The window experiment measures every (dtype, accumulator) at every width, narrowest first, the
+    visible keys per row growing with the width, and with fp32 accumulators within the accuracy rule."""
+    rows = table(reports[1]["window"], "Error against float64 by window width")
+    combos = {(r["dtype"], r["accum"]) for r in rows}
+    assert len(combos) == 4 and len(rows) == 4 * 5
+    for combo in combos:
+        keys = [r["visible keys per row"] for r in rows if (r["dtype"], r["accum"]) == combo]
+        assert keys == sorted(keys) and keys[0] < 6
+    for r in rows:
+        assert r["o max abs"] > 0 and r["naive o max abs"] > 0
+        if r["accum"] == "fp32":
+            assert r["o / naive"] <= FACTOR["fwd"], r
+            assert max(r["dQ / naive"], r["dK / naive"], r["dV / naive"]) <= FACTOR["bwd"], r
