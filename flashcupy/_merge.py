@@ -1,0 +1,109 @@
+"""``merge_states``: the attention over a union of disjoint key sets from the attentions over each set.
+
+Split-KV decoding, ring attention and users' own pipelines each compute attention over part of the keys
+and combine. With o_s and lse_s the output and log-sum-exp of part s (natural log, -inf for a part that
+saw no key), the whole's are
+
+    lse = log sum_s exp(lse_s),     o = sum_s exp(lse_s - lse) o_s,
+
+a softmax over the parts' LSEs used as weights. Two ways to compute it, both in float32:
+
+* ``form="exp"`` (one pass, FlashAttention's split-KV combine): m = max_s lse_s, w_s = exp(lse_s - m),
+  lse = m + log(sum_s w_s), o = sum_s w_s o_s / sum_s w_s.
+* ``form="logsigmoid"`` (a pairwise fold over the parts in order, the form torch's context parallelism
+  uses): merging (o, lse) with (o_s, lse_s) gives o - sigmoid(lse_s - lse) (o - o_s) and
+  lse - logsigmoid(lse - lse_s), i.e. the new part's weight sigmoid(lse_s - lse) = e^lse_s / (e^lse +
+  e^lse_s) and log(e^lse + e^lse_s).
+
+``ablate="max_subtraction"`` removes the max from the one-pass form (w_s = exp(lse_s)): it overflows once
+an LSE passes ln(float32 max) = 88.72, as the kernels' own break does for scores.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+FORMS = ("exp", "logsigmoid")
+_OUT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _xp(x):
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return cupy
+    raise TypeError(f"o_parts and lse_parts must be NumPy or CuPy arrays, got {type(x).__name__}")
+
+
+def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", ablate: str | None = None):
+    """Merge S partial attention states over disjoint key sets into the state over their union.
+
+    Parameters
+    ----------
+    o_parts : (S, B, H, N, D) float16, bfloat16 or float32, NumPy or CuPy: part s's output (0 for a
+        query row that saw none of its keys).
+    lse_parts : (S, B, H, N) float32 (or float64), the same array kind: part s's log-sum-exp (natural log;
+        -inf where the row saw none of its keys), as ``flashcupy.attention(..., return_lse=True)``
+        returns it.
+    out_dtype : the output's dtype name ("float16", "bfloat16", "float32"); default o_parts' dtype.
+    form : "exp" or "logsigmoid" (module docstring); both compute in float32.
+    ablate : None or "max_subtraction" (form "exp" only): the weights exp(lse_s) without the max.
+
+    Returns (o (B, H, N, D) in ``out_dtype``, lse (B, H, N) float32). A row that no part saw gets o = 0
+    and lse = -inf. The math and the two forms: ``flashcupy._merge``.
+    """
+    xp = _xp(o_parts)
+    if _xp(lse_parts) is not xp:
+        raise TypeError("o_parts and lse_parts must both be NumPy arrays or both CuPy arrays")
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if ablate not in (None, "max_subtraction"):
+        raise ValueError(f"ablate must be None or 'max_subtraction', got {ablate!r}")
+    if ablate is not None and form != "exp":
+        raise ValueError("ablate='max_subtraction' breaks the one-pass form: use form='exp'")
+    if o_parts.ndim != 5 or lse_parts.shape != o_parts.shape[:4] or o_parts.shape[0] < 1:
+        raise ValueError(f"o_parts must be (S, B, H, N, D) with S >= 1 and lse_parts (S, B, H, N); got "
+                         f"{tuple(o_parts.shape)} and {tuple(lse_parts.shape)}")
+    from ._checks import dtype_name, numpy_dtype
+
+    dname = dtype_name(o_parts.dtype)
+    if dname is None:
+        raise TypeError(f"o_parts must be float16, bfloat16 or float32, got {o_parts.dtype}")
+    if lse_parts.dtype not in (np.float32, np.float64):
+        raise TypeError(f"lse_parts must be float32 or float64, got {lse_parts.dtype}")
+    if out_dtype is None:
+        out = numpy_dtype(dname)
+    elif out_dtype in _OUT_DTYPES:
+        out = numpy_dtype({"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[out_dtype])
+    else:
+        raise ValueError(f"out_dtype must be None or one of {_OUT_DTYPES}, got {out_dtype!r}")
+
+    f32 = xp.float32
+    o = o_parts.astype(f32)
+    lse = lse_parts.astype(f32)
+    if form == "exp":
+        if ablate is None:
+            m = lse.max(axis=0)
+            m = xp.where(xp.isneginf(m), f32(0), m)  # no part saw the row: every weight is exp(-inf) = 0
+        else:
+            m = xp.zeros(lse.shape[1:], dtype=f32)  # REMOVED: the max subtraction
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            w = xp.exp(lse - m)
+            total = w.sum(axis=0)
+            merged = (w[..., None] * o).sum(axis=0) / xp.where(total == 0, f32(1), total)[..., None]
+            lse_out = xp.where(total == 0, f32(-np.inf), m + xp.log(total))
+        return merged.astype(out), lse_out.astype(f32)
+    acc_o, acc_lse = o[0], lse[0]
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for s in range(1, o.shape[0]):
+            o_s, lse_s = o[s], lse[s]
+            # (a side at -inf takes no weight; both at -inf stay at -inf with o = 0)
+            both_empty = xp.isneginf(acc_lse) & xp.isneginf(lse_s)
+            d = xp.where(both_empty, f32(0), lse_s - acc_lse)                  # +inf where acc is empty
+            weight = f32(1) / (f32(1) + xp.exp(-d))                             # sigmoid(lse_s - lse)
+            acc_o = acc_o - weight[..., None] * (acc_o - o_s)
+            softplus = xp.where(d > 0, d + xp.log1p(xp.exp(-d)), xp.log1p(xp.exp(d)))  # -logsigmoid(-d)
+            acc_lse = xp.where(xp.isneginf(acc_lse), lse_s,
+                               xp.where(xp.isneginf(lse_s), acc_lse, acc_lse + softplus))
+    return acc_o.astype(out), acc_lse.astype(f32)
