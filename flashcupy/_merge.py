@@ -36,7 +36,8 @@ def _xp(x):
     raise TypeError(f"o_parts and lse_parts must be NumPy or CuPy arrays, got {type(x).__name__}")
 
 
-def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", ablate: str | None = None):
+def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", state_dtype: str = "float32",
+                 ablate: str | None = None):
     """Merge S partial attention states over disjoint key sets into the state over their union.
 
     Parameters
@@ -48,6 +49,10 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", ablat
         returns it.
     out_dtype : the output's dtype name ("float16", "bfloat16", "float32"); default o_parts' dtype.
     form : "exp" or "logsigmoid" (module docstring); both compute in float32.
+    state_dtype : "float32" (default), "bfloat16" or "float16": the dtype the merged output is held in
+        while the parts are added one by one, rounded after each (the weights stay float32): a merge
+        whose running output lives in the inputs' dtype, as in ring implementations that accumulate
+        their output in bf16. "float32" is the one-pass float32 sum.
     ablate : None or "max_subtraction" (form "exp" only): the weights exp(lse_s) without the max.
 
     Returns (o (B, H, N, D) in ``out_dtype``, lse (B, H, N) float32). A row that no part saw gets o = 0
@@ -72,10 +77,14 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", ablat
         raise TypeError(f"o_parts must be float16, bfloat16 or float32, got {o_parts.dtype}")
     if lse_parts.dtype not in (np.float32, np.float64):
         raise TypeError(f"lse_parts must be float32 or float64, got {lse_parts.dtype}")
+    if state_dtype not in _OUT_DTYPES:
+        raise ValueError(f"state_dtype must be one of {_OUT_DTYPES}, got {state_dtype!r}")
+    names = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+    state = None if state_dtype == "float32" else numpy_dtype(names[state_dtype])
     if out_dtype is None:
         out = numpy_dtype(dname)
     elif out_dtype in _OUT_DTYPES:
-        out = numpy_dtype({"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[out_dtype])
+        out = numpy_dtype(names[out_dtype])
     else:
         raise ValueError(f"out_dtype must be None or one of {_OUT_DTYPES}, got {out_dtype!r}")
 
@@ -91,7 +100,13 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", ablat
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             w = xp.exp(lse - m)
             total = w.sum(axis=0)
-            merged = (w[..., None] * o).sum(axis=0) / xp.where(total == 0, f32(1), total)[..., None]
+            if state is None:
+                merged = (w[..., None] * o).sum(axis=0) / xp.where(total == 0, f32(1), total)[..., None]
+            else:  # the parts added one by one into a running output held in state_dtype
+                w = w / xp.where(total == 0, f32(1), total)
+                merged = xp.zeros(o.shape[1:], dtype=f32)
+                for s in range(o.shape[0]):
+                    merged = (merged + w[s][..., None] * o[s]).astype(state).astype(f32)
             lse_out = xp.where(total == 0, f32(-np.inf), m + xp.log(total))
         return merged.astype(out), lse_out.astype(f32)
     acc_o, acc_lse = o[0], lse[0]
@@ -103,6 +118,8 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", ablat
             d = xp.where(both_empty, f32(0), lse_s - acc_lse)                  # +inf where acc is empty
             weight = f32(1) / (f32(1) + xp.exp(-d))                             # sigmoid(lse_s - lse)
             acc_o = acc_o - weight[..., None] * (acc_o - o_s)
+            if state is not None:
+                acc_o = acc_o.astype(state).astype(f32)
             softplus = xp.where(d > 0, d + xp.log1p(xp.exp(-d)), xp.log1p(xp.exp(d)))  # -logsigmoid(-d)
             acc_lse = xp.where(xp.isneginf(acc_lse), lse_s,
                                xp.where(xp.isneginf(lse_s), acc_lse, acc_lse + softplus))

@@ -272,3 +272,26 @@ def test_window_error_within_the_rule_at_every_width(reports):
         if r["accum"] == "fp32":
             assert r["o / naive"] <= FACTOR["fwd"], r
             assert max(r["dQ / naive"], r["dK / naive"], r["dV / naive"]) <= FACTOR["bwd"], r
+
+
+def test_merge_error_follows_the_running_outputs_dtype(reports):
+    """Parts stored in bf16 and merged in float32 keep their error as S grows (the roundings average);
+    a running output held in bf16 grows with S; the float32 merge stays near float32 roundoff; without
+    the max subtraction the merge returns NaN once the LSEs pass ln(float32 max)."""
+    rows = table(reports[1]["merge"], "Error of the merged output")
+
+    def errs(arm, dtype, state, form="exp"):
+        return [r["error"] for r in rows if (r["arm"], r["parts dtype"], r["running output"], r["form"])
+                == (arm, dtype, state, form)]
+
+    flat, grows, f32 = (errs("exact parts", "bf16", "float32"), errs("exact parts", "bf16", "bfloat16"),
+                        errs("exact parts", "f32", "float32"))
+    assert len(flat) == len(grows) >= 4
+    assert max(flat) < 1.5 * flat[0] and grows[-1] > 5 * grows[0]
+    assert max(f32) < 1e-5
+    for state in ("float32", "bfloat16"):
+        for a, b in zip(errs("exact parts", "bf16", state), errs("exact parts", "bf16", state, "logsigmoid")):
+            assert abs(a - b) <= 0.5 * max(a, b)
+    breaks = table(reports[1]["merge"], "The merge without the max subtraction")
+    assert breaks[0]["NaN rows (no max)"] == 0 and breaks[-1]["NaN rows (no max)"] > 0.9
+    assert all(r["intact max abs error"] < 1e-4 for r in breaks)

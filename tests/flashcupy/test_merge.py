@@ -85,11 +85,26 @@ def test_the_max_subtraction_break_overflows_past_ln_max(rng):
     (lambda o, ls: flashcupy.merge_states(o, ls, form="logsigmoid", ablate="max_subtraction"), ValueError,
      "one-pass"),
     (lambda o, ls: flashcupy.merge_states(o.tolist(), ls), TypeError, "NumPy or CuPy"),
+    (lambda o, ls: flashcupy.merge_states(o, ls, state_dtype="f16"), ValueError, "state_dtype"),
 ])
 def test_bad_arguments_are_refused_by_name(rng, call, exc, words):
     _, o, lse = _parts(rng, 2)
     with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
         call(o, lse)
+
+
+@pytest.mark.parametrize("form", flashcupy._merge.FORMS)
+def test_a_bf16_running_output_loses_what_a_float32_one_keeps(rng, form):
+    """state_dtype='bfloat16' rounds the running output after every part: with 64 parts it is several
+    times worse than the float32 merge of the same bf16 parts, which stays at one part's rounding."""
+    (q, k, v), o_parts, lse_parts = _parts(rng, 64, nk=2048, dtype=numpy_dtype("bf16"))
+    ref = reference.attention(q, k, v)
+    err = {}
+    for st in ("float32", "bfloat16"):
+        o, _ = flashcupy.merge_states(o_parts, lse_parts, form=form, state_dtype=st, out_dtype="float32")
+        err[st] = np.abs(o - ref).max()
+    assert err["bfloat16"] > 3 * err["float32"]
+    assert err["float32"] <= 2 * 2.0 ** -8 * np.abs(o_parts.astype(np.float64)).max()
 
 
 @pytest.mark.gpu
