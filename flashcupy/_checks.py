@@ -132,14 +132,14 @@ def window_of(window_size, causal: bool, nq: int, nk: int) -> tuple[bool, tuple[
     a side that reaches past every key of every row of this Nq x Nk problem is unbounded (-1: left >=
     Nk - 1, right >= Nq - 1); then the window (-1, 0) is causal=True and (-1, -1) no window. Equal
     masks compile one module, and a window wider than the problem runs the kernel without one."""
-    if window_size is None or (isinstance(window_size, tuple) and window_size == (-1, -1)):
+    if window_size is None:
         return causal, None
     left, right = check_window(window_size)
     if (left, right) == (-1, -1):
         return causal, None
     right = 0 if causal else right
     left = -1 if left >= nk - 1 else left
-    right = -1 if right >= nq - 1 and right != 0 else right
+    right = -1 if right >= nq - 1 else right  # (Nq = 1: a causal window reaches every key on the right)
     if right == -1 and left == -1:
         return False, None
     if (left, right) == (-1, 0):

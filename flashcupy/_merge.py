@@ -110,6 +110,8 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", state
             lse_out = xp.where(total == 0, f32(-np.inf), m + xp.log(total))
         return merged.astype(out), lse_out.astype(f32)
     acc_o, acc_lse = o[0], lse[0]
+    if state is not None:
+        acc_o = acc_o.astype(state).astype(f32)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for s in range(1, o.shape[0]):
             o_s, lse_s = o[s], lse[s]

@@ -222,8 +222,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
         for (int i = 0; i < DPT; ++i) dk_acc[t][i] = dv_acc[t][i] = 0.f;
 
     // The query tiles this key tile visits (the range hook, flash_common.cuh: from the one holding the
-    // first row that sees key n0; none at all when no row sees it: dK = dV = 0); every tile is masked
-    // row by row (fc_visible).
+    // first row that sees a key of the tile to the one holding the last; none at all when no row sees
+    // one: dK = dV = 0); every tile is masked row by row (fc_visible).
     const FcQueryTiles qtiles = fc_query_tiles<BM, BN>(n0, nq, nk);
 
     for (int g = 0; g < group; ++g) {

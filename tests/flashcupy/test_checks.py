@@ -371,7 +371,9 @@ def test_default_tiles_and_schedules_that_depend_on_the_length():
     ((3, 20), False, 10, 30, (False, (3, -1))),      # right >= Nq - 1: unbounded on the right
     ((3, 8), False, 10, 30, (False, (3, 8))),
     ((29, 9), False, 10, 30, (False, None)),         # wider than the problem: no window at all
-    ((2, 0), True, 1, 5, (False, (2, 0))),
+    ((2, 0), True, 1, 5, (False, (2, -1))),          # one row (decoding): right 0 reaches its last key
+    ((2, 7), False, 1, 5, (False, (2, -1))),         # the same mask, the same form
+    ((-1, 0), False, 1, 5, (False, None)),
 ])
 def test_a_window_has_one_form(window, causal, nq, nk, want):
     """``window_of`` maps equal masks to one (causal, window) pair, so that they compile one module and a
