@@ -39,5 +39,5 @@ def test_the_package_namespace_shows_the_public_api_only():
     modules = {n for n in public if isinstance(getattr(flashcupy, n), types.ModuleType)}
     assert public - modules == {"attention", "attention_backward", "attention_fp8", "dequantize",
                                 "merge_states", "quantize"}
-    assert modules <= {"fp8", "reference", "transforms", "naive", "accuracy", "torch", "inspect"}
+    assert modules <= {"fp8", "reference", "transforms", "naive", "accuracy", "torch", "inspect", "parallel"}
     assert set(flashcupy.__all__) <= public

@@ -1,0 +1,150 @@
+"""Context parallelism (issue 37), first part: zigzag sharding and ring attention simulated in one process.
+
+Ring attention splits the sequence over W ranks. Each rank keeps its queries and passes its K/V block
+around the ring; at each of the W steps it attends its queries to the block it holds and merges the
+result into its running (o, lse) (``flashcupy.merge_states``); the backward sends dK/dV around the ring
+the same way, each rank adding its share. With a causal mask the zigzag layout balances the ranks: the
+sequence is cut into 2W chunks and rank r holds chunks r and 2W - 1 - r (one early, one late).
+
+``simulate_ring`` runs exactly that arithmetic in one process, rank by rank and step by step, on NumPy
+(the twin) or CuPy (the kernels) arrays: the same chunk-pair calls, the same merge order, the same
+roundings of the running output and of the travelling gradients, without the communication. It is the
+numerical model of the distributed version, and how the ``ring`` experiment reaches 64 ranks on one
+device. Chunk pairs: a query chunk c sees key chunk c' fully when c' < c, causally when c' = c (equal
+lengths: top-left and bottom-right alignment agree), not at all when c' > c; every pair without a
+causal mask.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["simulate_ring", "zigzag_chunks", "zigzag_shard", "zigzag_unshard"]
+
+
+def zigzag_chunks(world_size: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2 * world_size) that ``rank`` holds in the zigzag layout: rank and
+    2 * world_size - 1 - rank."""
+    if not isinstance(world_size, (int, np.integer)) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+    return int(rank), int(2 * world_size - 1 - rank)
+
+
+def _chunk_len(n: int, world_size: int, name: str) -> int:
+    if n % (2 * world_size):
+        raise ValueError(f"{name}'s sequence length {n} must be a multiple of 2 * world_size = "
+                         f"{2 * world_size} (the zigzag layout cuts it into 2 * world_size equal chunks)")
+    return n // (2 * world_size)
+
+
+def zigzag_shard(x, world_size: int, rank: int, axis: int = 2):
+    """Rank ``rank``'s shard of ``x`` along ``axis`` (the sequence axis of (B, H, N, D)): its two chunks,
+    concatenated (a copy)."""
+    xp = _xp(x)
+    c = _chunk_len(x.shape[axis], world_size, "x")
+    parts = [xp.take(x, xp.arange(i * c, (i + 1) * c), axis=axis) for i in zigzag_chunks(world_size, rank)]
+    return xp.concatenate(parts, axis=axis)
+
+
+def zigzag_unshard(shards, axis: int = 2):
+    """The whole sequence from every rank's shard (``shards[r]`` from ``zigzag_shard(x, W, r)``)."""
+    world = len(shards)
+    xp = _xp(shards[0])
+    c = shards[0].shape[axis] // 2
+    chunks = [None] * (2 * world)
+    for r, s in enumerate(shards):
+        a, b = zigzag_chunks(world, r)
+        chunks[a] = xp.take(s, xp.arange(0, c), axis=axis)
+        chunks[b] = xp.take(s, xp.arange(c, 2 * c), axis=axis)
+    return xp.concatenate(chunks, axis=axis)
+
+
+def _xp(x):
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, state_dtype: str = "float32",
+                  grad_dtype: str = "float32", **knobs):
+    """Ring attention over ``world_size`` ranks, simulated in one process: returns (o, lse) of the whole
+    sequence, and with ``do`` also (dq, dk, dv).
+
+    q (B, Hq, N, D), k, v (B, Hkv, N, D) with N a multiple of 2 * world_size (self-attention: the ranks
+    shard queries and keys alike), NumPy or CuPy. Each chunk pair runs ``flashcupy.attention`` (and
+    ``attention_backward``) with ``knobs``: ``kernel``, ``accum``, ``scale``; per query
+    chunk the ring's parts are merged in the ring's order by the pairwise fold
+    (``merge_states(form="logsigmoid")``) with the running output held in ``state_dtype``. In the
+    backward each pair's dq, dk, dv (in the inputs' dtype, as the kernels write them) are added into
+    accumulators held in ``grad_dtype`` and rounded after every addition, in the ring's order: dq on the
+    query's rank, dk and dv travelling with their K/V block.
+    """
+    import flashcupy
+
+    from ._checks import numpy_dtype
+
+    names = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+    for name, value in (("state_dtype", state_dtype), ("grad_dtype", grad_dtype)):
+        if value not in names:
+            raise ValueError(f"{name} must be one of {tuple(names)}, got {value!r}")
+    bad = set(knobs) - {"kernel", "accum", "scale"}
+    if bad:
+        raise TypeError(f"simulate_ring takes the knobs kernel, accum and scale; got {sorted(bad)}")
+    xp = _xp(q)
+    n = q.shape[2]
+    if k.shape[2] != n:
+        raise ValueError(f"simulate_ring runs self-attention: q and k must have one length, got {n} and "
+                         f"{k.shape[2]}")
+    c = _chunk_len(n, world_size, "q")
+    chunk = [slice(i * c, (i + 1) * c) for i in range(2 * world_size)]
+    owner = {}
+    for r in range(world_size):
+        for i in zigzag_chunks(world_size, r):
+            owner[i] = r
+
+    def pairs(qc):
+        """The key chunks query chunk qc attends to, in the ring's order on its rank (steps s = 0 ..
+        W - 1: the block of rank (r - s) mod W, its two chunks in order), with the pair's causality."""
+        r = owner[qc]
+        for s in range(world_size):
+            for kc in zigzag_chunks(world_size, (r - s) % world_size):
+                if not causal or kc < qc:
+                    yield kc, False
+                elif kc == qc:
+                    yield kc, True
+
+    o = xp.empty(q.shape, dtype=q.dtype)
+    lse = xp.empty(q.shape[:3], dtype=xp.float32)
+    for qc in range(2 * world_size):
+        parts = [flashcupy.attention(q[:, :, chunk[qc]], k[:, :, chunk[kc]], v[:, :, chunk[kc]], causal=diag,
+                                     return_lse=True, **knobs) for kc, diag in pairs(qc)]
+        o_c, lse_c = flashcupy.merge_states(xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts]),
+                                            form="logsigmoid", state_dtype=state_dtype)
+        o[:, :, chunk[qc]] = o_c
+        lse[:, :, chunk[qc]] = lse_c
+    if do is None:
+        return o, lse
+
+    acc = numpy_dtype(names[grad_dtype])
+    dq = xp.zeros(q.shape, dtype=acc)
+    dk = xp.zeros(k.shape, dtype=acc)
+    dv = xp.zeros(v.shape, dtype=acc)
+    # the ring's order: at step s rank r holds rank (r - s)'s K/V block and adds its share to the block's
+    # travelling dk, dv and to its own dq
+    for s in range(world_size):
+        for r in range(world_size):
+            for qc in zigzag_chunks(world_size, r):
+                for kc in zigzag_chunks(world_size, (r - s) % world_size):
+                    if causal and kc > qc:
+                        continue
+                    sq, sk = chunk[qc], chunk[kc]
+                    g = flashcupy.attention_backward(do[:, :, sq], q[:, :, sq], k[:, :, sk], v[:, :, sk],
+                                                     o[:, :, sq], lse[:, :, sq], causal=causal and kc == qc,
+                                                     **knobs)
+                    for total, part, sl in ((dq, g[0], sq), (dk, g[1], sk), (dv, g[2], sk)):
+                        total[:, :, sl] = (total[:, :, sl].astype(xp.float32)
+                                           + part.astype(xp.float32)).astype(acc)
+    return o, lse, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
