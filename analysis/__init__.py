@@ -27,6 +27,7 @@ EXPERIMENTS = {
     "fp8": ("fp8", "run_fp8", "e4m3 attention: scales, outlier treatments, one- and two-level sums"),
     "window": ("window", "run_window", "sliding windows: error and cost against the width"),
     "merge": ("merge", "run_merge", "merged partial softmaxes: error against the number of parts"),
+    "ring": ("ring", "run_ring", "ring attention simulated: error against the number of ranks"),
     "bench": ("bench", "run_bench", "speed against naive CuPy and torch SDPA, same run"),
 }
 # Reports that python -m analysis.profile_ncu writes into a report folder, listed in its index.md when they

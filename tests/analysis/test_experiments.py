@@ -295,3 +295,19 @@ def test_merge_error_follows_the_running_outputs_dtype(reports):
     breaks = table(reports[1]["merge"], "The merge without the max subtraction")
     assert breaks[0]["NaN rows (no max)"] == 0 and breaks[-1]["NaN rows (no max)"] > 0.9
     assert all(r["intact max abs error"] < 1e-4 for r in breaks)
+
+
+def test_ring_error_grows_with_ranks_only_with_a_bf16_state(reports):
+    """The simulated ring: with float32 running output and gradients every error stays within 2x the
+    single call's at every rank count; held in bf16 the errors grow with the ranks, the gradients past
+    2x the single call's at the most ranks."""
+    rows = table(reports[1]["ring"], "Error against float64 of the whole sequence")
+    single = next(r for r in rows if r["ranks"] == "single call")
+    names = ("o", "dQ", "dK", "dV")
+    f32 = [r for r in rows if r["state and gradient dtype"] == "float32"]
+    bf = [r for r in rows if r["state and gradient dtype"] == "bfloat16"]
+    assert len(f32) == len(bf) >= 4
+    for r in f32:
+        assert all(r[n] <= 2 * single[n] for n in names), r
+    assert max(bf[-1][n] / single[n] for n in ("dQ", "dK", "dV")) > 2
+    assert bf[-1]["o"] > bf[0]["o"]
