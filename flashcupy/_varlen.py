@@ -1,0 +1,144 @@
+"""Packed sequences (issue 36): ``attention_varlen`` and ``attention_varlen_backward`` on flash_attn's
+packed layout, by one ``attention`` call per sequence.
+
+Sequence i of a batch occupies rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1] of q (total_q, Hq, D) and
+rows cu_seqlens_k[i] .. cu_seqlens_k[i + 1] of k, v (total_k, Hkv, D); it attends to its own keys only
+(the causal mask, and every knob, per sequence as in ``attention``). Each sequence runs as its own
+``attention`` call on (1, H, n_i, D) views of the packed arrays (read in place: a (N, H, D) slice seen as
+(1, H, N, D) is one of the strided layouts every family reads), so the cost is one launch per sequence:
+what its tokens cost plus a launch each. One kernel launch for the whole ragged batch (the native varlen
+kernels, where the range hooks give each CTA its sequence's bounds) is the next step.
+
+The lengths are read on the host: with CuPy inputs, ``cu_seqlens`` is copied to the host once per call
+(a synchronization; such a call cannot be captured in a CUDA graph).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _lengths(name: str, cu, total: int, max_seqlen) -> np.ndarray:
+    """``cu`` (B + 1,) checked (int32, from 0, non-decreasing, ending at ``total``), on the host."""
+    if not hasattr(cu, "dtype") or not hasattr(cu, "shape"):
+        raise TypeError(f"{name} must be an int32 NumPy or CuPy array, got {type(cu).__name__}")
+    if cu.dtype != np.int32:
+        raise TypeError(f"{name} must be int32 (flash_attn's cumulative lengths), got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D of length B + 1 >= 2, got shape {tuple(cu.shape)}")
+    host = cu if isinstance(cu, np.ndarray) else cu.get()
+    host = host.astype(np.int64)
+    if host[0] != 0 or host[-1] != total or (np.diff(host) < 0).any():
+        raise ValueError(f"{name} must start at 0, never decrease and end at the packed length {total}; got "
+                         f"{host.tolist() if host.size <= 16 else host}")
+    longest = int(np.diff(host).max())
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer)):
+            raise TypeError(f"max_seqlen for {name} must be an int or None, got {type(max_seqlen).__name__}")
+        if max_seqlen < longest:
+            raise ValueError(f"max_seqlen for {name} is {max_seqlen}, but a sequence has {longest} tokens")
+    return host
+
+
+def _packed(name: str, x, heads_name: str):
+    if getattr(x, "ndim", None) != 3:
+        raise ValueError(f"{name} must be packed (total, {heads_name}, D); got shape "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+
+
+def _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    _packed("q", q, "Hq")
+    _packed("k", k, "Hkv")
+    _packed("v", v, "Hkv")
+    cq = _lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    ck = _lengths("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    if cq.size != ck.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe one batch: {cq.size - 1} and "
+                         f"{ck.size - 1} sequences")
+    return cq, ck
+
+
+def _view(x, a: int, b: int):
+    """Rows [a, b) of a packed (total, H, D) array as a (1, H, b - a, D) view."""
+    return x[a:b].transpose(1, 0, 2)[None]
+
+
+def _per_sequence(knobs: dict, i: int) -> dict:
+    """The knobs of sequence i: ALiBi slopes given per batch entry, (B, Hq), are sequence i's."""
+    slopes = knobs.get("alibi_slopes")
+    if slopes is not None and getattr(slopes, "ndim", 1) == 2:
+        return {**knobs, "alibi_slopes": slopes[i]}
+    return knobs
+
+
+def _xp(x):
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                     causal: bool = False, return_lse: bool = False, **knobs):
+    """Attention over a batch of packed sequences of different lengths (flash_attn_varlen_func's layout).
+
+    q (total_q, Hq, D), k and v (total_k, Hkv, D), NumPy or CuPy, as ``flashcupy.attention`` takes them
+    per sequence; ``cu_seqlens_q``, ``cu_seqlens_k`` int32 (B + 1,) cumulative lengths (from 0,
+    non-decreasing, ending at total_q and total_k); ``max_seqlen_q``, ``max_seqlen_k`` optional bounds,
+    checked. ``causal`` is bottom-right aligned per sequence; ``knobs`` are ``attention``'s (scale,
+    block_m, block_n, accum, kernel, ablate, window_size, ...). A sequence with queries and no keys gives
+    o = 0 and lse = -inf for its rows. Returns o (total_q, Hq, D) and, with ``return_lse``, lse float32
+    (Hq, total_q) (flash_attn's layout). How it runs: ``flashcupy._varlen``.
+    """
+    import flashcupy
+
+    from ._checks import _check_bool
+
+    _check_bool("return_lse", return_lse)
+    cq, ck = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    xp = _xp(q)
+    o = xp.zeros(q.shape, dtype=q.dtype)
+    lse = xp.full((q.shape[1], q.shape[0]), -np.inf, dtype=xp.float32)
+    for i in range(cq.size - 1):
+        (qa, qb), (ka, kb) = cq[i:i + 2], ck[i:i + 2]
+        if qb == qa or kb == ka:  # no rows, or rows that see no key: o = 0, lse = -inf (with sinks: the sink)
+            if kb == ka and knobs.get("sinks") is not None:
+                lse[:, qa:qb] = xp.asarray(knobs["sinks"], dtype=xp.float32)[:, None]
+            continue
+        o_i, lse_i = flashcupy.attention(_view(q, qa, qb), _view(k, ka, kb), _view(v, ka, kb), causal=causal,
+                                         return_lse=True, **_per_sequence(knobs, i))
+        o[qa:qb] = o_i[0].transpose(1, 0, 2)
+        lse[:, qa:qb] = lse_i[0]
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                              max_seqlen_k=None, *, causal: bool = False, **knobs):
+    """The gradients (dq, dk, dv) of ``sum(do * attention_varlen(q, k, v, ...))``, in the packed layouts
+    of q, k, v; ``o`` and ``lse`` ((Hq, total_q)) as ``attention_varlen(..., return_lse=True)`` returned
+    them; ``knobs`` are ``attention_backward``'s. One ``attention_backward`` call per sequence; keys of a
+    sequence with no queries get dk = dv = 0. With ``sinks``, d sinks (summed over the sequences) is a
+    fourth output, as in ``attention_backward``."""
+    import flashcupy
+
+    cq, ck = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for name, x, want in (("do", do, q.shape), ("o", o, q.shape), ("lse", lse, (q.shape[1], q.shape[0]))):
+        if tuple(getattr(x, "shape", ())) != tuple(want):
+            raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(getattr(x, 'shape', ()))}")
+    xp = _xp(q)
+    dq, dk, dv = (xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+    dsinks = None if knobs.get("sinks") is None else xp.zeros(q.shape[1], dtype=xp.float32)
+    for i in range(cq.size - 1):
+        (qa, qb), (ka, kb) = cq[i:i + 2], ck[i:i + 2]
+        if qb == qa or kb == ka:  # (rows that see no key have o = 0: delta = 0, no sink gradient either)
+            continue
+        grads = flashcupy.attention_backward(_view(do, qa, qb), _view(q, qa, qb), _view(k, ka, kb),
+                                             _view(v, ka, kb), _view(o, qa, qb),
+                                             xp.ascontiguousarray(lse[None, :, qa:qb]), causal=causal,
+                                             **_per_sequence(knobs, i))
+        for total, g, (a, b) in ((dq, grads[0], (qa, qb)), (dk, grads[1], (ka, kb)),
+                                 (dv, grads[2], (ka, kb))):
+            total[a:b] = g[0].transpose(1, 0, 2)
+        if dsinks is not None:
+            dsinks += grads[3]
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)

@@ -1,0 +1,133 @@
+"""flashcupy.attention_varlen and attention_varlen_backward (issue 36): packed ragged batches (lengths 0,
+1, tile - 1, tile + 1, long; queries without keys; keys without queries) against the float64 reference of
+each sequence alone, forward and backward, causal and not, GQA, with a window and with sinks; bad
+cumulative lengths refused by name before any work. NumPy inputs (the twin) here; the CuPy path runs the
+same calls on the kernels (test at the end, GPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcupy
+from flashcupy import naive, reference
+from flashcupy._checks import numpy_dtype
+from flashcupy.accuracy import assert_accurate, backward_reduction
+
+LENGTHS_Q = [5, 1, 63, 65, 0, 130, 7]
+LENGTHS_K = [9, 1, 63, 65, 4, 200, 0]
+
+
+def _packed(rng, dname, hq=4, hkv=2, d=16):
+    dt = numpy_dtype(dname)
+    tq, tk = sum(LENGTHS_Q), sum(LENGTHS_K)
+    q, do = (rng.standard_normal((tq, hq, d)).astype(dt) for _ in range(2))
+    k, v = (rng.standard_normal((tk, hkv, d)).astype(dt) for _ in range(2))
+    cu = [np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (LENGTHS_Q, LENGTHS_K)]
+    return q, k, v, do, cu
+
+
+def _seq(x, cu, i):
+    """Sequence i of a packed array as (1, H, n, D)."""
+    return x[cu[i]:cu[i + 1]].transpose(1, 0, 2)[None]
+
+
+@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True),
+                                dict(causal=True, window_size=(20, 0))],
+                         ids=["full", "causal", "window"])
+@pytest.mark.parametrize("dname", ["f32", "bf16"])
+def test_varlen_is_each_sequence_alone(rng, dname, kw):
+    q, k, v, do, (cq, ck) = _packed(rng, dname)
+    o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, max(LENGTHS_Q), max(LENGTHS_K), block_n=64,
+                                        return_lse=True, **kw)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (q.shape[1], q.shape[0])
+    grads = flashcupy.attention_varlen_backward(do, q, k, v, o, lse, cq, ck, **kw)
+    for i in range(len(LENGTHS_Q)):
+        qi, ki, vi, doi = _seq(q, cq, i), _seq(k, ck, i), _seq(v, ck, i), _seq(do, cq, i)
+        oi, li = _seq(o, cq, i), lse[:, cq[i]:cq[i + 1]]
+        if LENGTHS_Q[i] == 0:
+            continue
+        if LENGTHS_K[i] == 0:  # queries that see no key
+            assert np.all(oi == 0) and np.all(np.isneginf(li))
+            assert np.all(_seq(grads[0], cq, i) == 0)
+            continue
+        o_ref, lse_ref = reference.attention(qi, ki, vi, return_lse=True, **kw)
+        assert_accurate(oi, o_ref, naive.attention(qi, ki, vi, **kw), dname, "fp32", what=f"seq {i} o")
+        seen = np.isfinite(lse_ref[0])
+        np.testing.assert_array_equal(np.isfinite(li), seen)
+        np.testing.assert_allclose(li[seen], lse_ref[0][seen], rtol=0,
+                                   atol=1e-5 * (1 + np.abs(lse_ref).max()))
+        refs = reference.attention_backward(doi, qi, ki, vi, **kw)
+        naives = naive.attention_backward(doi, qi, ki, vi, **kw)
+        gi = (_seq(grads[0], cq, i), _seq(grads[1], ck, i), _seq(grads[2], ck, i))
+        for name, g, r, n in zip(("dq", "dk", "dv"), gi, refs, naives):
+            assert_accurate(g, r, n, dname, "fp32", kind="bwd", reduction=backward_reduction(qi, ki),
+                            what=f"seq {i} {name}")
+    # keys of a sequence without queries get no gradient
+    assert np.all(_seq(grads[1], ck, 4) == 0) and np.all(_seq(grads[2], ck, 4) == 0)
+
+
+def test_varlen_sinks_sum_their_gradient_over_the_sequences(rng):
+    """With sinks, rows without keys keep lse = their head's sink, and d sinks is the sum of each
+    sequence's (the reference's, sequence by sequence)."""
+    q, k, v, do, (cq, ck) = _packed(rng, "f32")
+    sinks = rng.standard_normal(q.shape[1]).astype(np.float32)
+    o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, causal=True, sinks=sinks, return_lse=True)
+    np.testing.assert_allclose(lse[:, cq[6]:cq[7]], np.repeat(sinks[:, None], LENGTHS_Q[6], axis=1))
+    grads = flashcupy.attention_varlen_backward(do, q, k, v, o, lse, cq, ck, causal=True, sinks=sinks)
+    assert len(grads) == 4
+    want = sum(reference.attention_backward(_seq(do, cq, i), _seq(q, cq, i), _seq(k, ck, i), _seq(v, ck, i),
+                                            causal=True, sinks=sinks)[3]
+               for i in range(len(LENGTHS_Q)) if LENGTHS_Q[i] and LENGTHS_K[i])
+    np.testing.assert_allclose(grads[3], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mutate,exc,words", [
+    (lambda cq, ck: (cq.astype(np.int64), ck), TypeError, "cu_seqlens_q must be int32"),
+    (lambda cq, ck: (cq, ck[::-1].copy()), ValueError, "cu_seqlens_k must start at 0, never decrease"),
+    (lambda cq, ck: (cq[:-1], ck), ValueError, "cu_seqlens_q must start at 0, never decrease and end"),
+    (lambda cq, ck: (cq, np.append(ck, ck[-1] + 1).astype(np.int32)), ValueError, "cu_seqlens_k must start"),
+    (lambda cq, ck: (cq[None], ck), ValueError, "1-D of length B \\+ 1"),
+    (lambda cq, ck: (list(cq), ck), TypeError, "int32 NumPy or CuPy array"),
+])
+def test_bad_cumulative_lengths_are_refused_by_name(rng, mutate, exc, words):
+    q, k, v, _, (cq, ck) = _packed(rng, "f32")
+    with pytest.raises(exc, match=words):
+        flashcupy.attention_varlen(q, k, v, *mutate(cq, ck))
+
+
+def test_bad_shapes_and_bounds_are_refused(rng):
+    q, k, v, do, (cq, ck) = _packed(rng, "f32")
+    with pytest.raises(ValueError, match="max_seqlen for cu_seqlens_q is 100, but a sequence has 130"):
+        flashcupy.attention_varlen(q, k, v, cq, ck, max_seqlen_q=100)
+    with pytest.raises(ValueError, match="q must be packed"):
+        flashcupy.attention_varlen(q[None], k, v, cq, ck)
+    with pytest.raises(ValueError, match="one batch"):
+        flashcupy.attention_varlen(q, k, v, cq, np.array([0, k.shape[0]], dtype=np.int32))
+    o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, return_lse=True)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        flashcupy.attention_varlen_backward(do, q, k, v, o, lse.T, cq, ck)
+
+
+@pytest.mark.gpu
+def test_varlen_on_the_kernels_matches_the_reference(rng):
+    import cupy
+
+    q, k, v, do, (cq, ck) = _packed(rng, "bf16", d=64)
+    dev = [cupy.asarray(x) for x in (q, k, v, do, cq, ck)]
+    for kernel in ("wgmma", "mma"):
+        o, lse = flashcupy.attention_varlen(*dev[:3], dev[4], dev[5], causal=True, kernel=kernel,
+                                            return_lse=True)
+        grads = flashcupy.attention_varlen_backward(dev[3], *dev[:3], o, lse, dev[4], dev[5], causal=True,
+                                                    kernel=kernel)
+        for i in (0, 2, 3, 5):
+            qi, ki, vi, doi = _seq(q, cq, i), _seq(k, ck, i), _seq(v, ck, i), _seq(do, cq, i)
+            o_ref = reference.attention(qi, ki, vi, causal=True)
+            assert_accurate(_seq(cupy.asnumpy(o), cq, i), o_ref, naive.attention(qi, ki, vi, causal=True),
+                            "bf16", "fp32", what=f"{kernel} seq {i}")
+            refs = reference.attention_backward(doi, qi, ki, vi, causal=True)
+            naives = naive.attention_backward(doi, qi, ki, vi, causal=True)
+            gi = (_seq(cupy.asnumpy(grads[0]), cq, i), _seq(cupy.asnumpy(grads[1]), ck, i),
+                  _seq(cupy.asnumpy(grads[2]), ck, i))
+            for name, g, r, n in zip(("dq", "dk", "dv"), gi, refs, naives):
+                assert_accurate(g, r, n, "bf16", "fp32", kind="bwd", reduction=backward_reduction(qi, ki),
+                                what=f"{kernel} seq {i} {name}")
