@@ -1,0 +1,172 @@
+"""``fp8_backward``: which of the backward's five products can take fp8 operands (issue 38, the study
+before any kernel), on NumPy models of the products with the tensor core's measured fp8 accumulation.
+
+The backward's products, per head (P recomputed from the saved LSE, delta = rowsum(dO * O)):
+
+    S  = Q K^T      (reduced over d)          dP = dO V^T   (over d)
+    dV = P^T dO     (over the queries)        dK = dS^T Q   (over the queries)     dQ = dS K   (over keys)
+
+with dS = P * (dP - delta). An fp8 operand carries a scale, and a scale can be folded out of a product
+only if it is constant along the reduction axis, so each product quantizes its operands its own way:
+Q and K per token for S, dO and V per token for dP; for dV, P with FlashAttention-3's static scale
+(P * 256 in e4m3, as the fp8 forward) and dO per head dimension (constant over the queries); for dK, dS
+per key (a column of dS) and Q per head dimension; for dQ, dS per query (a row) and K per head dimension.
+Q, dO and dS are thus quantized twice. dO and dS carry gradient ranges: each arm takes them in e4m3 or
+e5m2. An fp8 product runs with the accumulation the probe measured for e4m3 wgmma
+(``flashcupy._tensorcore``: k32 steps, 14-bit truncated sums; applied to e5m2 too, not measured) or exactly
+(float64), to separate the 14-bit accumulator's loss from the quantization's; the other products take
+bf16 operands (rounded) with float32 accumulation.
+
+Every gradient's error is the RMS of its difference to the float64 reference over the RMS of the
+reference, beside the package's bf16 backward (the NumPy twin's) on the same inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import flashcupy
+from flashcupy import reference
+from flashcupy._tensorcore import matmul as tc_matmul
+from flashcupy.inspect import numpy_dtype
+
+from .common import Context, Report, Table, log, new_figure
+
+PRODUCTS = ("S", "dP", "dV", "dK", "dQ")
+P_SCALE = 256.0
+
+
+def _fp8(x, fmt: str, reduce_axis: int | None):
+    """x (float64) in ``fmt`` with one scale per slice along ``reduce_axis`` (None: one per tensor per
+    head, the last two axes): (the fp8 values as float64, the scales, broadcastable)."""
+    import ml_dtypes
+
+    fmax = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
+    dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
+    axes = (-2, -1) if reduce_axis is None else (reduce_axis,)
+    amax = np.abs(x).max(axis=axes, keepdims=True)
+    s = np.where(amax > 0, amax / fmax, 1.0).astype(np.float32).astype(np.float64)
+    return (x / s).astype(np.float32).astype(dt).astype(np.float64), s
+
+
+def _bf16(x):
+    return x.astype(numpy_dtype("bf16")).astype(np.float64)
+
+
+def _mm(a, b, accumulation: str):
+    """a @ b of fp8 values: the tensor core's e4m3 accumulation, or exact."""
+    return tc_matmul(a, b, None, "e4m3", "fp32") if accumulation == "tc" else np.matmul(a, b)
+
+
+def fp8_backward_model(do, q, k, v, o, lse, scale: float, fp8: set, grad_fmt: str, accumulation: str):
+    """(dq, dk, dv) float64 of the backward with the products in ``fp8`` on e4m3 operands (dO and dS in
+    ``grad_fmt``), the rest on bf16 operands; see the module docstring for the scales."""
+    q, k, v, do, o = (x.astype(np.float64) for x in (q, k, v, do, o))
+    lse = lse.astype(np.float64)[..., None]
+    if "S" in fp8:
+        (a, sa), (b, sb) = _fp8(q, "e4m3", -1), _fp8(k, "e4m3", -1)
+        s = _mm(a, np.swapaxes(b, -1, -2), accumulation) * sa * np.swapaxes(sb, -1, -2)
+    else:
+        s = _bf16(q) @ np.swapaxes(_bf16(k), -1, -2)
+    p = np.exp(s * scale - lse).astype(np.float32).astype(np.float64)
+    if "dP" in fp8:
+        (a, sa), (b, sb) = _fp8(do, grad_fmt, -1), _fp8(v, "e4m3", -1)
+        dp = _mm(a, np.swapaxes(b, -1, -2), accumulation) * sa * np.swapaxes(sb, -1, -2)
+    else:
+        dp = _bf16(do) @ np.swapaxes(_bf16(v), -1, -2)
+    delta = (do * o).sum(axis=-1, keepdims=True)
+    ds = (p * (dp - delta)).astype(np.float32).astype(np.float64)
+    pt, dst = np.swapaxes(p, -1, -2), np.swapaxes(ds, -1, -2)
+    if "dV" in fp8:  # P * 256 in e4m3 (the forward's static scale), dO per head dimension
+        import ml_dtypes
+
+        a = (pt * P_SCALE).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        b, sb = _fp8(do, grad_fmt, -2)
+        dv = _mm(a, b, accumulation) * sb / P_SCALE
+    else:
+        dv = _bf16(pt) @ _bf16(do)
+    if "dK" in fp8:
+        (a, sa), (b, sb) = _fp8(dst, grad_fmt, -1), _fp8(q, "e4m3", -2)
+        dk = _mm(a, b, accumulation) * sa * sb * scale
+    else:
+        dk = (_bf16(dst) @ _bf16(q)) * scale
+    if "dQ" in fp8:
+        (a, sa), (b, sb) = _fp8(ds, grad_fmt, -1), _fp8(k, "e4m3", -2)
+        dq = _mm(a, b, accumulation) * sa * sb * scale
+    else:
+        dq = (_bf16(ds) @ _bf16(k)) * scale
+    return dq, dk, dv
+
+
+def _rel_rms(x, ref) -> float:
+    return float(np.sqrt(np.mean((np.asarray(x, dtype=np.float64) - ref) ** 2) / np.mean(ref ** 2)))
+
+
+def run_fp8_backward(ctx: Context) -> Report:
+    b, h, n, d = ctx.sizes((1, 2, 256, 64), (1, 4, 1024, 64))
+    rng = ctx.rng("fp8_backward")
+    bf16 = numpy_dtype("bf16")
+    q, k, v, do = (rng.standard_normal((b, h, n, d)).astype(bf16) for _ in range(4))
+    scale = 1.0 / np.sqrt(d)
+    refs = reference.attention_backward(do, q, k, v)
+    o_ref, lse_ref = reference.attention(q, k, v, return_lse=True)
+    # the package's bf16 backward (the twin on the NumPy backend, the kernels on CUDA)
+    dev = ctx.dev(q, k, v, do)
+    o, lse = flashcupy.attention(*dev[:3], return_lse=True)
+    grads = flashcupy.attention_backward(dev[3], *dev[:3], o, lse)
+    host = (lambda x: x) if ctx.backend == "numpy" else __import__("cupy").asnumpy
+    base = [_rel_rms(host(g), r) for g, r in zip(grads, refs)]
+    rows = [["package bf16 backward", "-", "-", *base, 1.0]]
+    log(f"[fp8_backward] bf16 backward: dq {base[0]:.2e}, dk {base[1]:.2e}, dv {base[2]:.2e}")
+    o64 = o_ref.astype(bf16)
+    arms = [("model, all bf16", set(), "e4m3")]
+    arms += [(f"{p} in fp8", {p}, fmt) for fmt in ("e4m3", "e5m2") for p in PRODUCTS]
+    arms += [("all five in fp8", set(PRODUCTS), fmt) for fmt in ("e4m3", "e5m2")]
+    results = {}
+    for name, fp8, fmt in arms:
+        for acc in ("exact", "tc") if fp8 else ("exact",):
+            errs = [_rel_rms(g, r) for g, r in zip(fp8_backward_model(do, q, k, v, o64, lse_ref, scale, fp8,
+                                                                      fmt, acc), refs)]
+            worst = max(e / b_ for e, b_ in zip(errs, base))
+            rows.append([name, fmt if fp8 else "-", acc if fp8 else "-", *errs, worst])
+            results[(name, fmt, acc)] = worst
+            log(f"[fp8_backward] {name}, dO/dS {fmt}, {acc}: "
+                + ", ".join(f"{g} {e:.2e}" for g, e in zip(("dq", "dk", "dv"), errs))
+                + f" ({worst:.1f}x bf16)")
+    singles = [(p, fmt, acc, results[(f"{p} in fp8", fmt, acc)]) for p in PRODUCTS for fmt in ("e4m3", "e5m2")
+               for acc in ("exact", "tc")]
+    within = sorted({p for p, fmt, acc, w in singles if acc == "tc" and w <= 3.0})
+    all_best = min(results[("all five in fp8", fmt, "tc")] for fmt in ("e4m3", "e5m2"))
+    e4 = [w for p, fmt, acc, w in singles if fmt == "e4m3" and acc == "tc"]
+    e5 = [w for p, fmt, acc, w in singles if fmt == "e5m2" and acc == "tc"]
+    acc_share = max(abs(results[(f"{p} in fp8", f, "tc")] / results[(f"{p} in fp8", f, "exact")] - 1)
+                    for p in PRODUCTS for f in ("e4m3", "e5m2"))
+    finding = (f"Products within 3x the bf16 backward's worst gradient error on their own: "
+               f"{', '.join(within) or 'none'}. One product on e4m3 operands costs {min(e4):.0f}x to "
+               f"{max(e4):.0f}x (dO and dS in e5m2: {min(e5):.0f}x to {max(e5):.0f}x), all five "
+               f"{all_best:.0f}x: the quantization of any operand, not the 14-bit accumulator (at most "
+               f"{acc_share:.1%} of the error at N = {n}), sets the error.")
+    fig, (ax,) = new_figure()
+    x = np.arange(len(PRODUCTS) + 1)
+    labels = [*PRODUCTS, "all"]
+    for i, (fmt, acc) in enumerate([(f, a) for f in ("e4m3", "e5m2") for a in ("exact", "tc")]):
+        vals = [results[(f"{p} in fp8", fmt, acc)] for p in PRODUCTS]
+        vals.append(results[("all five in fp8", fmt, acc)])
+        ax.bar(x + 0.2 * i - 0.3, vals, width=0.2, label=f"dO, dS {fmt}, {acc} accumulation")
+    ax.axhline(3.0, color="k", lw=1, label="3x the bf16 backward")
+    ax.set_xticks(x, labels)
+    ax.set_yscale("log")
+    ax.set_xlabel("the product(s) run on fp8 operands")
+    ax.set_ylabel("worst gradient error / the bf16 backward's")
+    ax.set_title("fp8 backward, product by product (NumPy model)", fontsize=10)
+    ax.legend(fontsize=7)
+    setup = {"shapes": f"B={b}, H={h}, N={n}, D={d}, non-causal, q, k, v, dO ~ N(0, 1) rounded to bf16",
+             "scales": "per the reduction axis of each product (module docstring); P with the static 256",
+             "accumulation": "tc: the e4m3 wgmma accumulation measured on the H200 (14 bits, truncated); "
+                             "exact: float64",
+             "error": "RMS(x - x_ref) / RMS(x_ref), x_ref float64; the last column: the worst gradient's "
+                      "over the package's bf16 backward's"}
+    return Report("fp8_backward", "fp8 backward: which products can take fp8", finding, setup,
+                  [Table("Gradient errors against float64 (relative RMS)",
+                         ["arm", "dO, dS format", "accumulation", "dQ", "dK", "dV", "worst / bf16"], rows)],
+                  figure=fig, figure_caption="Each product alone in fp8, and all five.",
+                  notes=[__doc__.split("\n\n")[1].replace("\n", " ")])
