@@ -15,7 +15,8 @@ Q, dO and dS are thus quantized twice. dO and dS carry gradient ranges: each arm
 e5m2. An fp8 product runs with the accumulation the probe measured for e4m3 wgmma
 (``flashcupy._tensorcore``: k32 steps, 14-bit truncated sums; applied to e5m2 too, not measured) or exactly
 (float64), to separate the 14-bit accumulator's loss from the quantization's; the other products take
-bf16 operands (rounded) with float32 accumulation.
+bf16 operands (rounded), summed exactly (float64: float32 accumulation would add far less than the bf16
+rounding of the operands).
 
 Every gradient's error is the RMS of its difference to the float64 reference over the RMS of the
 reference, beside the package's bf16 backward (the NumPy twin's) on the same inputs.

@@ -70,6 +70,13 @@ def _per_sequence(knobs: dict, i: int) -> dict:
     return knobs
 
 
+def _check_slopes(knobs: dict, batch: int, heads: int) -> None:
+    slopes = knobs.get("alibi_slopes")
+    if slopes is not None and getattr(slopes, "ndim", 1) == 2 and tuple(slopes.shape) != (batch, heads):
+        raise ValueError(f"alibi_slopes per sequence must be (B, Hq) = ({batch}, {heads}); got "
+                         f"{tuple(slopes.shape)}")
+
+
 def _xp(x):
     if isinstance(x, np.ndarray):
         return np
@@ -86,8 +93,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     per sequence; ``cu_seqlens_q``, ``cu_seqlens_k`` int32 (B + 1,) cumulative lengths (from 0,
     non-decreasing, ending at total_q and total_k); ``max_seqlen_q``, ``max_seqlen_k`` optional bounds,
     checked. ``causal`` is bottom-right aligned per sequence; ``knobs`` are ``attention``'s (scale,
-    block_m, block_n, accum, kernel, ablate, window_size, ...). A sequence with queries and no keys gives
-    o = 0 and lse = -inf for its rows. Returns o (total_q, Hq, D) and, with ``return_lse``, lse float32
+    block_m, block_n, accum, kernel, ablate, window_size, ...; ALiBi slopes (Hq,) or per sequence
+    (B, Hq)). A sequence with queries and no keys gives o = 0 and lse = -inf for its rows (with sinks, the
+    head's sink). Returns o (total_q, Hq, D) and, with ``return_lse``, lse float32
     (Hq, total_q) (flash_attn's layout). How it runs: ``flashcupy._varlen``.
     """
     import flashcupy
@@ -96,6 +104,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
 
     _check_bool("return_lse", return_lse)
     cq, ck = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_slopes(knobs, cq.size - 1, q.shape[1])
     xp = _xp(q)
     o = xp.zeros(q.shape, dtype=q.dtype)
     lse = xp.full((q.shape[1], q.shape[0]), -np.inf, dtype=xp.float32)
@@ -116,13 +125,16 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                               max_seqlen_k=None, *, causal: bool = False, **knobs):
     """The gradients (dq, dk, dv) of ``sum(do * attention_varlen(q, k, v, ...))``, in the packed layouts
     of q, k, v; ``o`` and ``lse`` ((Hq, total_q)) as ``attention_varlen(..., return_lse=True)`` returned
-    them; ``knobs`` are ``attention_backward``'s. One ``attention_backward`` call per sequence; keys of a
-    sequence with no queries get dk = dv = 0. With ``sinks``, d sinks (summed over the sequences) is a
-    fourth output, as in ``attention_backward``."""
+    them; ``knobs`` are ``attention_backward``'s (``dlse`` packed as lse, (Hq, total_q)). One
+    ``attention_backward`` call per sequence; keys of a sequence with no queries get dk = dv = 0. With
+    ``sinks``, d sinks (summed over the sequences) is a fourth output, as in ``attention_backward``."""
     import flashcupy
 
     cq, ck = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    for name, x, want in (("do", do, q.shape), ("o", o, q.shape), ("lse", lse, (q.shape[1], q.shape[0]))):
+    _check_slopes(knobs, cq.size - 1, q.shape[1])
+    dlse = knobs.pop("dlse", None)  # (Hq, total_q), as lse: cut per sequence like it
+    for name, x, want in (("do", do, q.shape), ("o", o, q.shape), ("lse", lse, (q.shape[1], q.shape[0])),
+                          ("dlse", lse if dlse is None else dlse, (q.shape[1], q.shape[0]))):
         if tuple(getattr(x, "shape", ())) != tuple(want):
             raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(getattr(x, 'shape', ()))}")
     xp = _xp(q)
@@ -132,10 +144,12 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         (qa, qb), (ka, kb) = cq[i:i + 2], ck[i:i + 2]
         if qb == qa or kb == ka:  # (rows that see no key have o = 0: delta = 0, no sink gradient either)
             continue
+        def rows(x):  # sequence i's columns of an (Hq, total_q) array, as (1, Hq, n)
+            return None if x is None else xp.ascontiguousarray(x[None, :, qa:qb])
+
         grads = flashcupy.attention_backward(_view(do, qa, qb), _view(q, qa, qb), _view(k, ka, kb),
-                                             _view(v, ka, kb), _view(o, qa, qb),
-                                             xp.ascontiguousarray(lse[None, :, qa:qb]), causal=causal,
-                                             **_per_sequence(knobs, i))
+                                             _view(v, ka, kb), _view(o, qa, qb), rows(lse), causal=causal,
+                                             dlse=rows(dlse), **_per_sequence(knobs, i))
         for total, g, (a, b) in ((dq, grads[0], (qa, qb)), (dk, grads[1], (ka, kb)),
                                  (dv, grads[2], (ka, kb))):
             total[a:b] = g[0].transpose(1, 0, 2)

@@ -32,6 +32,7 @@ def zigzag_chunks(world_size: int, rank: int) -> tuple[int, int]:
 
 
 def _chunk_len(n: int, world_size: int, name: str) -> int:
+    zigzag_chunks(world_size, 0)  # (world_size checked first)
     if n % (2 * world_size):
         raise ValueError(f"{name}'s sequence length {n} must be a multiple of 2 * world_size = "
                          f"{2 * world_size} (the zigzag layout cuts it into 2 * world_size equal chunks)")

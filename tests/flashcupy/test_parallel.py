@@ -27,6 +27,8 @@ def test_zigzag_layout_round_trips_and_balances(rng):
         parallel.zigzag_shard(x, 5, 0)
     with pytest.raises(ValueError, match="rank must be"):
         parallel.zigzag_chunks(3, 3)
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        parallel.zigzag_shard(x, 0, 0)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -11,10 +11,10 @@ import pytest
 import flashcupy
 from flashcupy import naive, reference
 from flashcupy._checks import numpy_dtype
-from flashcupy.accuracy import assert_accurate, backward_reduction
+from flashcupy.accuracy import assert_accurate, assert_lse_accurate, backward_reduction
 
-LENGTHS_Q = [5, 1, 63, 65, 0, 130, 7]
-LENGTHS_K = [9, 1, 63, 65, 4, 200, 0]
+LENGTHS_Q = [5, 1, 63, 65, 0, 130, 7, 40]
+LENGTHS_K = [9, 1, 63, 65, 4, 200, 0, 10]   # (the last: more queries than keys, causal rows that see none)
 
 
 def _packed(rng, dname, hq=4, hkv=2, d=16):
@@ -52,10 +52,7 @@ def test_varlen_is_each_sequence_alone(rng, dname, kw):
             continue
         o_ref, lse_ref = reference.attention(qi, ki, vi, return_lse=True, **kw)
         assert_accurate(oi, o_ref, naive.attention(qi, ki, vi, **kw), dname, "fp32", what=f"seq {i} o")
-        seen = np.isfinite(lse_ref[0])
-        np.testing.assert_array_equal(np.isfinite(li), seen)
-        np.testing.assert_allclose(li[seen], lse_ref[0][seen], rtol=0,
-                                   atol=1e-5 * (1 + np.abs(lse_ref).max()))
+        assert_lse_accurate(li, lse_ref[0], "fp32", what=f"seq {i} lse")
         refs = reference.attention_backward(doi, qi, ki, vi, **kw)
         naives = naive.attention_backward(doi, qi, ki, vi, **kw)
         gi = (_seq(grads[0], cq, i), _seq(grads[1], ck, i), _seq(grads[2], ck, i))
@@ -79,6 +76,28 @@ def test_varlen_sinks_sum_their_gradient_over_the_sequences(rng):
                                             causal=True, sinks=sinks)[3]
                for i in range(len(LENGTHS_Q)) if LENGTHS_Q[i] and LENGTHS_K[i])
     np.testing.assert_allclose(grads[3], want, rtol=1e-4, atol=1e-5)
+
+
+def test_varlen_alibi_per_sequence_and_the_lse_gradient(rng):
+    """ALiBi slopes (B, Hq) give each sequence its row; the LSE's gradient (packed as lse) reaches each
+    sequence's backward: both against the reference of each sequence alone."""
+    q, k, v, do, (cq, ck) = _packed(rng, "f32")
+    nseq, hq = len(LENGTHS_Q), q.shape[1]
+    slopes = rng.uniform(0.05, 0.5, (nseq, hq)).astype(np.float32)
+    dlse = rng.standard_normal((hq, q.shape[0])).astype(np.float32)
+    o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, causal=True, alibi_slopes=slopes, return_lse=True)
+    grads = flashcupy.attention_varlen_backward(do, q, k, v, o, lse, cq, ck, causal=True, alibi_slopes=slopes,
+                                                dlse=dlse)
+    for i in (0, 3, 5, 7):
+        qi, ki, vi, doi = _seq(q, cq, i), _seq(k, ck, i), _seq(v, ck, i), _seq(do, cq, i)
+        kw = dict(causal=True, alibi_slopes=slopes[i])
+        np.testing.assert_allclose(_seq(o, cq, i), reference.attention(qi, ki, vi, **kw), rtol=0, atol=2e-6)
+        refs = reference.attention_backward(doi, qi, ki, vi, dlse=dlse[None, :, cq[i]:cq[i + 1]], **kw)
+        got = (_seq(grads[0], cq, i), _seq(grads[1], ck, i), _seq(grads[2], ck, i))
+        for g, r in zip(got, refs):
+            np.testing.assert_allclose(g, r, rtol=0, atol=2e-5 * max(1.0, np.abs(r).max()))
+    with pytest.raises(ValueError, match="alibi_slopes per sequence must be \\(B, Hq\\)"):
+        flashcupy.attention_varlen(q, k, v, cq, ck, alibi_slopes=slopes[:3])
 
 
 @pytest.mark.parametrize("mutate,exc,words", [
