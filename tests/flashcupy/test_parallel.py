@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from flashcupy import naive, parallel, reference
+from flashcupy._checks import numpy_dtype
 from flashcupy.accuracy import assert_accurate, backward_reduction
 from tests.helpers import do_qkv
 
@@ -71,3 +72,43 @@ def test_simulate_ring_refuses_what_it_does_not_run(rng):
         parallel.simulate_ring(q, k, v, 2, state_dtype="f16")
     with pytest.raises(ValueError, match="one length"):
         parallel.simulate_ring(q, k[:, :, :20], v[:, :, :20], 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_simulate_ring_adds_in_the_rings_order(rng, causal):
+    """The ring as its ranks run it, written out here step by step (each rank's block travels with its
+    dk, dv buffer; every addition rounded to bf16 where it happens), gives simulate_ring's bits: the order
+    of the bf16 additions is the documented one (a reversed step order changes the bits)."""
+    import flashcupy
+
+    world, bf16 = 4, numpy_dtype("bf16")
+    do, q, k, v = do_qkv(rng, (1, 2, 2, 64, 64, 16), "bf16")
+    o, lse, *grads = parallel.simulate_ring(q, k, v, world, causal=causal, do=do, state_dtype="bfloat16",
+                                            grad_dtype="bfloat16")
+    c = 64 // (2 * world)
+
+    def chunk(x, i):
+        return x[:, :, i * c:(i + 1) * c]
+
+    def add(total, part):
+        return (total.astype(np.float32) + part.astype(np.float32)).astype(bf16)
+
+    dq = {i: np.zeros(chunk(q, i).shape, bf16) for i in range(2 * world)}
+    travelling = {i: [np.zeros(chunk(k, i).shape, bf16)] * 2 for i in range(2 * world)}  # dk, dv of chunk i
+    for step in range(world):
+        for rank in range(world):
+            block = (rank - step) % world  # the K/V block this rank holds at this step
+            for qc in parallel.zigzag_chunks(world, rank):
+                for kc in parallel.zigzag_chunks(world, block):
+                    if causal and kc > qc:
+                        continue
+                    g = flashcupy.attention_backward(chunk(do, qc), chunk(q, qc), chunk(k, kc), chunk(v, kc),
+                                                     chunk(o, qc), np.ascontiguousarray(chunk(lse, qc)),
+                                                     causal=causal and kc == qc)
+                    dq[qc] = add(dq[qc], g[0])
+                    travelling[kc] = [add(travelling[kc][0], g[1]), add(travelling[kc][1], g[2])]
+    want = (np.concatenate([dq[i] for i in range(2 * world)], axis=2),
+            np.concatenate([travelling[i][0] for i in range(2 * world)], axis=2),
+            np.concatenate([travelling[i][1] for i in range(2 * world)], axis=2))
+    for got, ref in zip(grads, want):
+        np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
