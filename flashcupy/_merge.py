@@ -22,18 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .transforms import _xp
+
 FORMS = ("exp", "logsigmoid")
 _OUT_DTYPES = ("float16", "bfloat16", "float32")
 
-
-def _xp(x):
-    if isinstance(x, np.ndarray):
-        return np
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        return cupy
-    raise TypeError(f"o_parts and lse_parts must be NumPy or CuPy arrays, got {type(x).__name__}")
 
 
 def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", state_dtype: str = "float32",

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .transforms import _xp
+
 
 def _lengths(name: str, cu, total: int, max_seqlen) -> np.ndarray:
     """``cu`` (B + 1,) checked (int32, from 0, non-decreasing, ending at ``total``), on the host."""
@@ -76,13 +78,6 @@ def _check_slopes(knobs: dict, batch: int, heads: int) -> None:
         raise ValueError(f"alibi_slopes per sequence must be (B, Hq) = ({batch}, {heads}); got "
                          f"{tuple(slopes.shape)}")
 
-
-def _xp(x):
-    if isinstance(x, np.ndarray):
-        return np
-    import cupy
-
-    return cupy
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,

@@ -16,16 +16,10 @@ import math
 import numpy as np
 
 from .reference import _variants
+from .transforms import _xp
 
 __all__ = ["attention", "attention_backward"]
 
-
-def _xp(x):
-    if isinstance(x, np.ndarray):
-        return np
-    import cupy
-
-    return cupy
 
 
 _NO_VARIANTS = ((-1, -1), 0.0, None, None)

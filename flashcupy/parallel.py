@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .transforms import _xp
+
 __all__ = ["simulate_ring", "zigzag_chunks", "zigzag_shard", "zigzag_unshard"]
 
 
@@ -60,13 +62,6 @@ def zigzag_unshard(shards, axis: int = 2):
         chunks[b] = xp.take(s, xp.arange(c, 2 * c), axis=axis)
     return xp.concatenate(chunks, axis=axis)
 
-
-def _xp(x):
-    if isinstance(x, np.ndarray):
-        return np
-    import cupy
-
-    return cupy
 
 
 def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, state_dtype: str = "float32",

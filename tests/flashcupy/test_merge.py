@@ -84,7 +84,7 @@ def test_the_max_subtraction_break_overflows_past_ln_max(rng):
     (lambda o, ls: flashcupy.merge_states(o, ls, out_dtype="int8"), ValueError, "out_dtype"),
     (lambda o, ls: flashcupy.merge_states(o, ls, form="logsigmoid", ablate="max_subtraction"), ValueError,
      "one-pass"),
-    (lambda o, ls: flashcupy.merge_states(o.tolist(), ls), TypeError, "NumPy or CuPy"),
+    (lambda o, ls: flashcupy.merge_states(o.tolist(), ls), TypeError, "numpy.ndarray or cupy.ndarray"),
     (lambda o, ls: flashcupy.merge_states(o, ls, state_dtype="f16"), ValueError, "state_dtype"),
 ])
 def test_bad_arguments_are_refused_by_name(rng, call, exc, words):
