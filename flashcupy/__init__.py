@@ -82,10 +82,15 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
         are never visited, so the cost follows the window, not Nk. Each window is compiled into its
         kernel (one module per (left, right), cached like the rest); a side that reaches past every key
         of the call runs as unbounded, so a window wider than the problem runs the plain kernel.
-    softcap, sinks, alibi_slopes : flash_attn_func's other score variants and per-head attention sinks
-        (semantics and math: ``flashcupy.reference.attention``): a softcap c tanh(S / c), ALiBi slopes
-        (Hq,) or (B, Hq), sink logits (Hq,). They run on NumPy inputs (the twin, as the kernels will run
-        them) only so far; with CuPy inputs a ValueError says so before any launch (issue 35).
+    softcap : flash_attn_func's softcap: S <- c tanh(S / c) on the scaled scores, before the mask (0: off;
+        c in [2^-16, 2^32]). Every family runs it, forward and backward (not the fp8 forward yet),
+        compiled into the kernel like the window (one module per cap). The kernels take tanh from the
+        MUFU's tanh.approx.f32 (relative error about 2^-11, an fp16 rounding) for 16-bit inputs and
+        the accurate tanhf for float32 inputs (``python -m analysis softcap`` measures both).
+    sinks, alibi_slopes : per-head attention sinks and ALiBi slopes (semantics and math:
+        ``flashcupy.reference.attention``): sink logits (Hq,), slopes (Hq,) or (B, Hq). They run on NumPy
+        inputs (the twin, as the kernels will run them) only so far; with CuPy inputs a ValueError says
+        so before any launch (issue 35).
 
     The algorithm, per tile of keys j, with running max m, sum l and output accumulator O:
     m' = max(m, rowmax(S_j)), P = exp(S_j - m'), l = e^(m - m') l + rowsum(P),
@@ -99,8 +104,9 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     """
     _check_bool("return_lse", return_lse)
     problem = _forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                              accum=accum, kernel=kernel, ablate=ablate, window_size=window_size)
-    variants = _score_variants(problem, softcap, sinks, alibi_slopes)
+                              accum=accum, kernel=kernel, ablate=ablate, window_size=window_size,
+                              softcap=softcap)
+    variants = _score_variants(problem, sinks, alibi_slopes)
     if problem.backend == "numpy":
         o, lse = _twin.forward(q, k, v, problem, **variants)
     else:
@@ -108,29 +114,16 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     return (o, lse) if return_lse else o
 
 
-def _score_variants(problem, softcap, sinks, alibi_slopes) -> dict:
-    """The score variants a call asks for (those away from their defaults), as keyword arguments of the
-    twin; on CuPy inputs a ValueError naming them, before any launch: no kernel family runs them yet.
-    (The window is part of the problem's variant, which every family compiles.)"""
-    if softcap is _NO_CAP and sinks is None and alibi_slopes is None:
-        return {}  # (the defaults themselves: the common call pays three comparisons)
-    given = {"softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes}
-    asked = {name: value for name, value in given.items() if not _variant_off(name, value)}
+def _score_variants(problem, sinks, alibi_slopes) -> dict:
+    """The array-valued score variants a call asks for (sinks, ALiBi slopes), as keyword arguments of
+    the twin; on CuPy inputs a ValueError naming them, before any launch: no kernel family runs them
+    yet. (The window and the softcap are part of the problem's variant, which every family compiles.)"""
+    asked = {name: value for name, value in (("sinks", sinks), ("alibi_slopes", alibi_slopes))
+             if value is not None}
     if asked and problem.backend != "numpy":
         raise ValueError(f"{', '.join(asked)}: these score variants run on NumPy inputs (the twin) only so "
                          "far; no kernel family runs them yet")
     return asked
-
-
-def _variant_off(name: str, value) -> bool:
-    """Whether a score variant's argument is its default (off): softcap 0, no sinks, no slopes. A value
-    of another kind counts as asked for: the twin's checks say what is allowed."""
-    if name in ("sinks", "alibi_slopes"):
-        return value is None
-    try:
-        return float(value) == 0.0
-    except (TypeError, ValueError):
-        return False
 
 
 def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: Array, *, causal: bool = False,
@@ -183,14 +176,15 @@ def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: A
     replacing delta_i by delta_i - dlse_i: dS = P * (dP - (delta - dlse)). The torch bridge passes it
     when its caller differentiates through the returned LSE.
 
-    ``window_size``: as in ``attention`` (every family); ``softcap``, ``sinks``, ``alibi_slopes``: as in
-    ``attention`` (NumPy inputs only so far); with ``sinks`` the gradient of the sink logits, float32
+    ``window_size``, ``softcap``: as in ``attention`` (every family; the softcap multiplies dS by its
+    derivative 1 - tanh^2); ``sinks``, ``alibi_slopes``: as in ``attention`` (NumPy inputs only so far);
+    with ``sinks`` the gradient of the sink logits, float32
     (Hq,), is a fourth output (``flashcupy.reference.attention_backward`` writes its math).
     """
     problem = _backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
                                block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic,
-                               dlse=dlse, window_size=window_size)
-    variants = _score_variants(problem, softcap, sinks, alibi_slopes)
+                               dlse=dlse, window_size=window_size, softcap=softcap)
+    variants = _score_variants(problem, sinks, alibi_slopes)
     if problem.backend == "numpy":  # one fixed order: deterministic either way
         return _twin.backward(do, q, k, v, o, lse, problem, dlse=dlse, **variants)
     return _launch.backward(do, q, k, v, o, lse, problem, deterministic=deterministic, dlse=dlse)

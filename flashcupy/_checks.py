@@ -15,7 +15,7 @@ import numpy as np
 from ._families import ABLATIONS, ACCUMS, FAMILIES, SMEM_LIMIT, WGMMA_BWD_HEAD_DIMS, WGMMA_HEAD_DIMS
 from ._policy import auto_family, default_tile, wgmma_schedule
 from ._variant import Variant, current_build
-from .reference import check_window
+from .reference import check_softcap, check_window
 
 KERNELS = ("auto", "mma", "simt", "wgmma")
 _GRID_YZ_MAX = 65535
@@ -108,6 +108,23 @@ def check_scale(scale, d: int) -> float:
     return scale
 
 
+# The softcaps the kernels run: cap tanh(S / cap) is computed as (cap / scale) tanh((scale / cap) s) on raw
+# scores s, both factors float32; with the scale in SCALE_RANGE, this range keeps both normal floats
+SOFTCAP_RANGE = (2.0 ** -16, 2.0 ** 32)
+
+
+def check_kernel_softcap(softcap) -> float:
+    """``softcap`` as a call's problem holds it: ``reference.check_softcap``, then 0.0 (off) or a value
+    inside ``SOFTCAP_RANGE`` (ValueError naming the range)."""
+    softcap = check_softcap(softcap)
+    lo, hi = SOFTCAP_RANGE
+    if softcap and not lo <= softcap <= hi:
+        raise ValueError(f"softcap must be 0 (off) or lie in [2^-16, 2^32] = [{lo!r}, {hi!r}], got "
+                         f"{softcap!r}: the kernels compute (cap / scale) tanh(scale s / cap) with both "
+                         "factors in float32")
+    return softcap
+
+
 def check_tile(name: str, value, allowed=None):
     """A tile-size knob (block_m, block_n): None, or an int (a Python or NumPy integer, not a bool or a
     float: ``128.0`` would reach the compiler as a define) among ``allowed`` when given. TypeError for
@@ -148,7 +165,7 @@ def window_of(window_size, causal: bool, nq: int, nk: int) -> tuple[bool, tuple[
 
 
 def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate,
-                  window_size=None, direction: str = "fwd") -> Problem:
+                  window_size=None, softcap=0.0, direction: str = "fwd") -> Problem:
     """Validate the arguments of ``flashcupy.attention`` (``direction="bwd"``: the q, k, v part of
     ``flashcupy.attention_backward``) and resolve defaults."""
     arrays = {"q": q, "k": k, "v": v}
@@ -197,11 +214,12 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     _check_choice("ablate", ablate, ABLATIONS)
     block_m, block_n = check_tile("block_m", block_m), check_tile("block_n", block_n)
     causal, window = window_of(window_size, bool(causal), nq, nk)
+    softcap = check_kernel_softcap(softcap)
 
     family = resolve_family(kernel, dname, accum, direction, head_dim=d, block_m=block_m, block_n=block_n,
                             causal=causal, backend=backend, device=device)
     fam = FAMILIES[family]
-    bm, bn = default_tile(family, dname, d, accum, causal, block_m, block_n, n=nq)
+    bm, bn = default_tile(family, dname, d, accum, causal, block_m, block_n, n=nq, softcap=softcap)
     for name, val, allowed in (("block_m", bm, fam.block_m), ("block_n", bn, fam.block_n)):
         if val not in allowed:
             which = (f"kernel={fam.kind!r}" if kernel != "auto" else
@@ -210,7 +228,7 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
                              f"supported: {allowed}")
     schedule = wgmma_schedule(d, bool(causal), nq, (bm, bn)) if family == "fwd_wgmma" else None
     variant = Variant(family, dname, accum, int(bm), int(bn), d, causal, ablate, schedule=schedule,
-                      window=window)
+                      window=window, softcap=softcap)
     if not variant.fits():
         raise ValueError(f"block_m={bm}, block_n={bn} with D={d} in {dname} needs "
                          f"{variant.smem_bytes} bytes of shared memory in {family}; the limit is "
@@ -301,10 +319,11 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
 
 
 def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,
-                   deterministic, dlse=None, window_size=None) -> Problem:
+                   deterministic, dlse=None, window_size=None, softcap=0.0) -> Problem:
     """Validate the arguments of ``flashcupy.attention_backward`` and resolve defaults."""
     p = check_forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                      accum=accum, kernel=kernel, ablate=None, window_size=window_size, direction="bwd")
+                      accum=accum, kernel=kernel, ablate=None, window_size=window_size, softcap=softcap,
+                      direction="bwd")
     _check_bool("deterministic", deterministic)
     for name, x in (("do", do), ("o", o), ("lse", lse)):
         if _backend_of(name, x) != p.backend:
@@ -381,18 +400,18 @@ def _knobs(kwargs: dict) -> tuple:
 
 
 def forward_problem(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate,
-                    window_size=None) -> Problem:
+                    window_size=None, softcap=0.0) -> Problem:
     """``check_forward`` memoized (see ``_memoized``): what ``flashcupy.attention`` calls."""
     kwargs = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum, kernel=kernel,
-                  ablate=ablate, window_size=window_size)
+                  ablate=ablate, window_size=window_size, softcap=softcap)
     return _memoized(check_forward, (q, k, v), _knobs(kwargs), kwargs)
 
 
 def backward_problem(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,
-                     deterministic, dlse=None, window_size=None) -> Problem:
+                     deterministic, dlse=None, window_size=None, softcap=0.0) -> Problem:
     """``check_backward`` memoized (see ``_memoized``): what ``flashcupy.attention_backward`` calls."""
     kwargs = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum, kernel=kernel,
-                  deterministic=deterministic, window_size=window_size)
+                  deterministic=deterministic, window_size=window_size, softcap=softcap)
     if dlse is not None:  # rare: checked every time
         return check_backward(do, q, k, v, o, lse, dlse=dlse, **kwargs)
     return _memoized(check_backward, (do, q, k, v, o, lse), _knobs(kwargs), kwargs)

@@ -362,8 +362,8 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
 
 def covering_variants(family: str) -> list[Variant]:
     """A covering set for the compile check: every value of every knob at least once, and the pairs
-    dtype x accum, block_m x block_n, causal x ablate and window x ablate in full (variants that do not
-    fit in shared memory are left out)."""
+    dtype x accum, block_m x block_n, causal x ablate, window x ablate and softcap x dtype x accum in full
+    (variants that do not fit in shared memory are left out)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
     fam = FAMILIES[family]
@@ -377,7 +377,8 @@ def covering_variants(family: str) -> list[Variant]:
         args = {**base, **kw}
         if "block_m" not in kw:  # the default tile of this dtype, head dim, accumulator and mask
             args["block_m"], args["block_n"] = default_blocks(family, args["dtype"], args["head_dim"],
-                                                              args["accum"], args["causal"])
+                                                              args["accum"], args["causal"],
+                                                              softcap=bool(args.get("softcap")))
         try:
             v = Variant(**args)
         except ValueError:  # outside the family's limits
@@ -424,6 +425,15 @@ def covering_variants(family: str) -> list[Variant]:
     for ab in ABLATIONS:
         add(window=(64, 64), ablate=ab)
     add(head_dim=128, window=(128, 0))
+    # the softcap (FC_SCORE_HOOK 2): every dtype x accumulator (so both tanh), D = 128 causal, each break,
+    # and with a window
+    for dt in fam.dtypes:
+        for acc in fam.accums(dt):
+            add(dtype=dt, accum=acc, softcap=30.0)
+    add(head_dim=128, causal=True, softcap=30.0)
+    for ab in ABLATIONS[1:]:
+        add(softcap=30.0, ablate=ab)
+    add(window=(64, 64), softcap=30.0)
     # fp8 (fwd_wgmma): every accumulation x k-descale x causal on its default tile, the 64- and 128-row
     # tiles, and the breaks
     if family == "fwd_wgmma":

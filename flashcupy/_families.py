@@ -268,6 +268,10 @@ def _bwd_wgmma_limits(v: "Variant") -> str | None:
         # (C7512), measured locally
         return ("kernel='wgmma' backward runs block_m=128 at D=64 with block_n=128 only, not "
                 f"D={v.head_dim}, block_n={v.block_n}; block_m=64 runs both head dims")
+    if v.softcap and v.block_m != 64:
+        # P hook'(t) in P's registers and P's A fragments beside them spill at 80 and 128 queries
+        # (_policy.default_blocks), measured locally
+        return f"kernel='wgmma' backward runs a softcap at block_m=64, not {v.block_m}"
     if v.block_m == 80 and (v.head_dim != 128 or v.block_n != 128):
         # FlashAttention-3's tile at D=128: dQ formed transposed by m64n80k16 per 64 columns of D, which
         # the two consumer warpgroups of a 128-key tile split

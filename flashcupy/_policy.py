@@ -104,14 +104,20 @@ _DEFAULT_BLOCKS = {
 
 
 def default_blocks(family: str, dtype: str, d: int, accum: str, causal: bool,
-                   n: int | None = None) -> tuple[int, int]:
-    """The family's default (block_m, block_n) for this dtype, head dim, accumulator, mask and ``n``
-    query rows (None: any length); the family may still refuse it (``Variant``'s limits say why)."""
-    return _DEFAULT_BLOCKS[family](dtype, d, accum, causal, n)
+                   n: int | None = None, softcap: bool = False) -> tuple[int, int]:
+    """The family's default (block_m, block_n) for this dtype, head dim, accumulator, mask, ``n``
+    query rows (None: any length) and softcap; the family may still refuse it (``Variant``'s limits say
+    why)."""
+    bm, bn = _DEFAULT_BLOCKS[family](dtype, d, accum, causal, n)
+    if softcap and family == "bwd_wgmma":
+        # a softcap keeps P hook'(t) in P's registers with P's A fragments beside them (the score hook,
+        # flash_common.cuh): 64 queries a tile run spill-free, 80 and 128 spill 96-208 bytes (NVRTC 13)
+        return 64, bn
+    return bm, bn
 
 
 def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, block_m=None,
-                 block_n=None, n: int | None = None) -> tuple:
+                 block_n=None, n: int | None = None, softcap: float = 0.0) -> tuple:
     """(block_m, block_n) of a call that gives ``block_m`` and ``block_n`` or leaves them None: the
     family's default tile (``default_blocks``) for what is left None. A caller's block_m alone: the
     default key tile where the family runs it with that block_m, else the widest key tile it runs with it
@@ -131,7 +137,7 @@ def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, bloc
         block_m = over.get("FC_BLOCK_M") if block_m is None else block_m
         block_n = over.get("FC_BLOCK_N") if block_n is None else block_n
     fam = FAMILIES[family]
-    dm, dn = default_blocks(family, dtype, d, accum, causal, n)
+    dm, dn = default_blocks(family, dtype, d, accum, causal, n, bool(softcap))
     if block_m is None and block_n is None:
         return dm, dn
     if block_m is not None and block_n is not None:
@@ -139,7 +145,7 @@ def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, bloc
 
     def runs(bm, bn):
         try:
-            return Variant(family, dtype, accum, bm, bn, d, causal).fits()
+            return Variant(family, dtype, accum, bm, bn, d, causal, softcap=softcap).fits()
         except (ValueError, TypeError):
             return False
 

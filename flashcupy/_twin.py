@@ -89,6 +89,7 @@ def _score_variants(p: Problem, softcap, sinks, alibi_slopes):
     softcap, sinks (B?, Hkv, G, 1, 1) float32 raw units or None, slopes likewise or None)."""
     from .reference import _variants
 
+    softcap = p.variant.softcap if softcap is None else softcap
     window, cap, sink, slope = _variants((p.batch, p.heads_kv, p.group), p.variant.window or (-1, -1),
                                          softcap, sinks, alibi_slopes)
     f32 = np.float32
@@ -118,10 +119,11 @@ def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants):
 _NO_VARIANTS = ((-1, -1), 0.0, None, None)
 
 
-def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap: float = 0.0, sinks=None,
-            alibi_slopes=None):
+def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap: float | None = None,
+            sinks=None, alibi_slopes=None):
     """Run the twin for a checked problem. Returns (o in q's dtype, lse float32 (B, Hq, Nq)). The score
-    variants are ``reference.attention``'s, applied as the kernels will (``_score_variants``)."""
+    variants are ``reference.attention``'s, applied as the kernels will (``_score_variants``); the
+    softcap is the problem's (``p.variant.softcap``) unless ``softcap`` is given."""
     var = p.variant
     variants = _score_variants(p, softcap, sinks, alibi_slopes)
     sink = variants[2]
@@ -195,7 +197,7 @@ def _fp16_accumulate_rows(acc, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return acc
 
 
-def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, softcap: float = 0.0, sinks=None,
+def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, softcap: float | None = None, sinks=None,
              alibi_slopes=None):
     """The twin of the backward kernels. Returns (dq, dk, dv) in q's dtype; with ``sinks`` also d sinks
     (float32 (Hq,)) = -sum over the head's rows of P_sink * delta, P_sink = 2^(c z / scale - lse log2 e)

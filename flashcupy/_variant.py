@@ -7,8 +7,11 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 import os
 import re
+
+import numpy as np
 
 from ._families import ABLATIONS, DTYPES, FAMILIES, FP8_KSCALES, SCHEDULES, SMEM_LIMIT, Family
 from ._policy import wgmma_o_stage, wgmma_persistent, wgmma_schedule
@@ -92,6 +95,22 @@ def kernel_build(defines: dict[str, int] | None = None, kernels_dir: str | None 
         _BUILD.reset(token)
 
 
+def _float32_cap(cap) -> float:
+    """A softcap as the kernels hold it: the float32 nearest ``cap``, which must be finite and > 0
+    (the checks of a call say so first, naming the argument)."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softcap must be a number, got {type(cap).__name__}")
+    cap32 = float(np.float32(cap))
+    if not (math.isfinite(cap32) and cap32 > 0):
+        raise ValueError(f"softcap must be a finite float32 > 0 in a Variant (0.0: none), got {cap!r}")
+    return cap32
+
+
+def _float32_bits(x: float) -> int:
+    """The bits of float32 ``x`` as an int: how a float reaches a kernel as a -D value."""
+    return int(np.float32(x).view(np.uint32))
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One compile-time specialization of a family. ``key`` names it everywhere."""
@@ -115,6 +134,10 @@ class Variant:
     # (FC_WINDOW): key j visible iff i' - left <= j <= i' + right; the causal window is causal=False
     # with right = 0, and (-1, 0) is causal=True (one form per mask: _checks.window_of); None: no window
     window: tuple[int, int] | None = None
+    # flash_attn_func's softcap on the scaled scores, cap tanh(S / cap), compiled in (FC_SCORE_HOOK 2 with
+    # the cap's float32 bits, FC_SOFTCAP_BITS): a float32 value > 0, or 0.0 for none (every family but
+    # fp8; the kernels' hook and its tanh: kernels_cu/flash_common.cuh)
+    softcap: float = 0.0
     # compiled otherwise than the package does (experiments on the kernels; see Build). None: the
     # Build of the enclosing kernel_build block, if any
     build: Build | None = None
@@ -162,6 +185,11 @@ class Variant:
                                  f"(those are causal=False and causal=True) with causal=False (a causal "
                                  f"window has right = 0); got window={self.window!r}, causal={self.causal}")
             object.__setattr__(self, "window", window)
+        if self.softcap != 0.0:
+            cap = _float32_cap(self.softcap)
+            if self.fp8 is not None:
+                raise ValueError("softcap does not run with fp8 operands yet; the 16-bit kernels run it")
+            object.__setattr__(self, "softcap", cap)
         problem = fam.limits(self)
         if problem:
             raise ValueError(problem)
@@ -220,6 +248,8 @@ class Variant:
             parts.append("causal")
         if self.window:
             parts.append("win{}_{}".format(*self.window))
+        if self.softcap:
+            parts.append("cap" + np.format_float_positional(np.float32(self.softcap), trim="-"))
         if self.ablate:
             parts.append("ablate_" + self.ablate)
         if self.fp8:
@@ -247,6 +277,7 @@ class Variant:
             "FC_WINDOW": int(self.window is not None),
             "FC_WINDOW_LEFT": self.window[0] if self.window else -1,
             "FC_WINDOW_RIGHT": self.window[1] if self.window else -1,
+            **({"FC_SCORE_HOOK": 2, "FC_SOFTCAP_BITS": _float32_bits(self.softcap)} if self.softcap else {}),
             "FC_ABLATE_MAX_SUBTRACTION": int(self.ablate == "max_subtraction"),
             "FC_ABLATE_RESCALING": int(self.ablate == "rescaling"),
             **{f"FC_SMEM_{role.upper()}": self.smem_for(role) for role in self.roles},

@@ -75,6 +75,18 @@ def check_window(window_size) -> tuple[int, int]:
     return left, right
 
 
+def check_softcap(softcap) -> float:
+    """``softcap`` checked: a real number (not a bool), finite and >= 0 (0: off); returned as a float.
+    The one check of its kind (the kernels' problem check adds their range)."""
+    number = (int, float, np.floating, np.integer)
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, number):
+        raise TypeError(f"softcap must be a number (0: off), got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap}")
+    return softcap
+
+
 def _variants(groups, window_size, softcap, sinks, alibi_slopes):
     """The variant arguments checked and shaped for the grouped heads ``groups`` = (B, Hkv, G) (query
     head h = G kv + g): (window, softcap, sinks (1, Hkv, G, 1, 1) or None, slopes (B or 1, Hkv, G, 1, 1) or
@@ -82,12 +94,7 @@ def _variants(groups, window_size, softcap, sinks, alibi_slopes):
     b, hkv, g = groups
     hq = hkv * g
     left, right = check_window(window_size)
-    try:
-        softcap = float(softcap)
-    except (TypeError, ValueError):
-        raise TypeError(f"softcap must be a number (0: off), got {type(softcap).__name__}") from None
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap}")
+    softcap = check_softcap(softcap)
     if sinks is not None:
         sinks = to_float64(sinks)
         if sinks.shape != (hq,) or not np.isfinite(sinks).all():

@@ -38,7 +38,7 @@ except ImportError as e:  # pragma: no cover - the torch extra
     raise ImportError("flashcupy.torch needs torch: pip install 'flashcupy[torch]'") from e
 
 from . import _launch, _torch_node
-from ._checks import backward_problem, forward_problem, numpy_dtype
+from ._checks import backward_problem, check_kernel_softcap, forward_problem, numpy_dtype
 from ._variant import current_build, kernel_build
 from .reference import check_window
 
@@ -196,13 +196,13 @@ def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
 
 def _forward_entry(q, k, v, knobs) -> _Entry:
     """The remembered entry of a forward call (``knobs``: causal, scale, block_m, block_n, accum, kernel,
-    ablate, window)."""
+    ablate, window, softcap)."""
 
     def make() -> _Entry:
-        causal, scale, block_m, block_n, accum, kernel, ablate, window = knobs
+        causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap = knobs
         views = tuple(map(_cp, (q, k, v)))
         p = forward_problem(*views, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                            accum=accum, kernel=kernel, ablate=ablate, window_size=window)
+                            accum=accum, kernel=kernel, ablate=ablate, window_size=window, softcap=softcap)
         copies, strides = _copies(views, (p.variant.fam.kind == "wgmma",) * 3)
         with cupy.cuda.Device(p.device):
             plan = _launch.forward_plan(p, *strides, views[0].itemsize)
@@ -212,10 +212,10 @@ def _forward_entry(q, k, v, knobs) -> _Entry:
     return _entry(_FORWARD_SIGNATURES, _signature((q, k, v), knobs), make)
 
 
-def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window):
+def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap):
     """(o, lse) of ``flashcupy.attention`` on tensors (the custom op's and the eager path's body;
-    ``window``: a checked (left, right) pair)."""
-    knobs = (causal, scale, block_m, block_n, accum, kernel, ablate, window)
+    ``window``: a checked (left, right) pair; ``softcap``: a float)."""
+    knobs = (causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap)
     entry = _forward_entry(q, k, v, knobs)
     if entry.program is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         return tuple(_torch_node.module().forward(q, k, v, entry.program))  # on q's device, from C++
@@ -238,7 +238,7 @@ def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, wi
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window):
+def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window, softcap):
     """(dq, dk, dv) of ``flashcupy.attention_backward`` on tensors (``dlse`` may be None)."""
     tensors = (do, q, k, v, o, lse) if dlse is None else (do, q, k, v, o, lse, dlse)
 
@@ -247,7 +247,7 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
         dlse_view = views[6] if dlse is not None else None
         p = backward_problem(*views[:6], causal=causal, scale=scale, block_m=None, block_n=None,
                              accum=accum, kernel=kernel, deterministic=deterministic, dlse=dlse_view,
-                             window_size=window)
+                             window_size=window, softcap=softcap)
         tma = p.variant.fam.kind == "wgmma"
         copies, strides = _copies(views[:5], (tma,) * 4 + (False,))  # o: read by the prep kernel alone
         # lse and dlse: read as rows, C-contiguous
@@ -255,7 +255,7 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
         with cupy.cuda.Device(p.device):
             return _Entry(p, _launch.backward_plan(p, deterministic, strides, views[1].itemsize), copies)
 
-    knobs = (causal, scale, accum, kernel, deterministic, window)
+    knobs = (causal, scale, accum, kernel, deterministic, window, softcap)
     entry = _entry(_BACKWARD_SIGNATURES, _signature(tensors, knobs), make)
     device = q.get_device()
     if torch._C._cuda_getDevice() != device:
@@ -287,15 +287,15 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
                   block_m: Optional[int], block_n: Optional[int], accum: str, kernel: str,
                   ablate: Optional[str], deterministic: bool, window_left: int = -1,
-                  window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                  window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     # ``deterministic`` is the backward's knob, kept by the forward for its autograd context
     return _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate,
-                    (window_left, window_right))
+                    (window_left, window_right), softcap)
 
 
 @_attention_op.register_fake
 def _(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, deterministic, window_left=-1,
-      window_right=-1):
+      window_right=-1, softcap=0.0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -303,32 +303,33 @@ def _(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, determini
 def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            o: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
                            scale: Optional[float], accum: str, kernel: str, deterministic: bool,
-                           window_left: int = -1,
-                           window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           window_left: int = -1, window_right: int = -1,
+                           softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # do may come with any strides (autograd hands o.mean()'s a stride-0 one): what the kernels cannot
     # read is copied
     return _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic,
-                     (window_left, window_right))
+                     (window_left, window_right), softcap)
 
 
 @_attention_backward_op.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window_left=-1,
-      window_right=-1):
+      window_right=-1, softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _backward_op(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window):
+def _backward_op(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window, softcap):
     """``_backward``'s arguments through the backward operator (whose schema takes the window's sides as
     two ints)."""
     return _attention_backward_op(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic,
-                                  *window)
+                                  *window, softcap)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _, _, accum, kernel, ablate, deterministic, *window = inputs
+    q, k, v, causal, scale, _, _, accum, kernel, ablate, deterministic, *rest = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.knobs = (causal, scale, accum, kernel, deterministic, tuple(window) or (-1, -1))
+    window = tuple(rest[:2]) if len(rest) >= 2 else (-1, -1)
+    ctx.knobs = (causal, scale, accum, kernel, deterministic, window, rest[2] if len(rest) > 2 else 0.0)
     ctx.ablate = ablate
 
 
@@ -343,7 +344,7 @@ def _backward_of_op(ctx, do, dlse):
         raise RuntimeError(_no_backward(ctx.ablate))
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = _backward_op(do, q, k, v, o, lse, dlse, *ctx.knobs)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("flashcupy::attention", _backward_of_op, setup_context=_setup_context)
@@ -357,14 +358,15 @@ torch.library.register_autograd("flashcupy::attention", _backward_of_op, setup_c
 
 class _EagerAttention(torch.autograd.Function):
     """``apply(q, k, v, knobs)``, knobs = (causal, scale, block_m, block_n, accum, kernel, ablate, window,
-    deterministic): one argument for the nine, since ``apply`` inspects each argument it is given."""
+    softcap, deterministic): one argument for the ten, since ``apply`` inspects each argument it is
+    given."""
 
     @staticmethod
     def forward(ctx, q, k, v, knobs):
-        causal, scale, block_m, block_n, accum, kernel, ablate, window, deterministic = knobs
-        o, lse = _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window)
+        causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap, deterministic = knobs
+        o, lse = _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.knobs = (causal, scale, accum, kernel, deterministic, window)
+        ctx.knobs = (causal, scale, accum, kernel, deterministic, window, softcap)
         ctx.ablate = ablate
         ctx.set_materialize_grads(False)
         return o, lse
@@ -446,21 +448,22 @@ def _backward_program(q, k, v, knobs):
     autograd's thread, outside any ``kernel_build`` block). Where the checks refuse, the plan cannot
     read q, k, v in place or cannot be made, a program without launches: every backward then takes the
     fallback, which copies, or raises the error, as the Python node does."""
-    causal, scale, _, _, accum, kernel, _, window, deterministic = knobs
+    causal, scale, _, _, accum, kernel, _, window, softcap, deterministic = knobs
     spec = dict(forward=False, launches=[], maps=[], dynamic=False, dq_floats=0, delta_floats=0, sem_shape=[])
     o = _contiguous_like(q)
     views = tuple(map(_cp, (o, q, k, v, o, q.new_empty(q.shape[:3], dtype=torch.float32))))
     try:
         with kernel_build():
             p = backward_problem(*views, causal=causal, scale=scale, block_m=None, block_n=None,
-                                 accum=accum, kernel=kernel, deterministic=deterministic, window_size=window)
+                                 accum=accum, kernel=kernel, deterministic=deterministic, window_size=window,
+                                 softcap=softcap)
             copies, strides = _copies(views[:5], (p.variant.fam.kind == "wgmma",) * 4 + (False,))
             if not any(copies):
                 with cupy.cuda.Device(p.device):
                     spec = _launch.backward_plan(p, deterministic, strides, views[1].itemsize).program()
     except (ValueError, TypeError, RuntimeError):  # checks, limits, NVRTC: raised again by the fallback
         pass  # when a backward runs, as the Python node raises them
-    index = _knob_index((causal, scale, accum, kernel, deterministic, window))
+    index = _knob_index((causal, scale, accum, kernel, deterministic, window, softcap))
     return _torch_node.module().program(**spec, bwd_knobs=index)
 
 
@@ -500,7 +503,8 @@ def _eager(q, k, v) -> bool:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None, *, layout: str = "bhnd", return_lse: bool = False,
-              deterministic: bool = False, window_size: tuple[int, int] = _NO_WINDOW, **knobs):
+              deterministic: bool = False, window_size: tuple[int, int] = _NO_WINDOW, softcap: float = 0.0,
+              **knobs):
     """Differentiable flashcupy attention on CUDA tensors.
 
     ``layout="bhnd"`` (default): q is (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), as in
@@ -510,7 +514,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     bottom-right aligned when Nq != Nk (flash-attn's; SDPA's ``is_causal`` is top-left).
 
     ``window_size`` (left, right): a sliding window as in ``flashcupy.attention`` (bottom-right aligned,
-    with ``causal`` the window (left, 0)), forward and backward, in every family.
+    with ``causal`` the window (left, 0)), forward and backward, in every family. ``softcap``: c tanh(S / c)
+    on the scaled scores as in ``flashcupy.attention`` (0: off), forward and backward, in every family.
 
     ``knobs`` are ``flashcupy.attention``'s block_m, block_n, accum, kernel and ablate; the backward uses
     the same accum and kernel with its own default tiles, and ``deterministic`` as in
@@ -549,16 +554,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if ablate is not None and grad:
         raise ValueError(_no_backward(ablate))
     window = _NO_WINDOW if window_size is _NO_WINDOW or window_size is None else check_window(window_size)
+    if not (type(softcap) is float and softcap == 0.0) and not torch.compiler.is_compiling():
+        softcap = check_kernel_softcap(softcap)  # (traced, a float may be symbolic: the operator checks it)
     if layout == "bnhd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     fwd = (causal, scale, knobs.get("block_m"), knobs.get("block_n"), knobs.get("accum", "fp32"),
            knobs.get("kernel", "auto"), ablate)
     if not _eager(q, k, v):
-        o, lse = _attention_op(q, k, v, *fwd, deterministic, *window)
+        o, lse = _attention_op(q, k, v, *fwd, deterministic, *window, softcap)
     elif grad:
-        o, lse = _autograd(q, k, v, (*fwd, window, deterministic))
+        o, lse = _autograd(q, k, v, (*fwd, window, softcap, deterministic))
     else:
-        o, lse = _forward(q, k, v, *fwd, window)
+        o, lse = _forward(q, k, v, *fwd, window, softcap)
     if layout == "bnhd":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o

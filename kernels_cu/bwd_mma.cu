@@ -235,6 +235,7 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
     const int qt0 = qtiles.first;
     const int qt_per_head = qtiles.end - qt0;
     const int n_it = group * qt_per_head;
+    const FcScoreHook hook(scale_log2);
 
     const int lc = tid % CHP, lr = tid / CHP;
 
@@ -309,16 +310,16 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
                     for (int e = 0; e < 2; ++e) {
                         // (S^T's element: key n0 + kg 16 + g + 8 hf, query m0 + qcol + e; the score hook
                         // first, flash_common.cuh, and its derivative in dS)
-                        p[e] = fc_softmax_p(FcScoreHook::apply(acc_get(acc_s[0][n], 2 * hf + e), m0 + qcol + e,
-                                                               n0 + kg * 16 + g + 8 * hf),
-                                            scale_log2, lq[e]);
+                        float gs;  // hook'(t)
+                        const float ts = hook.apply(acc_get(acc_s[0][n], 2 * hf + e), m0 + qcol + e,
+                                                    n0 + kg * 16 + g + 8 * hf, gs);
+                        p[e] = fc_softmax_p(ts, scale_log2, lq[e]);
                         if (need_mask) {
                             const int key = n0 + kg * 16 + g + 8 * hf, query = m0 + qcol + e;
                             const bool vis = query < nq && fc_visible(query, key, nq, nk);
                             p[e] = vis ? p[e] : 0.f;
                         }
-                        ds[e] = fc_hook_ds(p[e] * (acc_get(acc_p[0][n], 2 * hf + e) - dq2[e]), m0 + qcol + e,
-                                           n0 + kg * 16 + g + 8 * hf);
+                        ds[e] = fc_hook_ds(p[e] * (acc_get(acc_p[0][n], 2 * hf + e) - dq2[e]), gs);
                     }
                     p_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(p[0], p[1]);
                     ds_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
@@ -426,6 +427,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
     // tile j0 + it, n_tiles of them.
     const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
     const int j0 = tiles.first, n_tiles = tiles.count();
+    const FcScoreHook hook(scale_log2);
 
     const int lc = tid % CHP, lr = tid / CHP;
     const u32 frag_row = (lane & 15) * ROW_BYTES;
@@ -492,10 +494,11 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
                         // (row row_g + 8 hf, key j BN + kr0 + 2 t + 8 n + e; the score hook first,
                         // flash_common.cuh, and its derivative in dS)
                         const int key = j * BN + kr0 + 2 * t + 8 * n + e;
-                        float p = fc_softmax_p(FcScoreHook::apply(acc_get(acc_s[0][n], 2 * hf + e), row_g + 8 * hf, key),
-                                               scale_log2, lrow[hf]);
+                        float gs;  // hook'(t)
+                        const float ts = hook.apply(acc_get(acc_s[0][n], 2 * hf + e), row_g + 8 * hf, key, gs);
+                        float p = fc_softmax_p(ts, scale_log2, lrow[hf]);
                         if (need_mask && (n * 8 + e > last || (FC_BOUND_LEFT && n * 8 + e < first))) p = 0.f;
-                        ds[e] = fc_hook_ds(p * (acc_get(acc_p[0][n], 2 * hf + e) - drow[hf]), row_g + 8 * hf, key);
+                        ds[e] = fc_hook_ds(p * (acc_get(acc_p[0][n], 2 * hf + e) - drow[hf]), gs);
                     }
                     ds_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
                 }

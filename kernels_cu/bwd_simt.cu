@@ -123,6 +123,8 @@ __device__ __forceinline__ void for_each_own_cell(int first, int limit, F f) {
 // TRANSPOSED = false (dkdv): round(P) goes to p_s[row][key] and round(dS) to ds_s[row][key] (pitch
 // S_PITCH). TRANSPOSED = true (dq): round(dS) goes to ds_s[key][row] (pitch ST_PITCH); p_s must
 // equal ds_s and only holds the fp32 P between the two passes.
+// With a score hook, pass 1 also keeps the hook's derivative g = hook'(t) (flash_common.cuh) for pass 2:
+// dkdv in its ds_s slot (which pass 2 writes last), dq as P g in place of P (it needs no P itself).
 // Each thread reads back only slots it wrote itself, so no barrier is needed inside.
 template <bool TRANSPOSED, int PASS>
 __device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const float* __restrict__ b_s,
@@ -131,6 +133,7 @@ __device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const 
                                            float scale_log2) {
     const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
     const int r0 = rg * SR;  // first tile row of this row group
+    const FcScoreHook hook(scale_log2);
     auto slot = [&](int t, int kcol) { return TRANSPOSED ? kcol * ST_PITCH + r0 + t : (r0 + t) * S_PITCH + kcol; };
 #pragma unroll 1
     for (int i0 = 0; i0 < KPT; i0 += GS) {
@@ -149,13 +152,17 @@ __device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const 
                     const bool visible = row < nq && fc_visible(row, key, nq, nk) && lse_log2 != INFINITY;
                     // (2) P = exp2(S * scale_log2 - lse * log2(e)); 0 where masked or the row saw no key
                     // (the score hook first, flash_common.cuh)
-                    p_s[slot(t, kcol)] =
-                        visible ? fc_softmax_p(FcScoreHook::apply(x[t][g], row, key), scale_log2, lse_log2) : 0.f;
+                    float gs;  // hook'(t)
+                    const float ts = hook.apply(x[t][g], row, key, gs);
+                    const float p = visible ? fc_softmax_p(ts, scale_log2, lse_log2) : 0.f;
+                    if constexpr (FcScoreHook::active && !TRANSPOSED) ds_s[slot(t, kcol)] = gs;
+                    p_s[slot(t, kcol)] = (FcScoreHook::active && TRANSPOSED) ? p * gs : p;
                 } else {
-                    const float p = p_s[slot(t, kcol)];
+                    const float p = p_s[slot(t, kcol)];  // (dq with a hook: P g)
                     // (4) dS = P * (dP - delta) (times the score hook's derivative); exactly 0 where P is
                     // (masked entries never see dP)
-                    const float ds = fc_hook_ds(p == 0.f ? 0.f : p * (x[t][g] - delta_s[r0 + t]), m0 + r0 + t, n0 + kcol);
+                    float ds = p == 0.f ? 0.f : p * (x[t][g] - delta_s[r0 + t]);
+                    if constexpr (FcScoreHook::active && !TRANSPOSED) ds *= ds_s[slot(t, kcol)];
                     if (!TRANSPOSED) p_s[slot(t, kcol)] = fc_round_elem(p);
                     ds_s[slot(t, kcol)] = fc_round_elem(ds);
                 }

@@ -157,6 +157,9 @@ constexpr int BN = FC_BLOCK_N;
 constexpr int HD = FC_HEAD_DIM;
 constexpr int STAGES = FC_BWD_STAGES;
 constexpr bool EARLY_DV = FC_BWD_EARLY_DV;
+// P^T's A fragments are formed with P^T (for the early dV, or because a score hook leaves P hook'(t)
+// in P^T's registers for dS: flash_common.cuh), else from those registers when dS^T is formed
+constexpr bool P_FRAG_EARLY = EARLY_DV || FcScoreHook::active;
 constexpr int NCWG = BN / 64;            // consumer warpgroups, 64 keys each
 constexpr int NTHR = 128 * (1 + NCWG);
 constexpr int NCTHR = 128 * NCWG;        // consumer threads
@@ -459,6 +462,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         const u32 k_rows = sK + 64 * cw * 128, v_rows = sV + 64 * cw * 128;  // this warpgroup's 64 rows
         const int key_g = n0 + 64 * cw + 16 * wq + g;  // keys key_g and key_g + 8 (rows of S^T)
         const int dcol0 = dq_share_col(cw);            // this warpgroup's dQ columns
+        const FcScoreHook hook(scale_log2);
         // query row r < nq sees key key_g + 8 hf iff q_first_vis[hf] <= r <= q_last_vis[hf] (keys past
         // nk: no row)
         const int q_first_vis[2] = {key_g < nk ? fc_first_query(key_g, nq, nk) : nq,
@@ -520,21 +524,22 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     const float lq[2] = {l2.x, l2.y};
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
-                        float p[2];
+                        float p[2], pg[2];
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             // (the score hook first, flash_common.cuh: key key_g + 8 hf, query m0 + qc + e)
-                            p[e] = fc_softmax_p(FcScoreHook::apply(acc_get(wg_tile(s_acc, i), 2 * hf + e),
-                                                                   m0 + qc + e, key_g + 8 * hf),
-                                                scale_log2, lq[e]);
+                            float gs;  // hook'(t)
+                            const float ts = hook.apply(acc_get(wg_tile(s_acc, i), 2 * hf + e), m0 + qc + e, key_g + 8 * hf, gs);
+                            p[e] = fc_softmax_p(ts, scale_log2, lq[e]);
                             if constexpr (decltype(masked)::value) {  // query qc + e sees key key_g + 8 hf
                                 const int query = m0 + qc + e;
                                 p[e] = (query < nq && query >= q_first_vis[hf] &&
                                         (!FC_BOUND_LEFT || query <= q_last_vis[hf])) ? p[e] : 0.f;
                             }
+                            pg[e] = fc_hook_ds(p[e], gs);  // P hook'(t)
                         }
-                        acc_set_pair(wg_tile(s_acc, i), hf, p[0], p[1]);
-                        if constexpr (EARLY_DV) p_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(p[0], p[1]);
+                        acc_set_pair(wg_tile(s_acc, i), hf, pg[0], pg[1]);
+                        if constexpr (P_FRAG_EARLY) p_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(p[0], p[1]);
                     }
                 }
             };
@@ -570,10 +575,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 for (int hf = 0; hf < 2; ++hf) {
                     float ds[2];
 #pragma unroll
-                    for (int e = 0; e < 2; ++e)  // (times the score hook's derivative)
-                        ds[e] = fc_hook_ds(acc_get(wg_tile(s_acc, i), 2 * hf + e) * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]),
-                                           m0 + qc + e, key_g + 8 * hf);
-                    if constexpr (!EARLY_DV) p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
+                    for (int e = 0; e < 2; ++e)  // (the score hook's derivative is in P's place already)
+                        ds[e] = acc_get(wg_tile(s_acc, i), 2 * hf + e) * (acc_get(wg_tile(p_acc, i), 2 * hf + e) - dl[e]);
+                    if constexpr (!P_FRAG_EARLY) p_frag[i >> 1][hf + 2 * (i & 1)] = acc_pair_elem2(wg_tile(s_acc, i), hf);
                     ds_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(ds[0], ds[1]);
                 }
                 // At odd i, ds_frag[i / 2] is complete: four 8x8 tiles of dS^T, tile m (written at steps i - 1

@@ -11,6 +11,8 @@
 //   FC_CAUSAL                  1: key j is visible to query i iff j <= i + (nk - nq) (bottom-right)
 //   FC_WINDOW                  1: a sliding window of FC_WINDOW_LEFT, FC_WINDOW_RIGHT keys (-1: unbounded)
 //                              around i + (nk - nq) (the visibility section below)
+//   FC_SCORE_HOOK, FC_SOFTCAP_BITS  a score variant (softcap) or the hook's test arm (the score hook
+//                              section below); FC_TANH_APPROX: the softcap's tanh
 //   FC_ABLATE_MAX_SUBTRACTION  1: exponentiate raw scores; sum and output on one fixed scale
 //   FC_ABLATE_RESCALING        1: subtract each tile's own max, never rescale the running state
 //                              (both act only inside fc_softmax_step below)
@@ -361,45 +363,94 @@ __device__ __forceinline__ void fc_mask_scores(int row, int key0, int nq, int nk
 // ---------------------------------------------------------------------------------------------
 // The score hook: what a variant does to each raw score s = q_i . k_j of query row i and key j (the
 // softmax scale stays folded into the exponent's c) before the mask and the softmax, t = hook(s), and
-// the derivative by which the backward turns dL/dt into dL/ds:  dS = P (dP - delta) hook'(s). Every
-// kernel applies it where its loop holds the raw scores (the forwards in place before the mask,
-// fc_hook_scores; the backwards per element where they recompute P) and multiplies its dS; with no hook
-// that code is discarded at compile time. The derivative takes the position only (enough for a scale
-// or a position bias); a hook whose derivative needs the score (softcap) must also keep S, or t, up to
-// dS: bwd_simt's second score pass holds P alone.
-//   FC_SCORE_HOOK 0  none: t = s (the package's build)
+// the derivative by which the backward turns dL/dt into dL/ds:  dS = P (dP - delta) hook'(t). Every
+// kernel makes one hook from its scale (`const FcScoreHook hook(scale_log2)`) and applies it where its
+// loop holds the raw scores (the forwards in place before the mask, fc_hook_scores; the backwards per
+// element where they recompute P) and multiplies its dS; with no hook that code is discarded at compile
+// time. A backward takes t and the derivative g = hook'(t) together (softcap's depends on the score,
+// and is taken from the tanh itself: recovered from a rounded t, 1 - tanh^2 would lose its relative
+// accuracy where tanh saturates) and keeps g from the P it forms to the dS it forms (where P overwrites
+// S, the kernel keeps P g there and P elsewhere: bwd_simt, bwd_wgmma).
+//   FC_SCORE_HOOK 0  none: t = s (the package's build without a softcap)
 //   FC_SCORE_HOOK 1  t = s / 2: the attention of scale / 2, computed another way; a test arm, through
 //                    which tests/kernels checks that every kernel applies the hook and its derivative
-// Softcap and ALiBi (issue 35) will be arms of this struct; they need more than (s, row, key): the scale
-// (they are defined on scaled scores: a raw-unit softcap is t = (c / scale) tanh(scale s / c)) and, for
-// ALiBi, the head and batch, which the dK/dV loops change inside a CTA (the GQA group): the hook then
-// becomes an object made per (batch, head) with the call's parameters. Sinks are no score hook: they add
-// a term to the softmax's denominator (the running max and sum start from the sink) and have their own
-// gradient.
+//   FC_SCORE_HOOK 2  the softcap of flash_attn_func, cap = FC_SOFTCAP (a float32 given by its bits,
+//                    FC_SOFTCAP_BITS) on the scaled scores: scale t = cap tanh(scale s / cap), so in
+//                    raw units t = (cap / scale) tanh(scale s / cap) and hook'(t) = 1 - tanh^2.
+//                    tanh is fc_tanh (below).
+// ALiBi (issue 35) will be an arm too; it needs the head and batch, which the dK/dV loops change inside
+// a CTA (the GQA group): the hook then gains them. Sinks are no score hook: they add a term to the
+// softmax's denominator (the running max and sum start from the sink) and have their own gradient.
 #ifndef FC_SCORE_HOOK
 #define FC_SCORE_HOOK 0
 #endif
+static_assert(FC_SCORE_HOOK >= 0 && FC_SCORE_HOOK <= 2, "FC_SCORE_HOOK: 0 (none), 1 (the test arm) or 2 (softcap)");
+#if FC_SCORE_HOOK == 2 && !defined(FC_SOFTCAP_BITS)
+#error "FC_SCORE_HOOK 2 (softcap) needs FC_SOFTCAP_BITS, the cap's float32 bits"
+#endif
+
+// tanh for the softcap. FC_TANH_APPROX 1: the MUFU's tanh.approx.f32 (one instruction; its relative
+// error, about 2^-11, is the size of an fp16 rounding); 0: the libdevice tanhf (about 1 ulp, some twenty
+// instructions). The default follows the element type: approx for 16-bit inputs, whose scores the
+// softcap's users round to 16 bits anyway, accurate for float32 inputs, whose kernels answer to 1e-6.
+// `python -m analysis softcap` measures both.
+#ifndef FC_TANH_APPROX
+#define FC_TANH_APPROX (FC_DTYPE != 0)
+#endif
+__device__ __forceinline__ float fc_tanh(float x) {
+#if FC_TANH_APPROX
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return tanhf(x);
+#endif
+}
+
 struct FcScoreHook {
     static constexpr bool active = FC_SCORE_HOOK != 0;
-    // (an active hook rounds t to the accumulator type, as the forwards' tiles hold it, so that every
-    // kernel and direction sees the same t)
-    __device__ __forceinline__ static float apply(float s, int row, int key) {
-        return FC_SCORE_HOOK == 1 ? fc_round_acc(0.5f * s) : s;
+    float pre, post;  // softcap: scale / cap and cap / scale (unused otherwise)
+    __device__ __forceinline__ explicit FcScoreHook(float scale_log2) {
+#if FC_SCORE_HOOK == 2
+        const float cap = __int_as_float(FC_SOFTCAP_BITS);
+        pre = scale_log2 * FC_LN2 / cap;
+        post = cap / (scale_log2 * FC_LN2);
+#else
+        pre = post = 1.f;
+#endif
     }
-    __device__ __forceinline__ static float grad(int row, int key) { return FC_SCORE_HOOK == 1 ? 0.5f : 1.f; }
+    // t = hook(s) of query row and key, and g = hook'(t). (An active hook rounds t to the accumulator
+    // type, as the forwards' tiles hold it, so that every kernel and direction sees the same t.)
+    __device__ __forceinline__ float apply(float s, int row, int key, float &g) const {
+        if constexpr (FC_SCORE_HOOK == 1) {
+            g = 0.5f;
+            return fc_round_acc(0.5f * s);
+        }
+        if constexpr (FC_SCORE_HOOK == 2) {
+            const float u = fc_tanh(pre * s);
+            g = fmaf(-u, u, 1.f);
+            return fc_round_acc(post * u);
+        }
+        g = 1.f;
+        return s;
+    }
+    // t alone (the forwards)
+    __device__ __forceinline__ float apply(float s, int row, int key) const {
+        float g;
+        return apply(s, row, key, g);
+    }
 };
-static_assert(FC_SCORE_HOOK == 0 || FC_SCORE_HOOK == 1, "FC_SCORE_HOOK: 0 (none) or 1 (the test arm)");
 
-// A backward's dS of query row and key times the hook's derivative (dS itself without a hook).
-__device__ __forceinline__ float fc_hook_ds(float ds, int row, int key) {
-    if constexpr (FcScoreHook::active) return ds * FcScoreHook::grad(row, key);
+// A backward's dS times the hook's derivative g (dS itself without a hook).
+__device__ __forceinline__ float fc_hook_ds(float ds, float g) {
+    if constexpr (FcScoreHook::active) return ds * g;
     return ds;
 }
 
 // The hook over NT accumulator tiles of a lane's rows row and row + 8 (fc_mask_scores's layout: columns
 // key0 + 8 i, + 1), in place; nothing without a hook.
 template <int NT, typename Tile>
-__device__ __forceinline__ void fc_hook_scores(int row, int key0, Tile tile) {
+__device__ __forceinline__ void fc_hook_scores(const FcScoreHook &hook, int row, int key0, Tile tile) {
     if constexpr (FcScoreHook::active) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
@@ -408,7 +459,7 @@ __device__ __forceinline__ void fc_hook_scores(int row, int key0, Tile tile) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
                     acc_set(tile(i), 2 * hf + e,
-                            FcScoreHook::apply(acc_get(tile(i), 2 * hf + e), row + 8 * hf, key0 + 8 * i + e));
+                            hook.apply(acc_get(tile(i), 2 * hf + e), row + 8 * hf, key0 + 8 * i + e));
     }
 }
 

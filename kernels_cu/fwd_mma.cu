@@ -75,6 +75,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
     // The key tiles this CTA visits and masks (the range hook, flash_common.cuh): [j0, j_end).
     const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
     const int j0 = tiles.first, j_end = tiles.end;
+    const FcScoreHook hook(scale_log2);
 
     // This thread's load chunk lc and first load row lr (see load_tile); K and V pointers start at key
     // tile j0 and advance by one tile per iteration.
@@ -163,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
         //      score -inf ----
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-            fc_hook_scores<NT>(row_g + mt * 16, j * BN + 2 * t,
+            fc_hook_scores<NT>(hook, row_g + mt * 16, j * BN + 2 * t,
                                [&](int nt) -> acc_t(&)[ACC_REGS] { return acc_s[mt][nt]; });
         if (tiles.masked(j)) {
 #pragma unroll

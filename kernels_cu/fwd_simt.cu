@@ -85,7 +85,7 @@ __device__ __forceinline__ float row_group_sum(float x) {
 // or past its causal diagonal) score -inf. The scores go to this thread's own slots of s_s.
 __device__ __forceinline__ void scores_tile(const float* __restrict__ q_s, const float* __restrict__ k_s,
                                             float* __restrict__ s_s, int rg, int c, int row0, int key0,
-                                            int nq, int nk) {
+                                            int nq, int nk, const FcScoreHook &hook) {
     const float* q_rows = q_s + rg * TM * Q_PITCH;
     const float* k_rows = k_s + c * KV_PITCH;
 #pragma unroll
@@ -100,7 +100,7 @@ __device__ __forceinline__ void scores_tile(const float* __restrict__ q_s, const
                 const bool visible = fc_visible(row0 + t, key, nq, nk);
                 // the score hook (flash_common.cuh), then the mask
                 s_s[(rg * TM + t) * S_PITCH + c + (i0 + g) * TN] =
-                    visible ? FcScoreHook::apply(acc[t][g], row0 + t, key) : -INFINITY;
+                    visible ? hook.apply(acc[t][g], row0 + t, key) : -INFINITY;
             }
     }
 }
@@ -133,6 +133,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
     // when every row sees nothing); every tile is masked key by key (fc_visible).
     const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
     const int n_keys = tiles.key_end;
+    const FcScoreHook hook(scale_log2);
 
     // Running state of this thread's rows: m, l (identical in the 16 lanes of the row group) and
     // its DPT columns of O.
@@ -155,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
         __syncthreads();
 
         // 2. S_j = Q K_j^T (masked) into s_s. Each thread later reads back only its own slots.
-        scores_tile(q_s, kv_s, s_s, rg, c, m0 + rg * TM, n0 + c, nq, nk);
+        scores_tile(q_s, kv_s, s_s, rg, c, m0 + rg * TM, n0 + c, nq, nk, hook);
         __syncthreads();  // every thread is done with K_j
 
         // 3. V_j -> shared memory (over K_j), while each row group runs the online softmax and

@@ -358,6 +358,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     } else {
         // ------------------------------------------------------------------ consumers ---------
         setmaxnreg_inc<CONSUMER_REGS>();
+        const FcScoreHook hook(scale_log2);
         const int cw = wg - 1;                       // consumer warpgroup: tile rows 64 cw ..
         const int lt = tid & 127, lane = tid & 31;
         const int g = lane >> 2, t = lane & 3;
@@ -494,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #endif
                 // the score hook (flash_common.cuh; not with fp8), then the mask
                 static_assert(!(FC_FP8 && FcScoreHook::active), "fwd_wgmma: no score hook with fp8 operands");
-                fc_hook_scores<BN / 8>(row_g, j * BN + 2 * t,
+                fc_hook_scores<BN / 8>(hook, row_g, j * BN + 2 * t,
                                        [&](int i) -> acc_t(&)[ACC_REGS] { return wg_tile(sacc, i); });
                 if (tl.keys.masked(j))
                     fc_mask_scores<BN / 8>(row_g, j * BN + 2 * t, nq, nk,

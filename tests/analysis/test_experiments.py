@@ -329,3 +329,21 @@ def test_fp8_backward_study_prices_each_product(reports):
             assert by[("S in fp8", "e5m2", "tc")] == pytest.approx(by[("S in fp8", "e4m3", "tc")])
     assert by[("all five in fp8", "e4m3", "tc")] > max(by[(f"{p} in fp8", "e4m3", "tc")]
                                                       for p in ("S", "dP", "dV", "dK", "dQ"))
+
+
+def test_softcap_error_within_the_rule_at_every_cap(reports):
+    """The softcap experiment measures every (dtype, accumulator) at every cap, smallest first, and with
+    fp32 accumulators every cell lies within the accuracy rule (the package's bound, noise floor
+    included: float32 inputs have a naive error at float32 roundoff too); the accurate-tanh columns are
+    the CUDA backend's (NaN on the twin, whose tanh is NumPy's)."""
+    rows = table(reports[1]["softcap"], "Error against float64 by cap")
+    combos = {(r["dtype"], r["accum"]) for r in rows}
+    assert len(combos) == 4 and len(rows) == 4 * 4
+    for combo in combos:
+        caps = [r["cap"] for r in rows if (r["dtype"], r["accum"]) == combo]
+        assert caps == sorted(caps) and caps[0] == 1.0
+    for r in rows:
+        assert all(r[c] > 0 for c in ("o", "dQ", "dK", "dV"))
+        assert math.isnan(r["o (accurate tanh)"]) and r["within the rule (accurate)"] is None
+        if r["accum"] == "fp32":
+            assert r["within the rule"] is True, r

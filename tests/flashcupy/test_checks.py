@@ -423,3 +423,28 @@ def test_a_remembered_window_does_not_pass_a_bool_for_an_int():
     assert good.variant.window == (1, 3)
     with pytest.raises(TypeError, match="window_size"):
         _checks.forward_problem(q, k, v, ablate=None, **{**kw, "window_size": (True, 3)})
+
+
+def test_softcap_reaches_the_variant_as_float32_bits():
+    """A call's softcap lands in the variant as the float32 the kernels hold (key and -D bits, one module
+    per float32 value); 0 is no hook at all; fp8 and the wgmma backward's wide tiles refuse it by name,
+    and that backward's default tile takes 64 queries with it."""
+    from flashcupy._checks import check_forward
+    from flashcupy._policy import default_tile
+    from flashcupy._variant import Variant
+
+    q, k, v = qkv(np.random.default_rng(0), (1, 2, 1, 40, 60, 16), "f32")
+    p = check_forward(q, k, v, **{**FORWARD_DEFAULTS, "softcap": 0.1})
+    assert p.variant.softcap == float(np.float32(0.1)) and p.variant.key.endswith(".cap0.1")
+    d = p.variant.defines()
+    assert d["FC_SCORE_HOOK"] == 2 and np.uint32(d["FC_SOFTCAP_BITS"]).view(np.float32) == np.float32(0.1)
+    plain = check_forward(q, k, v, **{**FORWARD_DEFAULTS, "softcap": 0}).variant
+    assert plain.softcap == 0 and "FC_SCORE_HOOK" not in plain.defines() and "cap" not in plain.key
+    same = check_forward(q, k, v, **{**FORWARD_DEFAULTS, "softcap": np.float32(0.1)}).variant
+    assert same == p.variant
+    with pytest.raises(ValueError, match="softcap does not run with fp8"):
+        Variant("fwd_wgmma", "f16", "fp32", 128, 128, 128, fp8="single", softcap=30.0)
+    with pytest.raises(ValueError, match="softcap at block_m=64, not 80"):
+        Variant("bwd_wgmma", "f16", "fp32", 80, 128, 128, softcap=30.0)
+    assert default_tile("bwd_wgmma", "f16", 128, "fp32", False, n=4096, softcap=30.0) == (64, 128)
+    assert default_tile("bwd_wgmma", "f16", 128, "fp32", False, n=4096) == (80, 128)

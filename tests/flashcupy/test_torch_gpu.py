@@ -149,19 +149,20 @@ def test_bridge_runs_tensors_on_a_gpu_that_is_not_current(rng):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("cap", [0.0, 3.0], ids=["window", "window-softcap"])
 @pytest.mark.parametrize("kernel", ["wgmma", "mma"])
-def test_a_window_runs_on_every_torch_path(rng, kernel):
-    """``window_size`` through flashcupy.torch: the eager node (compiled C++ where it builds), the custom
-    operators (opcheck with the window's two ints) and torch.compile (fullgraph) give the bits of
-    flashcupy.attention and attention_backward on the same values, and the window is applied (the result
-    is not the causal one)."""
+def test_a_window_runs_on_every_torch_path(rng, kernel, cap):
+    """``window_size`` and ``softcap`` through flashcupy.torch: the eager node (compiled C++ where it
+    builds), the custom operators (opcheck with the window's two ints and the cap) and torch.compile
+    (fullgraph) give the bits of flashcupy.attention and attention_backward on the same values, and the
+    window is applied (the result is not the causal one)."""
     import cupy
 
     import flashcupy
     import flashcupy.torch as fct
 
     w = (100, 0)
-    kw = dict(causal=True, window_size=w, kernel=kernel, deterministic=True)
+    kw = dict(causal=True, window_size=w, kernel=kernel, deterministic=True, softcap=cap)
     q, k, v = _tensors(rng, [(1, 4, 300, 64), (1, 2, 350, 64), (1, 2, 350, 64)])
     do = torch.randn(q.shape, device="cuda", dtype=q.dtype)
     o = fct.attention(q, k, v, **kw)
@@ -169,19 +170,23 @@ def test_a_window_runs_on_every_torch_path(rng, kernel):
     eager = (o.detach(), q.grad, k.grad, v.grad)
 
     qc, kc, vc, doc = (cupy.asarray(x.detach()) for x in (q, k, v, do))
-    oc, lse = flashcupy.attention(qc, kc, vc, causal=True, window_size=w, kernel=kernel, return_lse=True)
+    oc, lse = flashcupy.attention(qc, kc, vc, causal=True, window_size=w, kernel=kernel, return_lse=True,
+                                  softcap=cap)
     grads = flashcupy.attention_backward(doc, qc, kc, vc, oc, lse, causal=True, window_size=w, kernel=kernel,
-                                         deterministic=True)
+                                         deterministic=True, softcap=cap)
     for a, b in zip(eager, (oc, *grads)):
         assert bool((cupy.asarray(a) == b).all())
     causal = flashcupy.attention(qc, kc, vc, causal=True, kernel=kernel)
     assert not bool((causal == oc).all())
 
-    args = (q.detach(), k.detach(), v.detach(), True, None, None, None, "fp32", kernel, None, True, *w)
+    if cap:  # the cap is applied
+        plain = flashcupy.attention(qc, kc, vc, causal=True, window_size=w, kernel=kernel)
+        assert not bool((plain == oc).all())
+    args = (q.detach(), k.detach(), v.detach(), True, None, None, None, "fp32", kernel, None, True, *w, cap)
     torch.library.opcheck(torch.ops.flashcupy.attention.default, args)
     o2, lse2 = torch.ops.flashcupy.attention(*args)
     assert torch.equal(o2, eager[0])
-    bwd_args = (do, *args[:3], o2, lse2, None, True, None, "fp32", kernel, True, *w)
+    bwd_args = (do, *args[:3], o2, lse2, None, True, None, "fp32", kernel, True, *w, cap)
     torch.library.opcheck(torch.ops.flashcupy.attention_backward.default, bwd_args)
 
     qs, ks, vs = (x.detach().clone().requires_grad_(True) for x in (q, k, v))

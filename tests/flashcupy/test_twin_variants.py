@@ -99,7 +99,8 @@ def test_the_entry_points_run_the_variants_on_numpy_inputs(rng):
               alibi_slopes=np.array([0.2, 0.1], dtype=np.float32))
     o, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True, **kw)
     p = forward_problem(q, k, v, causal=True, scale=None, block_m=None, block_n=None, accum="fp32",
-                        kernel="auto", ablate=None, window_size=kw["window_size"])
+                        kernel="auto", ablate=None, window_size=kw["window_size"], softcap=kw["softcap"])
+    assert p.variant.softcap == 3.0 and ".cap3." in p.variant.key + "."
     twin = _twin.forward(q, k, v, p, **_no_window(kw))
     assert np.array_equal(o, twin[0]) and np.array_equal(lse, twin[1])
     grads = flashcupy.attention_backward(do, q, k, v, o, lse, causal=True, **kw)
@@ -107,8 +108,12 @@ def test_the_entry_points_run_the_variants_on_numpy_inputs(rng):
     plain = flashcupy.attention(q, k, v, causal=True, window_size=[-1, -1], softcap=0)
     assert np.array_equal(plain, flashcupy.attention(q, k, v, causal=True))
     gpu = types.SimpleNamespace(backend="cuda")
-    assert flashcupy._score_variants(gpu, 0, None, None) == {}  # the defaults by value
-    with pytest.raises(ValueError, match="softcap, sinks: these score variants run on NumPy inputs"):
-        flashcupy._score_variants(gpu, 2.0, kw["sinks"], None)
-    with pytest.raises(TypeError, match="softcap must be a number"):
-        flashcupy.attention(q, k, v, softcap=None)
+    assert flashcupy._score_variants(gpu, None, None) == {}
+    with pytest.raises(ValueError, match="sinks, alibi_slopes: these score variants run on NumPy inputs"):
+        flashcupy._score_variants(gpu, kw["sinks"], kw["alibi_slopes"])
+    for bad in (None, True, "3"):
+        with pytest.raises(TypeError, match="softcap must be a number"):
+            flashcupy.attention(q, k, v, softcap=bad)
+    for bad in (-1.0, float("inf"), 2.0 ** -17, 2.0 ** 33):
+        with pytest.raises(ValueError, match="softcap must"):
+            flashcupy.attention(q, k, v, softcap=bad)

@@ -45,18 +45,20 @@ def main() -> None:
                         flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel,
                                                      accum=accum, deterministic=det, **bwd_tile)
     # sliding windows (issue 35): both edges inside the tiles, and a left edge only, in each family
-    # (default tiles), forward and both dQ paths, Nq above and below Nk (rows that see no key)
+    # (default tiles), forward and both dQ paths, Nq above and below Nk (rows that see no key); the
+    # softcap (its score hook and the derivative kept beside P) with the first window and with none
     for kernel, dt in (("wgmma", np.float16), ("mma", np.float16), ("simt", np.float32)):
-        for causal, window in ((False, (20, 5)), (True, (40, -1))):
+        for causal, window, cap in ((False, (20, 5), 0.0), (True, (40, -1), 0.0), (False, (20, 5), 5.0),
+                                    (True, (-1, -1), 5.0)):
             for nq, nk in ((77, 330), (330, 77)):
                 q = cupy.asarray(rng.standard_normal((1, 4, nq, 64)).astype(dt))
                 k = cupy.asarray(rng.standard_normal((1, 2, nk, 64)).astype(dt))
                 do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
                 o, lse = flashcupy.attention(q, k, k, causal=causal, kernel=kernel, window_size=window,
-                                             return_lse=True)
+                                             softcap=cap, return_lse=True)
                 for det in (False, True):
                     flashcupy.attention_backward(do, q, k, k, o, lse, causal=causal, kernel=kernel,
-                                                 deterministic=det, window_size=window)
+                                                 deterministic=det, window_size=window, softcap=cap)
     # the persistent wgmma forward (D=64) on 3 CTAs, so that each runs several tiles: the static split
     # (with a window too: tiles that see no key) and, with a causal mask, the dynamic scheduler's tile
     # slot and counter

@@ -49,3 +49,31 @@ def test_the_score_hook_reaches_every_kernel_forward_and_backward(rng, kernel, d
         a, b, c = (cupy.asnumpy(x).astype(np.float32) for x in (a, b, c))
         assert np.isfinite(a).all() and np.array_equal(a, b), name
         assert not np.array_equal(a, c), f"{name}: the hook changed nothing"
+
+
+@pytest.mark.parametrize("approx", [1, 0], ids=["tanh.approx", "tanhf"])
+def test_the_softcap_tanh_within_its_stated_error(approx):
+    """fc_tanh (flash_common.cuh), compiled as the kernels compile it, against float64 tanh over a dense
+    sweep of float32 arguments (every float32 in [-1/8, 1/8] spaced by 2^-20 and a uniform sweep to +-20):
+    its largest absolute error is within accuracy.TANH_ABS, the bound the LSE rule adds per capped score
+    (printed: the measured figure behind the constant)."""
+    import cupy
+
+    from flashcupy.accuracy import TANH_ABS
+
+    src = ('#include "flash_common.cuh"\n'
+           'extern "C" __global__ void tanh_probe(const float *x, float *y, int n) {\n'
+           '    int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) y[i] = fc_tanh(x[i]); }\n')
+    from flashcupy.inspect import Variant, nvrtc_options
+
+    defines = {**Variant("fwd_simt", "f16", "fp32", 64, 64, 64).defines(), "FC_TANH_APPROX": approx}
+    mod = cupy.RawModule(code=src, options=nvrtc_options(defines))
+    x = np.concatenate([np.arange(-2.0 ** 17, 2.0 ** 17) * 2.0 ** -20,
+                        np.linspace(-20, 20, 1 << 22)]).astype(np.float32)
+    y = cupy.empty_like(cupy.asarray(x))
+    mod.get_function("tanh_probe")(((x.size + 255) // 256,), (256,), (cupy.asarray(x), y, np.int32(x.size)))
+    err = np.abs(cupy.asnumpy(y).astype(np.float64) - np.tanh(x.astype(np.float64)))
+    worst = float(err.max())
+    print(f"fc_tanh FC_TANH_APPROX={approx}: max abs error {worst:.3e} = 2^{np.log2(worst):.2f} at x = "
+          f"{x[err.argmax()]!r}")
+    assert worst <= TANH_ABS["approx" if approx else "accurate"]
