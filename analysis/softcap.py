@@ -79,6 +79,32 @@ def _error_rows(ctx: Context, b, h, n, d, caps):
     return rows
 
 
+def _break_rows(ctx: Context, n, d, caps):
+    """The mask-order break (``ablate="softcap_after_mask"``, on the NumPy twin: no kernel compiles it),
+    causal: per cap, the probability mass that leaks onto masked keys, measured per row as
+    1 - exp(lse_ref - lse_broken) (the broken denominator over the true one), against the prediction
+    M e^(-c - lse_ref) / (1 + M e^(-c - lse_ref)) for a row with M masked keys, each leaking e^-c."""
+    rng = ctx.rng("softcap.break")
+    q, k, v = (rng.standard_normal((1, 2, n, d)).astype(np.float32) for _ in range(3))
+    scale = SCORE_STD / math.sqrt(d)
+    masked = (n - 1 - np.arange(n)).astype(np.float64)  # masked keys of each causal row
+    rows = []
+    for cap in caps:
+        kw = dict(causal=True, scale=scale, softcap=cap)
+        o_ref, lse_ref = reference.attention(q, k, v, return_lse=True, **kw)
+        o, lse = flashcupy.attention(q, k, v, return_lse=True, ablate="softcap_after_mask", **kw)
+        leak = 1.0 - np.exp(lse_ref - lse.astype(np.float64))
+        x = masked * np.exp(-cap - lse_ref)
+        pred = x / (1.0 + x)
+        half = n // 2
+        rows.append([cap, float(leak.max()), float(np.median(leak[..., :half])),
+                     float(np.median(leak[..., half:])), float(np.abs(leak - pred).max()),
+                     float(np.abs(o - o_ref).max())])
+        log(f"[softcap] mask-order break, cap={cap}: leaked mass up to {rows[-1][1]:.3g}, |measured - "
+            f"predicted| <= {rows[-1][4]:.2g}, o off by up to {rows[-1][5]:.3g}")
+    return rows
+
+
 def _cost_rows(ctx: Context, b, h, shapes, cap):
     import cupy
 
@@ -130,6 +156,21 @@ def run_softcap(ctx: Context) -> Report:
                     "max error",
                     ["dtype", "accum", "cap", "o", "dQ", "dK", "dV", "within the rule", "o (accurate tanh)",
                      "dQ (accurate)", "dK (accurate)", "dV (accurate)", "within the rule (accurate)"], rows)]
+    bn = ctx.sizes(256, 1024)
+    brk = _break_rows(ctx, bn, 64, caps)
+    worst_gap = max(r[4] for r in brk)
+    leaky = [r[0] for r in brk if r[1] > 1e-4]  # (below, the float32 LSE's own rounding, about 1e-5)
+    finding += (f"; the mask-order break (the softcap after the mask: masked keys at -c) leaks up to "
+                f"{brk[0][1]:.3g} of the probability mass at a cap of {brk[0][0]:g}, more than 1e-4 at "
+                f"caps up to {max(leaky, default=float('nan')):g} and less from "
+                f"{min((r[0] for r in brk if r[0] not in leaky), default=float('nan')):g}, as the "
+                f"prediction of e^-c per masked key says, to within {worst_gap:.1g}")
+    tables.append(Table(f"The mask-order break on the twin (causal, N = {bn}, D = 64, float32, scaled scores "
+                        f"of standard deviation {SCORE_STD:g}): probability leaked onto masked keys, "
+                        "1 - exp(lse_ref - lse_broken)",
+                        ["cap", "leaked, worst row", "leaked, median of the first half of the rows (most "
+                         "masked keys)", "leaked, median of the second half", "|measured - predicted|, worst",
+                         "o max abs error"], brk))
     cost = []
     if ctx.backend == "cuda":
         cb, ch = ctx.sizes((1, 16), (1, 16))
@@ -148,7 +189,7 @@ def run_softcap(ctx: Context) -> Report:
         finding += "; the timing runs on the CUDA backend only"
     finding += "."
 
-    fig, axes = new_figure(ncols=2 if cost else 1, width=6.5)
+    fig, axes = new_figure(ncols=3 if cost else 2, width=6.5)
     ax = axes[0]
     for i, (dname, accum) in enumerate(COMBOS):
         sel = [r for r in rows if r[0] == dname and r[1] == accum]
@@ -163,8 +204,19 @@ def run_softcap(ctx: Context) -> Report:
     ax.set_ylabel("max error / naive same-precision max error")
     ax.set_title("Error against the cap", fontsize=10)
     ax.legend(fontsize=6)
+    ax = axes[1]
+    ax.plot([r[0] for r in brk], [r[1] for r in brk], marker="o", label="worst row")
+    ax.plot([r[0] for r in brk], [r[2] for r in brk], marker="s",
+            label="median, rows with the most masked keys")
+    ax.plot([r[0] for r in brk], [r[3] for r in brk], marker="x", label="median, rows with the fewest")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("softcap c")
+    ax.set_ylabel("probability mass on masked keys")
+    ax.set_title("The softcap after the mask (twin)", fontsize=10)
+    ax.legend(fontsize=7)
     if cost:
-        ax = axes[1]
+        ax = axes[2]
         labels = [f"N={r[0]} D={r[1]} {r[2]}" for r in cost]
         x = np.arange(len(cost))
         ax.bar(x - 0.2, [r[5] for r in cost], width=0.4, label="forward / plain")

@@ -12,7 +12,15 @@ import math
 
 import numpy as np
 
-from ._families import ABLATIONS, ACCUMS, FAMILIES, SMEM_LIMIT, WGMMA_BWD_HEAD_DIMS, WGMMA_HEAD_DIMS
+from ._families import (
+    ABLATIONS,
+    ACCUMS,
+    FAMILIES,
+    SMEM_LIMIT,
+    TWIN_ABLATIONS,
+    WGMMA_BWD_HEAD_DIMS,
+    WGMMA_HEAD_DIMS,
+)
 from ._policy import auto_family, default_tile, wgmma_schedule
 from ._variant import Variant, current_build
 from .reference import check_softcap, check_window
@@ -211,7 +219,9 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     scale = check_scale(scale, d)
     _check_choice("accum", accum, ACCUMS)
     _check_choice("kernel", kernel, KERNELS)
-    _check_choice("ablate", ablate, ABLATIONS)
+    _check_choice("ablate", ablate, ABLATIONS + TWIN_ABLATIONS)
+    if ablate in TWIN_ABLATIONS and backend == "cuda":
+        raise ValueError(f"ablate={ablate!r} runs on NumPy inputs (the twin) only; no kernel compiles it")
     block_m, block_n = check_tile("block_m", block_m), check_tile("block_n", block_n)
     causal, window = window_of(window_size, bool(causal), nq, nk)
     softcap = check_kernel_softcap(softcap)

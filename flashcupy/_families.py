@@ -17,6 +17,9 @@ if TYPE_CHECKING:  # the formulas read a Variant's fields; _variant imports this
 DTYPES = {"f32": (0, 4), "f16": (1, 2), "bf16": (2, 2)}
 ACCUMS = ("fp32", "fp16")
 ABLATIONS = (None, "max_subtraction", "rescaling")
+# breaks that run on the NumPy twin only (no kernel compiles them): the softcap applied after the mask
+# (tanh(-inf) = -1: every masked key scores -cap instead of -inf)
+TWIN_ABLATIONS = ("softcap_after_mask",)
 
 # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB); the kernels see it as FC_SMEM_LIMIT
 SMEM_LIMIT = 227 * 1024

@@ -97,21 +97,25 @@ def _score_variants(p: Problem, softcap, sinks, alibi_slopes):
             None if slope is None else (slope / p.scale).astype(f32))
 
 
-def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants):
+def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants, after_mask: bool = False):
     """Raw scores of key tile [j0, j1) through the softcap and the ALiBi bias, then masked (-inf where
     the row does not see the key: causal, window, keys past nk); also the softcap's derivative
-    1 - tanh^2 (None without one)."""
+    1 - tanh^2 (None without one). ``after_mask`` (the break ``softcap_after_mask``): the mask first,
+    then the softcap, so that a masked key scores tanh(-inf) = -1 times the cap instead of -inf."""
+    from .reference import visible_mask
+
     window, cap, _, slope = variants
     f32 = np.float32
     dcap = None
+    masked = causal or window != (-1, -1)
+    if masked and after_mask:  # BROKEN ORDER: the mask before the softcap
+        s = np.where(visible_mask(rows[:, 0], nq, nk, causal, window)[:, j0:j1], s, f32(-np.inf))
     if cap:
         th = np.tanh(s * f32(scale / cap))
         s, dcap = th * f32(cap / scale), f32(1) - th * th
     if slope is not None:
         s = s - slope * np.abs(rows + (nk - nq) - np.arange(j0, j1)[None, :]).astype(f32)
-    if causal or window != (-1, -1):
-        from .reference import visible_mask
-
+    if masked and not after_mask:
         s = np.where(visible_mask(rows[:, 0], nq, nk, causal, window)[:, j0:j1], s, f32(-np.inf))
     return s, dcap
 
@@ -153,7 +157,8 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap:
             j1 = min(nk, j0 + var.block_n)
             kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
             s = _fp16_accumulate(None, qf, kt) if f16 else np.matmul(qf, kt)   # raw scores (.., Nq, bn)
-            s, _ = _hooked_scores(s, rows, j0, j1, nq, nk, p.scale, var.causal, variants)
+            s, _ = _hooked_scores(s, rows, j0, j1, nq, nk, p.scale, var.causal, variants,
+                                  after_mask=ablate == "softcap_after_mask")
             m_tile = s.max(axis=-1, keepdims=True)
             m_new = np.maximum(m, m_tile)
             if ablate == "max_subtraction":

@@ -347,3 +347,10 @@ def test_softcap_error_within_the_rule_at_every_cap(reports):
         assert math.isnan(r["o (accurate tanh)"]) and r["within the rule (accurate)"] is None
         if r["accum"] == "fp32":
             assert r["within the rule"] is True, r
+    brk = table(reports[1]["softcap"], "The mask-order break on the twin")
+    assert [r["cap"] for r in brk] == sorted(r["cap"] for r in brk)
+    assert brk[0]["leaked, worst row"] > 0.5 and brk[-1]["leaked, worst row"] < 1e-4
+    for r in brk:  # the leak is the predicted e^-c per masked key, to the float32 LSE's rounding
+        assert r["|measured - predicted|, worst"] < 1e-4, r
+    assert brk[0]["leaked, median of the first half of the rows (most masked keys)"] > \
+        brk[0]["leaked, median of the second half"]

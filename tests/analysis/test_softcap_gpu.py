@@ -17,7 +17,7 @@ def test_softcap_experiment_on_the_kernels(tmp_path):
     rep = softcap.run_softcap(ctx)
     write_report(ctx, rep, 0.0)
     assert (tmp_path / "softcap.png").exists()
-    err, cost = ([dict(zip(t.columns, map(from_json_number, r))) for r in t.rows] for t in rep.tables)
+    err, _, cost = ([dict(zip(t.columns, map(from_json_number, r))) for r in t.rows] for t in rep.tables)
     for r in err:
         assert all(r[c] > 0 for c in ("o", "dQ", "dK", "dV"))
         if r["dtype"] == "f32":

@@ -148,3 +148,5 @@ def test_softcap_is_refused_where_it_does_not_run():
                                      softcap=30.0, block_m=128)
     with pytest.raises(ValueError, match=r"softcap must be 0 \(off\) or lie in"):
         flashcupy.attention(q, q, q, softcap=1e-9)
+    with pytest.raises(ValueError, match="runs on NumPy inputs .the twin. only"):
+        flashcupy.attention(q, q, q, causal=True, softcap=3.0, ablate="softcap_after_mask")

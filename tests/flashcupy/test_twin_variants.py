@@ -117,3 +117,27 @@ def test_the_entry_points_run_the_variants_on_numpy_inputs(rng):
     for bad in (-1.0, float("inf"), 2.0 ** -17, 2.0 ** 33):
         with pytest.raises(ValueError, match="softcap must"):
             flashcupy.attention(q, k, v, softcap=bad)
+
+
+def test_the_softcap_after_the_mask_leaks_e_to_the_minus_cap_per_masked_key(rng):
+    """ablate='softcap_after_mask' (the twin's break): each masked key scores -c instead of -inf, so a row
+    with M masked keys gains M e^(-c - lse) of denominator: the LSE moves by exactly that (to float32
+    rounding), rows that see no key get a finite LSE, the intact order leaks nothing; the break needs a
+    softcap and a mask to mean anything, and without a softcap it is refused."""
+    import flashcupy
+
+    _, q, k, v = do_qkv(rng, (1, 2, 1, 40, 30, 16), "f32")  # Nq > Nk: the first 10 rows see no key
+    kw = dict(causal=True, scale=0.9, softcap=2.0)
+    o_ref, lse_ref = reference.attention(q, k, v, return_lse=True, **kw)
+    o, lse = flashcupy.attention(q, k, v, return_lse=True, ablate="softcap_after_mask", **kw)
+    intact_o, intact_lse = flashcupy.attention(q, k, v, return_lse=True, **kw)
+    seen = reference.visible_mask(np.arange(40), 40, 30, True)
+    masked = (~seen).sum(axis=1).astype(np.float64)
+    assert np.isneginf(lse_ref[..., :10]).all() and np.isfinite(lse).all()
+    with np.errstate(divide="ignore"):  # (rows with no masked key: log 0 = -inf adds nothing)
+        want = np.logaddexp(lse_ref, np.log(masked) - 2.0)  # lse_ref + log(1 + M e^(-c - lse_ref))
+    np.testing.assert_allclose(lse, want, rtol=0, atol=1e-5)
+    assert np.abs(o - o_ref).max() > 0.1  # the leak is visible in o
+    np.testing.assert_allclose(intact_lse[..., 10:], lse_ref[..., 10:], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="needs softcap > 0"):
+        flashcupy.attention(q, k, v, causal=True, ablate="softcap_after_mask")
