@@ -20,6 +20,16 @@ rounding of the operands).
 
 Every gradient's error is the RMS of its difference to the float64 reference over the RMS of the
 reference, beside the package's bf16 backward (the NumPy twin's) on the same inputs.
+
+Two more studies, on exact accumulation (the quantization alone). The scale's granularity, for each
+product alone and all five (dO, dS in e4m3): one scale per head ("tensor"); one per slice along the
+reduction axis ("slice", the arms above); one per 64 x 64 tile ("block64", DeepSeek-V3's blocks: a scale
+that changes along the reduction axis is applied to each 64-long partial product before the partials
+are added, as a kernel would); and one per element ("element": every value keeps its own power of two,
+so only the 3-bit mantissa's rounding is left, a floor no scaling can pass, and no product can run it).
+And stochastic rounding of dS (in dK and dQ, e4m3 with slice scales): rounded up or down with the
+probabilities that make the rounding unbiased, against round-to-nearest: the error of one draw, and of
+the mean of many draws (what many optimizer steps see).
 """
 from __future__ import annotations
 
@@ -36,17 +46,52 @@ PRODUCTS = ("S", "dP", "dV", "dK", "dQ")
 P_SCALE = 256.0
 
 
-def _fp8(x, fmt: str, reduce_axis: int | None):
-    """x (float64) in ``fmt`` with one scale per slice along ``reduce_axis`` (None: one per tensor per
-    head, the last two axes): (the fp8 values as float64, the scales, broadcastable)."""
+# (largest finite, mantissa bits, smallest normal exponent) of the two fp8 formats
+_FORMATS = {"e4m3": (448.0, 3, -6), "e5m2": (57344.0, 2, -14)}
+GRANULARITIES = ("tensor", "slice", "block64", "element")
+BLOCK = 64
+
+
+def _round_fp8(y, fmt: str, rng=None):
+    """y (float64, already scaled) rounded to ``fmt`` (saturating at its largest finite value): to
+    nearest even, or stochastically with ``rng`` (up with probability (y - down) / ulp: unbiased)."""
     import ml_dtypes
 
-    fmax = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
-    dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
-    axes = (-2, -1) if reduce_axis is None else (reduce_axis,)
-    amax = np.abs(x).max(axis=axes, keepdims=True)
+    fmax, mant, emin = _FORMATS[fmt]
+    y = np.clip(y, -fmax, fmax)
+    if rng is None:
+        dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
+        return y.astype(np.float32).astype(dt).astype(np.float64)
+    with np.errstate(divide="ignore"):
+        e = np.maximum(np.floor(np.log2(np.abs(y))), emin)  # subnormals share the smallest normal's ulp
+    ulp = np.exp2(e - mant)
+    down = np.floor(y / ulp) * ulp
+    up = rng.random(y.shape) < (y - down) / ulp
+    return np.clip(np.where(up, down + ulp, down), -fmax, fmax)
+
+
+def _fp8(x, fmt: str, reduce_axis: int | None, granularity: str = "slice", rng=None):
+    """x (float64) in ``fmt``: (the fp8 values as float64, the scales, broadcastable to x). One scale per
+    slice along ``reduce_axis`` ("slice"; None: per head), per head ("tensor"), per 64 x 64 tile of the
+    last two axes ("block64"), or per element ("element": each value's own power of two times a
+    mantissa rounded to the format's bits, with no range limit: the mantissa's floor). ``rng``:
+    stochastic rounding (``_round_fp8``)."""
+    fmax, mant, _ = _FORMATS[fmt]
+    if granularity == "element":
+        with np.errstate(divide="ignore"):
+            s = np.where(x != 0, np.exp2(np.floor(np.log2(np.abs(np.where(x != 0, x, 1.0))))), 1.0)
+        return _round_fp8(x / s, fmt, rng), s
+    if granularity == "block64":
+        r, c = x.shape[-2:]
+        pad = [(0, 0)] * (x.ndim - 2) + [(0, -r % BLOCK), (0, -c % BLOCK)]
+        t = np.pad(np.abs(x), pad).reshape(*x.shape[:-2], -(-r // BLOCK), BLOCK, -(-c // BLOCK), BLOCK)
+        amax = t.max(axis=(-3, -1))
+        amax = np.repeat(np.repeat(amax, BLOCK, axis=-2), BLOCK, axis=-1)[..., :r, :c]
+    else:
+        axes = (-2, -1) if reduce_axis is None or granularity == "tensor" else (reduce_axis,)
+        amax = np.abs(x).max(axis=axes, keepdims=True)
     s = np.where(amax > 0, amax / fmax, 1.0).astype(np.float32).astype(np.float64)
-    return (x / s).astype(np.float32).astype(dt).astype(np.float64), s
+    return _round_fp8(x / s, fmt, rng), s
 
 
 def _bf16(x):
@@ -58,41 +103,50 @@ def _mm(a, b, accumulation: str):
     return tc_matmul(a, b, None, "e4m3", "fp32") if accumulation == "tc" else np.matmul(a, b)
 
 
-def fp8_backward_model(do, q, k, v, o, lse, scale: float, fp8: set, grad_fmt: str, accumulation: str):
+def _product(a, b, fmt_a: str, fmt_b: str, accumulation: str, granularity: str = "slice", rng=None):
+    """a @ b on fp8 operands: a scaled along its last axis, b along its first (the reduction axis) at
+    ``granularity``; scales constant along the reduction (slice, tensor) come out of the product, the
+    others (block64, element) are applied before it (dequantized, exact accumulation). ``rng``: a
+    rounded stochastically."""
+    (qa, sa), (qb, sb) = _fp8(a, fmt_a, -1, granularity, rng), _fp8(b, fmt_b, -2, granularity)
+    if granularity in ("slice", "tensor"):
+        return _mm(qa, qb, accumulation) * sa * sb
+    return np.matmul(qa * sa, qb * sb)
+
+
+def fp8_backward_model(do, q, k, v, o, lse, scale: float, fp8: set, grad_fmt: str, accumulation: str,
+                       granularity: str = "slice", ds_rng=None):
     """(dq, dk, dv) float64 of the backward with the products in ``fp8`` on e4m3 operands (dO and dS in
-    ``grad_fmt``), the rest on bf16 operands; see the module docstring for the scales."""
+    ``grad_fmt``), the rest on bf16 operands; scales at ``granularity`` (see the module docstring; P
+    keeps the forward's static scale); ``ds_rng``: dS rounded stochastically."""
     q, k, v, do, o = (x.astype(np.float64) for x in (q, k, v, do, o))
     lse = lse.astype(np.float64)[..., None]
+    kt, vt = np.swapaxes(k, -1, -2), np.swapaxes(v, -1, -2)
     if "S" in fp8:
-        (a, sa), (b, sb) = _fp8(q, "e4m3", -1), _fp8(k, "e4m3", -1)
-        s = _mm(a, np.swapaxes(b, -1, -2), accumulation) * sa * np.swapaxes(sb, -1, -2)
+        s = _product(q, kt, "e4m3", "e4m3", accumulation, granularity)
     else:
-        s = _bf16(q) @ np.swapaxes(_bf16(k), -1, -2)
+        s = _bf16(q) @ _bf16(kt)
     p = np.exp(s * scale - lse).astype(np.float32).astype(np.float64)
     if "dP" in fp8:
-        (a, sa), (b, sb) = _fp8(do, grad_fmt, -1), _fp8(v, "e4m3", -1)
-        dp = _mm(a, np.swapaxes(b, -1, -2), accumulation) * sa * np.swapaxes(sb, -1, -2)
+        dp = _product(do, vt, grad_fmt, "e4m3", accumulation, granularity)
     else:
-        dp = _bf16(do) @ np.swapaxes(_bf16(v), -1, -2)
+        dp = _bf16(do) @ _bf16(vt)
     delta = (do * o).sum(axis=-1, keepdims=True)
     ds = (p * (dp - delta)).astype(np.float32).astype(np.float64)
     pt, dst = np.swapaxes(p, -1, -2), np.swapaxes(ds, -1, -2)
     if "dV" in fp8:  # P * 256 in e4m3 (the forward's static scale), dO per head dimension
-        import ml_dtypes
-
-        a = (pt * P_SCALE).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        b, sb = _fp8(do, grad_fmt, -2)
-        dv = _mm(a, b, accumulation) * sb / P_SCALE
+        a = _round_fp8(pt * P_SCALE, "e4m3")
+        b, sb = _fp8(do, grad_fmt, -2, granularity)
+        dv = (_mm(a, b, accumulation) * sb if granularity in ("slice", "tensor")
+              else np.matmul(a, b * sb)) / P_SCALE
     else:
         dv = _bf16(pt) @ _bf16(do)
     if "dK" in fp8:
-        (a, sa), (b, sb) = _fp8(dst, grad_fmt, -1), _fp8(q, "e4m3", -2)
-        dk = _mm(a, b, accumulation) * sa * sb * scale
+        dk = _product(dst, q, grad_fmt, "e4m3", accumulation, granularity, ds_rng) * scale
     else:
         dk = (_bf16(dst) @ _bf16(q)) * scale
     if "dQ" in fp8:
-        (a, sa), (b, sb) = _fp8(ds, grad_fmt, -1), _fp8(k, "e4m3", -2)
-        dq = _mm(a, b, accumulation) * sa * sb * scale
+        dq = _product(ds, k, grad_fmt, "e4m3", accumulation, granularity, ds_rng) * scale
     else:
         dq = (_bf16(ds) @ _bf16(k)) * scale
     return dq, dk, dv
@@ -146,6 +200,44 @@ def run_fp8_backward(ctx: Context) -> Report:
                f"{max(e4):.0f}x (dO and dS in e5m2: {min(e5):.0f}x to {max(e5):.0f}x), all five "
                f"{all_best:.0f}x: the quantization of any operand, not the 14-bit accumulator (at most "
                f"{acc_share:.1%} of the error at N = {n}), sets the error.")
+    # the scale's granularity (exact accumulation, dO and dS in e4m3)
+    gran_rows, gran = [], {}
+    for name, fp8 in [*((f"{p} in fp8", {p}) for p in PRODUCTS), ("all five in fp8", set(PRODUCTS))]:
+        for g in GRANULARITIES:
+            errs = [_rel_rms(x, r) for x, r in zip(fp8_backward_model(do, q, k, v, o64, lse_ref, scale, fp8,
+                                                                      "e4m3", "exact", g), refs)]
+            gran[(name, g)] = max(e / b_ for e, b_ in zip(errs, base))
+            gran_rows.append([name, g, *errs, gran[(name, g)]])
+        log(f"[fp8_backward] {name}, scales per "
+            + ", ".join(f"{g} {gran[(name, g)]:.1f}x" for g in GRANULARITIES))
+    # stochastic rounding of dS (dK and dQ on fp8 operands, e4m3, slice scales, exact accumulation)
+    draws = ctx.sizes(8, 16)
+    sr_rng = ctx.rng("fp8_backward.sr")
+    fp8 = {"dK", "dQ"}
+    rn = fp8_backward_model(do, q, k, v, o64, lse_ref, scale, fp8, "e4m3", "exact")
+    sr = [fp8_backward_model(do, q, k, v, o64, lse_ref, scale, fp8, "e4m3", "exact", ds_rng=sr_rng)
+          for _ in range(draws)]
+    sr_mean = [np.mean([x[i] for x in sr], axis=0) for i in range(2)]
+    sr_rows = [["round to nearest", 1, *(_rel_rms(rn[i], refs[i]) for i in range(2))],
+               ["stochastic, one draw", 1, *(_rel_rms(sr[0][i], refs[i]) for i in range(2))],
+               [f"stochastic, mean of {draws} draws", draws,
+                *(_rel_rms(sr_mean[i], refs[i]) for i in range(2))],
+               ["package bf16 backward", 1, base[0], base[1]]]
+    log("[fp8_backward] dS stochastic rounding: " + "; ".join(f"{r[0]}: dq {r[2]:.2e}, dk {r[3]:.2e}"
+                                                               for r in sr_rows))
+    floor = min(gran[(f"{p} in fp8", "element")] for p in PRODUCTS)
+    best_g = {p: min(GRANULARITIES[:3], key=lambda g: gran[(f"{p} in fp8", g)]) for p in PRODUCTS}
+    finding += (f" Scale granularity (exact accumulation, e4m3): one product alone costs "
+                f"{min(gran[(f'{p} in fp8', 'slice')] for p in PRODUCTS):.0f}x to "
+                f"{max(gran[(f'{p} in fp8', 'slice')] for p in PRODUCTS):.0f}x with slice scales, "
+                f"{min(gran[(f'{p} in fp8', 'block64')] for p in PRODUCTS):.0f}x to "
+                f"{max(gran[(f'{p} in fp8', 'block64')] for p in PRODUCTS):.0f}x with 64 x 64 blocks, and at "
+                f"least {floor:.0f}x with a scale per element (the 3-bit mantissa alone): no scaling brings "
+                f"a product within 3x (best granularity per product: "
+                + ", ".join(f"{p} {g}" for p, g in best_g.items()) + "). Stochastic rounding of dS: one "
+                f"draw {max(sr_rows[1][2:4]) / max(sr_rows[0][2:4]):.2f}x round-to-nearest's error, the mean "
+                f"of {draws} draws {max(sr_rows[2][2:4]) / max(sr_rows[0][2:4]):.2f}x (Q and K, the other "
+                "operands, keep round-to-nearest).")
     fig, (ax,) = new_figure()
     x = np.arange(len(PRODUCTS) + 1)
     labels = [*PRODUCTS, "all"]
@@ -168,6 +260,12 @@ def run_fp8_backward(ctx: Context) -> Report:
                       "over the package's bf16 backward's"}
     return Report("fp8_backward", "fp8 backward: which products can take fp8", finding, setup,
                   [Table("Gradient errors against float64 (relative RMS)",
-                         ["arm", "dO, dS format", "accumulation", "dQ", "dK", "dV", "worst / bf16"], rows)],
+                         ["arm", "dO, dS format", "accumulation", "dQ", "dK", "dV", "worst / bf16"], rows),
+                   Table("Scale granularity (dO, dS in e4m3; exact accumulation): gradient errors against "
+                         "float64 (relative RMS)",
+                         ["arm", "scales per", "dQ", "dK", "dV", "worst / bf16"], gran_rows),
+                   Table("Stochastic rounding of dS (dK and dQ on e4m3 operands, slice scales, exact "
+                         "accumulation): errors against float64 (relative RMS)",
+                         ["dS rounding", "draws averaged", "dQ", "dK"], sr_rows)],
                   figure=fig, figure_caption="Each product alone in fp8, and all five.",
                   notes=[__doc__.split("\n\n")[1].replace("\n", " ")])

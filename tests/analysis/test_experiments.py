@@ -329,6 +329,20 @@ def test_fp8_backward_study_prices_each_product(reports):
             assert by[("S in fp8", "e5m2", "tc")] == pytest.approx(by[("S in fp8", "e4m3", "tc")])
     assert by[("all five in fp8", "e4m3", "tc")] > max(by[(f"{p} in fp8", "e4m3", "tc")]
                                                       for p in ("S", "dP", "dV", "dK", "dQ"))
+    # the granularity study: every product and granularity priced; the slice rows are the arms above
+    # with exact accumulation (the same model); no granularity, not even a scale per element (the
+    # mantissa's floor), brings a product within 3x
+    gran = {(r["arm"], r["scales per"]): r["worst / bf16"]
+            for r in table(reports[1]["fp8_backward"], "Scale granularity")}
+    assert len(gran) == 6 * 4
+    for p in ("S", "dP", "dV", "dK", "dQ"):
+        assert gran[(f"{p} in fp8", "slice")] == pytest.approx(by[(f"{p} in fp8", "e4m3", "exact")])
+        assert min(gran[(f"{p} in fp8", g)] for g in ("tensor", "slice", "block64", "element")) > 3
+    # stochastic rounding of dS: one draw is no better than round-to-nearest, the mean of draws is
+    sr = {r["dS rounding"].split(",")[0] + ("" if r["draws averaged"] == 1 else " mean"): (r["dQ"], r["dK"])
+          for r in table(reports[1]["fp8_backward"], "Stochastic rounding of dS")}
+    assert min(sr["stochastic"]) > 0.9 * max(sr["round to nearest"])
+    assert max(sr["stochastic mean"]) < min(sr["stochastic"])
 
 
 def test_softcap_error_within_the_rule_at_every_cap(reports):
