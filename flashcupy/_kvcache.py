@@ -1,0 +1,179 @@
+"""Attention against a KV cache (issue 36): ``attention_with_kvcache`` on flash_attn_with_kvcache's layout,
+by one ``attention`` call per batch entry (and per key split), first version.
+
+Batch entry b attends to the first L_b = cache_seqlens[b] + Nnew keys of its cache, after the new keys
+``k``, ``v`` (if given) have been written at positions cache_seqlens[b] .. L_b - 1, in place. A contiguous
+cache is (B, capacity, Hkv, D); a paged one is (num_blocks, page_size, Hkv, D) with ``block_table``
+(B, max_blocks) int32 naming the pages of entry b in order (key j lives in page block_table[b, j // page]
+at row j % page). The mask is bottom-right aligned: query i sits at position L_b - Nq + i.
+
+How it runs: each entry's keys are a (1, Hkv, L, D) view of the contiguous cache (read in place) or a
+gather of its pages (one copy), then one ``attention`` call. ``num_splits`` = S > 1 cuts the keys into S
+ranges, runs one call per range with return_lse and combines them with ``merge_states``: flash-decoding's
+arithmetic, with the partial outputs in the inputs' dtype (a split-KV kernel keeps them in float32; the
+merge experiment measures what the dtype of the partials costs). A causal range [a, b) that ends before
+the cache does sees keys up to i' + (L - b) of its own i' = i + (b - a) - Nq: the window (-1, L - b).
+
+The lengths and the page table are read on the host (a synchronization with CuPy inputs: such a call
+cannot be captured in a CUDA graph). The native decoding kernel (GQA packing, split-KV in one launch,
+pages read by the producer) is the next step.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .transforms import _xp
+
+_NO_SPLIT_KNOBS = ("window_size", "sinks", "alibi_slopes")  # knobs whose positions a key split would move
+
+
+def _host_ints(name: str, x):
+    """An int32 array's values on the host, as int64."""
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"{name} must be an int32 NumPy or CuPy array, got {type(x).__name__}")
+    if x.dtype != np.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    host = x if isinstance(x, np.ndarray) else x.get()
+    return host.astype(np.int64)
+
+
+def _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v, num_splits, knobs):
+    """Shapes, dtypes, lengths and pages checked before anything is written; returns (B, Nq, Nnew,
+    capacity, page size or 0, lengths on the host (B,), the page table on the host or None)."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must be 4-D; got shape {tuple(getattr(x, 'shape', ()))}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape; got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache, v_cache must have one dtype; got {q.dtype}, {k_cache.dtype}, "
+                        f"{v_cache.dtype}")
+    b, nq, hq, d = q.shape
+    _, rows, hkv, dk = k_cache.shape
+    if dk != d or hq % hkv:
+        raise ValueError(f"the cache must be (..., Hkv, D) with q's D = {d} and Hq = {hq} a multiple of "
+                         f"Hkv; got {tuple(k_cache.shape)}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v are appended together: give both or neither")
+    nnew = 0
+    if k is not None:
+        for name, x in (("k", k), ("v", v)):
+            if getattr(x, "ndim", None) != 4 or x.shape[0] != b or x.shape[2:] != (hkv, d):
+                raise ValueError(f"{name} must be (B, Nnew, Hkv, D) = ({b}, Nnew, {hkv}, {d}); got "
+                                 f"{tuple(getattr(x, 'shape', ()))}")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have one shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+        nnew = k.shape[1]
+    lengths = _host_ints("cache_seqlens", cache_seqlens)
+    if lengths.shape != (b,):
+        raise ValueError(f"cache_seqlens must be (B,) = ({b},); got {tuple(lengths.shape)}")
+    table = None
+    if block_table is None:
+        if k_cache.shape[0] != b:
+            raise ValueError(f"a contiguous cache must be (B, capacity, Hkv, D) with B = {b}; got "
+                             f"{tuple(k_cache.shape)}")
+        page, capacity = 0, rows
+    else:
+        table = _host_ints("block_table", block_table)
+        if table.ndim != 2 or table.shape[0] != b:
+            raise ValueError(f"block_table must be (B, max_blocks) with B = {b}; got {tuple(table.shape)}")
+        page, capacity = rows, rows * table.shape[1]
+    if (lengths < 0).any() or (lengths + nnew > capacity).any():
+        shown = lengths.tolist() if lengths.size <= 16 else lengths
+        raise ValueError(f"cache_seqlens + Nnew must lie in [0, {capacity}] (the cache's capacity); got "
+                         f"cache_seqlens {shown}, Nnew = {nnew}")
+    if table is not None:
+        used = np.concatenate([table[i, :-(-(n + nnew) // page)] for i, n in enumerate(lengths)])
+        if used.size and (used.min() < 0 or used.max() >= k_cache.shape[0]):
+            raise ValueError(f"block_table names pages outside [0, {k_cache.shape[0]}) among the pages in "
+                             "use")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: the policy's choice), got {num_splits!r}")
+    if num_splits > 1:
+        used = [name for name in _NO_SPLIT_KNOBS if knobs.get(name) not in (None, (-1, -1))]
+        if used:
+            raise ValueError(f"num_splits > 1 does not run with {', '.join(used)} yet (their positions "
+                             "would move with each key range); use num_splits=1")
+    return b, nq, nnew, capacity, page, lengths, table
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None, v=None,
+                           causal: bool = True, num_splits: int = 1, return_lse: bool = False, **knobs):
+    """Attention of new queries against a KV cache, flash_attn_with_kvcache's call (decoding, chunked
+    prefill).
+
+    Parameters
+    ----------
+    q : (B, Nq, Hq, D), NumPy (the twin) or CuPy (the kernels), float16, bfloat16 or float32.
+    k_cache, v_cache : (B, capacity, Hkv, D) contiguous, or (num_blocks, page_size, Hkv, D) pages with
+        ``block_table``; q's dtype; Hq a multiple of Hkv.
+    cache_seqlens : int32 (B,): the keys already in each entry's cache.
+    block_table : int32 (B, max_blocks) or None: entry b's pages in order (only the pages that hold its
+        keys are read, and checked to name pages of the cache).
+    k, v : (B, Nnew, Hkv, D) or None: new keys and values, written into the cache in place at positions
+        cache_seqlens[b] .. + Nnew before the attention (cache_seqlens is not changed: the caller
+        advances it, as with flash_attn).
+    causal : bottom-right aligned over the L = cache_seqlens + Nnew keys (query i at L - Nq + i).
+    num_splits : S >= 1 key ranges merged by ``merge_states`` (flash-decoding's arithmetic; partial
+        outputs in the inputs' dtype); 0 picks one split, the policy until the split-KV kernel exists.
+        S > 1 does not take window_size, sinks or alibi_slopes yet.
+    return_lse : also return the LSE, float32 (B, Hq, Nq).
+    **knobs : ``flashcupy.attention``'s other knobs (scale, softcap, window_size, kernel, accum, ...).
+
+    Returns o (B, Nq, Hq, D) in q's dtype (a view of a (B, Hq, Nq, D) array), and the LSE with
+    ``return_lse``. An entry with no key (L = 0) gets o = 0 and LSE -inf. Everything is checked before
+    the cache is written.
+    """
+    from . import attention, merge_states
+
+    xp = _xp(q)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("block_table", block_table), ("cache_seqlens", cache_seqlens)):
+        if x is not None and _xp(x) is not xp:
+            raise TypeError(f"{name} must be a {'NumPy' if xp is np else 'CuPy'} array like q")
+    b, nq, nnew, _, page, lengths, table = _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                                                  num_splits, knobs)
+    splits = max(1, int(num_splits))
+    hq, d = q.shape[2], q.shape[3]
+    if k is not None and nnew:  # the append, in place
+        for i in range(b):
+            pos = np.arange(lengths[i], lengths[i] + nnew)
+            if table is None:
+                k_cache[i, pos[0]:pos[-1] + 1] = k[i]
+                v_cache[i, pos[0]:pos[-1] + 1] = v[i]
+            else:
+                pages = xp.asarray(table[i, pos // page])
+                rows = xp.asarray(pos % page)
+                k_cache[pages, rows] = k[i]
+                v_cache[pages, rows] = v[i]
+    o = xp.zeros((b, hq, nq, d), dtype=q.dtype)
+    lse = xp.full((b, hq, nq), -np.inf, dtype=np.float32)
+    for i in range(b):
+        n = int(lengths[i]) + nnew
+        if n == 0:
+            continue
+        if table is None:
+            keys, values = k_cache[i, :n], v_cache[i, :n]
+        else:
+            pages = xp.asarray(table[i, :-(-n // page)])
+            keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n]
+            values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n]
+        qb = q[i].transpose(1, 0, 2)[None]
+        edges = np.linspace(0, n, min(splits, n) + 1).round().astype(int)
+        parts = []
+        for a, e in zip(edges[:-1], edges[1:]):
+            kb, vb = (x[a:e].transpose(1, 0, 2)[None] for x in (keys, values))
+            mask = dict(causal=causal)
+            if causal and e < n:  # an earlier range: keys up to i' + (n - e) of its own bottom-right i'
+                mask = dict(causal=False, window_size=(-1, n - e))
+            parts.append(attention(qb, kb, vb, return_lse=True, **{**knobs, **mask}))
+        if len(parts) == 1:
+            o[i], lse[i] = parts[0][0][0], parts[0][1][0]
+        else:
+            ob, lb = merge_states(xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts]))
+            o[i], lse[i] = ob[0], lb[0]
+    o = o.transpose(0, 2, 1, 3)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,131 @@
+"""attention_with_kvcache (issue 36), first version: against the float64 reference of each batch entry's
+queries over the keys its cache holds after the append, contiguous and paged (pages in random order,
+appends that cross page boundaries), entries at length 0 and at capacity, causal chunked prefill, GQA,
+key splits merged by merge_states; bad lengths and page tables refused before the cache is written."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcupy
+from flashcupy import naive, reference
+from flashcupy.accuracy import assert_accurate, assert_lse_accurate
+
+B, HQ, HKV, D = 3, 4, 2, 16
+
+
+def _case(rng, dt, lengths, nnew, nq, capacity, page=None, d=D):
+    """q (B, Nq, Hq, D), a contiguous cache or a paged one with a shuffled page table, new k, v, and the
+    keys each entry should see after the append (L_b, Hkv, D)."""
+    q = rng.standard_normal((B, nq, HQ, d)).astype(dt)
+    full_k = rng.standard_normal((B, capacity, HKV, d)).astype(dt)
+    full_v = rng.standard_normal((B, capacity, HKV, d)).astype(dt)
+    k = rng.standard_normal((B, nnew, HKV, d)).astype(dt) if nnew else None
+    v = rng.standard_normal((B, nnew, HKV, d)).astype(dt) if nnew else None
+    want_k, want_v = full_k.copy(), full_v.copy()
+    for i, n in enumerate(lengths):
+        if nnew:
+            want_k[i, n:n + nnew], want_v[i, n:n + nnew] = k[i], v[i]
+    seen = [(want_k[i, :n + nnew], want_v[i, :n + nnew]) for i, n in enumerate(lengths)]
+    if page is None:
+        return q, full_k, full_v, None, k, v, seen
+    per = capacity // page
+    order = rng.permutation(B * per + 3)[:B * per]  # pages of all entries shuffled, three spare ones
+    table = order.reshape(B, per).astype(np.int32)
+    kc = rng.standard_normal((B * per + 3, page, HKV, d)).astype(dt)  # garbage in the spare pages
+    vc = rng.standard_normal((B * per + 3, page, HKV, d)).astype(dt)
+    for i in range(B):
+        for j in range(per):
+            kc[table[i, j]] = full_k[i, j * page:(j + 1) * page]
+            vc[table[i, j]] = full_v[i, j * page:(j + 1) * page]
+    return q, kc, vc, table, k, v, seen
+
+
+def _check(q, o, lse, seen, causal, dname, **kw):
+    for i, (ks, vs) in enumerate(seen):
+        qb = q[i].transpose(1, 0, 2)[None]
+        if ks.shape[0] == 0:
+            assert (o[i] == 0).all() and np.isneginf(lse[i]).all()
+            continue
+        kb, vb = (x.transpose(1, 0, 2)[None] for x in (ks, vs))
+        o_ref, lse_ref = reference.attention(qb, kb, vb, causal=causal, return_lse=True, **kw)
+        got = o[i].transpose(1, 0, 2)[None]
+        assert_accurate(got, o_ref, naive.attention(qb, kb, vb, causal=causal, **kw), dname, "fp32",
+                        what=f"entry {i}, L = {ks.shape[0]}")
+        assert_lse_accurate(lse[i][None], lse_ref, "fp32", what=f"entry {i}")
+
+
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("nq,causal", [(1, True), (5, True), (40, True), (3, False)],
+                         ids=["decode", "nq5", "prefill40", "nq3-full"])
+def test_kvcache_matches_the_reference(rng, page, splits, nq, causal):
+    """Lengths 0, one page minus one with an append crossing into the next page, and the capacity."""
+    import ml_dtypes
+
+    dname, dt = "bf16", ml_dtypes.bfloat16
+    capacity, nnew = 96, 7
+    lengths = np.array([0, 15 - 2, capacity - nnew], dtype=np.int32)
+    q, kc, vc, table, k, v, seen = _case(rng, dt, lengths, nnew, nq, capacity, page)
+    o, lse = flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, block_table=table, k=k, v=v,
+                                              causal=causal, num_splits=splits, return_lse=True, softcap=3.0)
+    assert o.shape == (B, nq, HQ, D) and lse.shape == (B, HQ, nq)
+    _check(q, o, lse, seen, causal, dname, softcap=3.0)
+    # the cache holds the appended keys where flash_attn puts them
+    for i, n in enumerate(lengths):
+        for j in range(nnew):
+            pos = n + j
+            got = kc[i, pos] if table is None else kc[table[i, pos // page], pos % page]
+            assert np.array_equal(got, k[i, j])
+
+
+def test_kvcache_without_append_and_an_empty_cache(rng):
+    """No new keys: the cache is read as it is; an entry of length 0 gets o = 0, lse = -inf."""
+    q, kc, vc, _, _, _, seen = _case(rng, np.float32, np.array([0, 5, 64], np.int32), 0, 2, 64)
+    lengths = np.array([0, 5, 64], np.int32)
+    before = kc.copy()
+    o, lse = flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=False, return_lse=True)
+    assert np.array_equal(kc, before)
+    _check(q, o, lse, seen, False, "f32")
+
+
+def test_kvcache_refuses_bad_tables_and_lengths_before_writing(rng):
+    q, kc, vc, table, k, v, _ = _case(rng, np.float32, np.array([3, 3, 3], np.int32), 2, 1, 32, page=16)
+    before = kc.copy()
+    lengths = np.array([3, 3, 3], np.int32)
+    cases = [
+        (dict(cache_seqlens=lengths.astype(np.int64)), TypeError, "cache_seqlens must be int32"),
+        (dict(cache_seqlens=np.array([3, 3, 31], np.int32)), ValueError, "capacity"),
+        (dict(cache_seqlens=np.array([3, -1, 3], np.int32)), ValueError, "capacity"),
+        (dict(cache_seqlens=lengths, block_table=np.where(table == table[1, 0], 99, table).astype(np.int32)),
+         ValueError, "outside"),
+        (dict(cache_seqlens=lengths, block_table=table[:2]), ValueError, "block_table must be"),
+        (dict(cache_seqlens=lengths, num_splits=2, window_size=(4, 0)), ValueError, "num_splits > 1"),
+        (dict(cache_seqlens=lengths, num_splits=-1), ValueError, "num_splits"),
+    ]
+    for kw, exc, msg in cases:
+        kw = {"block_table": table, **kw}
+        with pytest.raises(exc, match=msg):
+            flashcupy.attention_with_kvcache(q, kc, vc, k=k, v=v, **kw)
+        assert np.array_equal(kc, before), msg
+    with pytest.raises(ValueError, match="give both"):
+        flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, block_table=table, k=k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+def test_kvcache_on_the_kernels_matches_the_reference(rng, kernel):
+    """The same path on CuPy arrays, paged with splits, D = 64 (the wgmma head dims)."""
+    import cupy
+    import ml_dtypes
+
+    lengths = np.array([0, 100, 250], np.int32)
+    q, kc, vc, table, k, v, seen = _case(rng, ml_dtypes.bfloat16, lengths, 6, 4, 256, page=64, d=64)
+    dev = [cupy.asarray(x) for x in (q, kc, vc, table, k, v)]
+    o, lse = flashcupy.attention_with_kvcache(dev[0], dev[1], dev[2], cache_seqlens=cupy.asarray(lengths),
+                                              block_table=dev[3], k=dev[4], v=dev[5], num_splits=2,
+                                              kernel=kernel, return_lse=True)
+    _check(q, cupy.asnumpy(o), cupy.asnumpy(lse), seen, True, "bf16")
+    for i, n in enumerate(lengths):  # the append happened on the device's cache
+        pos = n + 5
+        assert np.array_equal(cupy.asnumpy(dev[1][table[i, pos // 64], pos % 64]), k[i, 5])
