@@ -16,6 +16,16 @@ LN_MAX = {"f16": math.log(65504.0), "f32": 88.72, "bf16": 88.72}
 # parameter ids
 
 
+# (kernel, dtype, accum) of each family's accumulator kinds, for tests that run a knob in every family:
+# the forward's, and the backward's (wgmma's backward has no fp16 accumulators)
+FWD_COMBOS = [
+    ("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"), ("wgmma", "f16", "fp16"),
+    ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("mma", "bf16", "fp32"),
+    ("simt", "f32", "fp32"), ("simt", "bf16", "fp16"),
+]
+BWD_COMBOS = [c for c in FWD_COMBOS if not (c[0] == "wgmma" and c[2] == "fp16")]
+
+
 def combo_id(combo) -> str:
     """(kernel, dtype, accum) -> e.g. "mma-f16-acc32"."""
     kernel, dname, accum = combo

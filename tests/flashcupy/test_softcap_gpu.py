@@ -17,7 +17,15 @@ from flashcupy.accuracy import (
     softcap_score_error,
 )
 from flashcupy.inspect import kernel_build
-from tests.helpers import combo_id, do_qkv, run_backward_poisoned, run_poisoned, to_device
+from tests.helpers import (
+    BWD_COMBOS,
+    FWD_COMBOS,
+    combo_id,
+    do_qkv,
+    run_backward_poisoned,
+    run_poisoned,
+    to_device,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -31,12 +39,6 @@ MASKS = [  # (causal, window_size)
     pytest.param(False, (64, 64), id="w64-64"),
 ]
 SHAPES = [(300, 300), (113, 517), (517, 113)]
-FWD_COMBOS = [  # (kernel, dtype, accum)
-    ("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"), ("wgmma", "f16", "fp16"),
-    ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("mma", "bf16", "fp32"),
-    ("simt", "f32", "fp32"), ("simt", "bf16", "fp16"),
-]
-BWD_COMBOS = [c for c in FWD_COMBOS if not (c[0] == "wgmma" and c[2] == "fp16")]
 
 
 def _forward(rng, combo, shape, causal, window, cap, scale, d=64):

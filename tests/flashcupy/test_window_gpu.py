@@ -10,7 +10,15 @@ import pytest
 import flashcupy
 from flashcupy import _checks, naive, reference
 from flashcupy.accuracy import assert_accurate, assert_lse_accurate, assert_matches_twin, backward_reduction
-from tests.helpers import combo_id, do_qkv, run_backward_poisoned, run_poisoned, to_device
+from tests.helpers import (
+    BWD_COMBOS,
+    FWD_COMBOS,
+    combo_id,
+    do_qkv,
+    run_backward_poisoned,
+    run_poisoned,
+    to_device,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -23,12 +31,6 @@ WINDOWS = [  # (causal, window_size)
     pytest.param(False, (-1, 21), id="winf-21"),
 ]
 SHAPES = [(300, 300), (113, 517), (517, 113)]
-FWD_COMBOS = [  # (kernel, dtype, accum)
-    ("wgmma", "f16", "fp32"), ("wgmma", "bf16", "fp32"), ("wgmma", "f16", "fp16"),
-    ("mma", "f16", "fp32"), ("mma", "f16", "fp16"), ("mma", "bf16", "fp32"),
-    ("simt", "f32", "fp32"), ("simt", "bf16", "fp16"),
-]
-BWD_COMBOS = [c for c in FWD_COMBOS if not (c[0] == "wgmma" and c[2] == "fp16")]
 
 
 def _forward(rng, combo, shape, causal, window, d=64):
