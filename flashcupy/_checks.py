@@ -227,7 +227,7 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     softcap = check_kernel_softcap(softcap)
 
     family = resolve_family(kernel, dname, accum, direction, head_dim=d, block_m=block_m, block_n=block_n,
-                            causal=causal, backend=backend, device=device)
+                            causal=causal, backend=backend, device=device, softcap=softcap)
     fam = FAMILIES[family]
     bm, bn = default_tile(family, dname, d, accum, causal, block_m, block_n, n=nq, softcap=softcap)
     for name, val, allowed in (("block_m", bm, fam.block_m), ("block_n", bn, fam.block_n)):
@@ -292,7 +292,7 @@ def _wgmma_problem(dname: str, accum: str, direction: str, head_dim: int | None)
 
 def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", *,
                    head_dim: int | None = None, block_m=None, block_n=None, causal: bool = False,
-                   backend: str = "numpy", device: int | None = None) -> str:
+                   backend: str = "numpy", device: int | None = None, softcap: float = 0.0) -> str:
     """Which family computes this call.
 
     kernel='auto' picks 'wgmma' on a Hopper GPU (compute capability 9.0) where that family has the
@@ -325,7 +325,8 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
         return f"{direction}_simt"
     hopper = (backend == "cuda" and _wgmma_problem(dname, accum, direction, head_dim) is None
               and _device_capability(device) == 90)
-    return auto_family(direction, dname, accum, head_dim, block_m, block_n, causal, hopper=hopper)
+    return auto_family(direction, dname, accum, head_dim, block_m, block_n, causal, hopper=hopper,
+                       softcap=softcap)
 
 
 def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,

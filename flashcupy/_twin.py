@@ -97,11 +97,14 @@ def _score_variants(p: Problem, softcap, sinks, alibi_slopes):
             None if slope is None else (slope / p.scale).astype(f32))
 
 
-def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants, after_mask: bool = False):
+def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants, after_mask: bool = False,
+                   f16: bool = False):
     """Raw scores of key tile [j0, j1) through the softcap and the ALiBi bias, then masked (-inf where
     the row does not see the key: causal, window, keys past nk); also the softcap's derivative
     1 - tanh^2 (None without one). ``after_mask`` (the break ``softcap_after_mask``): the mask first,
-    then the softcap, so that a masked key scores tanh(-inf) = -1 times the cap instead of -inf."""
+    then the softcap, so that a masked key scores tanh(-inf) = -1 times the cap instead of -inf. ``f16``
+    (fp16 accumulators): the capped score is rounded to fp16, as the kernels' tiles hold it (the
+    derivative comes from the unrounded tanh, as theirs does)."""
     from .reference import visible_mask
 
     window, cap, _, slope = variants
@@ -113,6 +116,8 @@ def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants, after_mask:
     if cap:
         th = np.tanh(s * f32(scale / cap))
         s, dcap = th * f32(cap / scale), f32(1) - th * th
+        if f16:
+            s = _round_to(s, np.float16)
     if slope is not None:
         s = s - slope * np.abs(rows + (nk - nq) - np.arange(j0, j1)[None, :]).astype(f32)
     if masked and not after_mask:
@@ -158,7 +163,7 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap:
             kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
             s = _fp16_accumulate(None, qf, kt) if f16 else np.matmul(qf, kt)   # raw scores (.., Nq, bn)
             s, _ = _hooked_scores(s, rows, j0, j1, nq, nk, p.scale, var.causal, variants,
-                                  after_mask=ablate == "softcap_after_mask")
+                                  after_mask=ablate == "softcap_after_mask", f16=f16)
             m_tile = s.max(axis=-1, keepdims=True)
             m_new = np.maximum(m, m_tile)
             if ablate == "max_subtraction":
@@ -247,7 +252,7 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, softcap: float | Non
             kj, vj = kf[..., j0:j1, :], vf[..., j0:j1, :]
             kt, vt = np.swapaxes(kj, -1, -2), np.swapaxes(vj, -1, -2)
             s = _fp16_accumulate(None, qf, kt) if f16 else np.matmul(qf, kt)
-            s, dcap = _hooked_scores(s, rows, j0, j1, nq, nk, p.scale, var.causal, variants)
+            s, dcap = _hooked_scores(s, rows, j0, j1, nq, nk, p.scale, var.causal, variants, f16=f16)
             pr = np.where(row_empty | np.isneginf(s), np.float32(0), np.exp2(s * c - lse2)).astype(np.float32)
             dp = _fp16_accumulate(None, dof, vt) if f16 else np.matmul(dof, vt)
             ds = (pr * (dp - delta)).astype(np.float32)

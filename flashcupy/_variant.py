@@ -251,7 +251,9 @@ class Variant:
         if self.window:
             parts.append("win{}_{}".format(*self.window))
         if self.softcap:
-            parts.append("cap" + np.format_float_positional(np.float32(self.softcap), trim="-"))
+            # (the shortest decimal of the float32, its point written p: the key's parts are split by dots)
+            cap = np.format_float_positional(np.float32(self.softcap), trim="-")
+            parts.append("cap" + cap.replace(".", "p"))
         if self.ablate:
             parts.append("ablate_" + self.ablate)
         if self.fp8:

@@ -46,16 +46,18 @@ __all__ = [
 
 
 def forward_variant(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, accum="fp32",
-                    kernel="auto", ablate=None) -> Variant:
+                    kernel="auto", ablate=None, window_size=(-1, -1), softcap=0.0) -> Variant:
     """The variant ``flashcupy.attention(q, k, v, ...)`` runs with these arguments (checked as that call
     checks them; the family's defaults filled in), in the current ``kernel_build``."""
     return forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum,
-                           kernel=kernel, ablate=ablate).variant
+                           kernel=kernel, ablate=ablate, window_size=window_size, softcap=softcap).variant
 
 
 def backward_variant(do, q, k, v, o, lse, *, causal=False, scale=None, block_m=None, block_n=None,
-                     accum="fp32", kernel="auto", deterministic=False) -> Variant:
+                     accum="fp32", kernel="auto", deterministic=False, window_size=(-1, -1),
+                     softcap=0.0) -> Variant:
     """The variant ``flashcupy.attention_backward(do, q, k, v, o, lse, ...)`` runs (its kernels:
     ``launch_roles(variant, deterministic, nq)``)."""
     return backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
-                            block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic).variant
+                            block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic,
+                            window_size=window_size, softcap=softcap).variant

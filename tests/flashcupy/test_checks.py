@@ -435,7 +435,7 @@ def test_softcap_reaches_the_variant_as_float32_bits():
 
     q, k, v = qkv(np.random.default_rng(0), (1, 2, 1, 40, 60, 16), "f32")
     p = check_forward(q, k, v, **{**FORWARD_DEFAULTS, "softcap": 0.1})
-    assert p.variant.softcap == float(np.float32(0.1)) and p.variant.key.endswith(".cap0.1")
+    assert p.variant.softcap == float(np.float32(0.1)) and p.variant.key.endswith(".cap0p1")
     d = p.variant.defines()
     assert d["FC_SCORE_HOOK"] == 2 and np.uint32(d["FC_SOFTCAP_BITS"]).view(np.float32) == np.float32(0.1)
     plain = check_forward(q, k, v, **{**FORWARD_DEFAULTS, "softcap": 0}).variant
@@ -448,3 +448,9 @@ def test_softcap_reaches_the_variant_as_float32_bits():
         Variant("bwd_wgmma", "f16", "fp32", 80, 128, 128, softcap=30.0)
     assert default_tile("bwd_wgmma", "f16", 128, "fp32", False, n=4096, softcap=30.0) == (64, 128)
     assert default_tile("bwd_wgmma", "f16", 128, "fp32", False, n=4096) == (80, 128)
+    # kernel='auto' with a softcap and a tile the wgmma backward does not run with one: mma, not a refusal
+    from flashcupy._policy import auto_family
+
+    assert auto_family("bwd", "bf16", "fp32", 64, 128, None, False, hopper=True, softcap=30.0) == "bwd_mma"
+    assert auto_family("bwd", "bf16", "fp32", 64, 128, None, False, hopper=True) == "bwd_wgmma"
+    assert auto_family("bwd", "bf16", "fp32", 64, None, None, False, hopper=True, softcap=30.0) == "bwd_wgmma"
