@@ -454,3 +454,8 @@ def test_softcap_reaches_the_variant_as_float32_bits():
     assert auto_family("bwd", "bf16", "fp32", 64, 128, None, False, hopper=True, softcap=30.0) == "bwd_mma"
     assert auto_family("bwd", "bf16", "fp32", 64, 128, None, False, hopper=True) == "bwd_wgmma"
     assert auto_family("bwd", "bf16", "fp32", 64, None, None, False, hopper=True, softcap=30.0) == "bwd_wgmma"
+    # the inspection API names the variant a call with a cap and a window runs
+    from flashcupy import inspect
+
+    v = inspect.forward_variant(q, k, v, causal=True, window_size=(9, 0), softcap=30.0)
+    assert v.softcap == 30.0 and v.window == (9, 0) and v.key.endswith(".win9_0.cap30")
