@@ -25,8 +25,9 @@ Two more studies, on exact accumulation (the quantization alone). The scale's gr
 product alone and all five (dO, dS in e4m3): one scale per head ("tensor"); one per slice along the
 reduction axis ("slice", the arms above); one per 64 x 64 tile ("block64", DeepSeek-V3's blocks: a scale
 that changes along the reduction axis is applied to each 64-long partial product before the partials
-are added, as a kernel would); and one per element ("element": every value keeps its own power of two,
-so only the 3-bit mantissa's rounding is left, a floor no scaling can pass, and no product can run it).
+are added, as a kernel would); and one per element ("element": every value keeps its own power of two
+and only its mantissa is rounded, with no range effect at all; no product can run it, and P in dV keeps
+its static 256).
 And stochastic rounding of dS (in dK and dQ, e4m3 with slice scales): rounded up or down with the
 probabilities that make the rounding unbiased, against round-to-nearest: the error of one draw, and of
 the mean of many draws (what many optimizer steps see).
@@ -74,7 +75,7 @@ def _fp8(x, fmt: str, reduce_axis: int | None, granularity: str = "slice", rng=N
     """x (float64) in ``fmt``: (the fp8 values as float64, the scales, broadcastable to x). One scale per
     slice along ``reduce_axis`` ("slice"; None: per head), per head ("tensor"), per 64 x 64 tile of the
     last two axes ("block64"), or per element ("element": each value's own power of two times a
-    mantissa rounded to the format's bits, with no range limit: the mantissa's floor). ``rng``:
+    mantissa rounded to the format's bits, with no range limit). ``rng``:
     stochastic rounding (``_round_fp8``)."""
     fmax, mant, _ = _FORMATS[fmt]
     if granularity == "element":
@@ -111,6 +112,8 @@ def _product(a, b, fmt_a: str, fmt_b: str, accumulation: str, granularity: str =
     (qa, sa), (qb, sb) = _fp8(a, fmt_a, -1, granularity, rng), _fp8(b, fmt_b, -2, granularity)
     if granularity in ("slice", "tensor"):
         return _mm(qa, qb, accumulation) * sa * sb
+    if accumulation != "exact":
+        raise ValueError(f"scales per {granularity} are modelled with exact accumulation only")
     return np.matmul(qa * sa, qb * sb)
 
 
@@ -137,6 +140,8 @@ def fp8_backward_model(do, q, k, v, o, lse, scale: float, fp8: set, grad_fmt: st
     if "dV" in fp8:  # P * 256 in e4m3 (the forward's static scale), dO per head dimension
         a = _round_fp8(pt * P_SCALE, "e4m3")
         b, sb = _fp8(do, grad_fmt, -2, granularity)
+        if granularity not in ("slice", "tensor") and accumulation != "exact":
+            raise ValueError(f"scales per {granularity} are modelled with exact accumulation only")
         dv = (_mm(a, b, accumulation) * sb if granularity in ("slice", "tensor")
               else np.matmul(a, b * sb)) / P_SCALE
     else:
@@ -225,15 +230,18 @@ def run_fp8_backward(ctx: Context) -> Report:
                ["package bf16 backward", 1, base[0], base[1]]]
     log("[fp8_backward] dS stochastic rounding: " + "; ".join(f"{r[0]}: dq {r[2]:.2e}, dk {r[3]:.2e}"
                                                                for r in sr_rows))
-    floor = min(gran[(f"{p} in fp8", "element")] for p in PRODUCTS)
-    best_g = {p: min(GRANULARITIES[:3], key=lambda g: gran[(f"{p} in fp8", g)]) for p in PRODUCTS}
+    element = min(gran[(f"{p} in fp8", "element")] for p in PRODUCTS)
+    best = min(gran[(f"{p} in fp8", g)] for p in PRODUCTS for g in GRANULARITIES)
+    best_g = {p: min(GRANULARITIES, key=lambda g: gran[(f"{p} in fp8", g)]) for p in PRODUCTS}
     finding += (f" Scale granularity (exact accumulation, e4m3): one product alone costs "
                 f"{min(gran[(f'{p} in fp8', 'slice')] for p in PRODUCTS):.0f}x to "
                 f"{max(gran[(f'{p} in fp8', 'slice')] for p in PRODUCTS):.0f}x with slice scales, "
                 f"{min(gran[(f'{p} in fp8', 'block64')] for p in PRODUCTS):.0f}x to "
                 f"{max(gran[(f'{p} in fp8', 'block64')] for p in PRODUCTS):.0f}x with 64 x 64 blocks, and at "
-                f"least {floor:.0f}x with a scale per element (the 3-bit mantissa alone): no scaling brings "
-                f"a product within 3x (best granularity per product: "
+                f"least {element:.0f}x with a scale per element (no range effect at all): "
+                + ("no granularity brings a product within 3x" if best > 3 else
+                   f"a product comes within 3x ({best:.1f}x)")
+                + " (best granularity per product: "
                 + ", ".join(f"{p} {g}" for p, g in best_g.items()) + "). Stochastic rounding of dS: one "
                 f"draw {max(sr_rows[1][2:4]) / max(sr_rows[0][2:4]):.2f}x round-to-nearest's error, the mean "
                 f"of {draws} draws {max(sr_rows[2][2:4]) / max(sr_rows[0][2:4]):.2f}x (Q and K, the other "

@@ -77,7 +77,8 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     ablate : None, "max_subtraction" (exponentiate raw scores, no running max, no rescaling) or
         "rescaling" (subtract each tile's own max, never rescale the running sum and output); on NumPy
         inputs only (the twin), "softcap_after_mask" (with a softcap and a mask: the mask before the
-        softcap, so every masked key scores -c, tanh(-inf) = -1, instead of -inf, and leaks e^-c of weight).
+        softcap, so every masked key scores -c, tanh(-inf) = -1, instead of -inf, and leaks e^-c of weight;
+        with ALiBi, e^(-c - slope |i' - j|)).
     return_lse : also return lse, float32 (B, Hq, Nq), the natural log of the softmax denominator.
     window_size : (left, right), a sliding window (flash_attn_func's): key j is visible to query i iff
         i' - left <= j <= i' + right, i' = i + Nk - Nq, a side of -1 unbounded; with ``causal`` the

@@ -63,6 +63,9 @@ class Problem:
     scale: float
     variant: Variant
     device: int = -1        # the CUDA device that holds the arrays (-1: NumPy)
+    # a break the twin runs and no kernel compiles (_families.TWIN_ABLATIONS; NumPy inputs only): the
+    # variant, which names a kernel, stays intact
+    twin_ablate: str | None = None
 
     @property
     def group(self) -> int:
@@ -237,13 +240,16 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
             raise ValueError(f"{name}={val} is not supported by {which}; "
                              f"supported: {allowed}")
     schedule = wgmma_schedule(d, bool(causal), nq, (bm, bn)) if family == "fwd_wgmma" else None
-    variant = Variant(family, dname, accum, int(bm), int(bn), d, causal, ablate, schedule=schedule,
-                      window=window, softcap=softcap)
+    twin_ablate = ablate if ablate in TWIN_ABLATIONS else None
+    if twin_ablate and not softcap:
+        raise ValueError(f"ablate={ablate!r} breaks the softcap: it needs softcap > 0")
+    variant = Variant(family, dname, accum, int(bm), int(bn), d, causal, None if twin_ablate else ablate,
+                      schedule=schedule, window=window, softcap=softcap)
     if not variant.fits():
         raise ValueError(f"block_m={bm}, block_n={bn} with D={d} in {dname} needs "
                          f"{variant.smem_bytes} bytes of shared memory in {family}; the limit is "
                          f"{SMEM_LIMIT}. Choose smaller blocks.")
-    return Problem(backend, b, hq, hkv, nq, nk, d, scale, variant, device)
+    return Problem(backend, b, hq, hkv, nq, nk, d, scale, variant, device, twin_ablate)
 
 
 def _common_device(arrays: dict) -> int:

@@ -24,7 +24,10 @@ import numpy as np
 
 from .transforms import _xp
 
-_NO_SPLIT_KNOBS = ("window_size", "sinks", "alibi_slopes")  # knobs whose positions a key split would move
+# ``attention``'s knobs that a call here passes on; of them, those whose positions a key split would move
+KNOBS = ("scale", "block_m", "block_n", "accum", "kernel", "ablate", "window_size", "softcap", "sinks",
+         "alibi_slopes")
+_NO_SPLIT_KNOBS = ("window_size", "sinks", "alibi_slopes")
 
 
 def _host_ints(name: str, x):
@@ -86,18 +89,54 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v, num_splits, kn
         raise ValueError(f"cache_seqlens + Nnew must lie in [0, {capacity}] (the cache's capacity); got "
                          f"cache_seqlens {shown}, Nnew = {nnew}")
     if table is not None:
-        used = np.concatenate([table[i, :-(-(n + nnew) // page)] for i, n in enumerate(lengths)])
-        if used.size and (used.min() < 0 or used.max() >= k_cache.shape[0]):
+        used = [table[i, :-(-(n + nnew) // page)] for i, n in enumerate(lengths)]
+        flat = np.concatenate(used)
+        if flat.size and (flat.min() < 0 or flat.max() >= k_cache.shape[0]):
             raise ValueError(f"block_table names pages outside [0, {k_cache.shape[0]}) among the pages in "
                              "use")
+        if nnew:  # the appended slots: each written once, in no page another entry reads
+            written = [table[i, (n + np.arange(nnew)) // page] * page + (n + np.arange(nnew)) % page
+                       for i, n in enumerate(lengths)]
+            slots = np.concatenate(written)
+            if np.unique(slots).size != slots.size:
+                raise ValueError("block_table: two appended keys would land in one cache slot (a page listed "
+                                 "twice); each entry's new keys need slots of their own")
+            for i, w in enumerate(written):
+                others = np.concatenate([u for j, u in enumerate(used) if j != i] or [np.empty(0, np.int64)])
+                if np.isin(w // page, others).any():
+                    raise ValueError(f"block_table: entry {i} would append into a page another entry reads "
+                                     "(shared pages may be read, not written)")
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: the policy's choice), got {num_splits!r}")
     if num_splits > 1:
-        used = [name for name in _NO_SPLIT_KNOBS if knobs.get(name) not in (None, (-1, -1))]
+        window = knobs.get("window_size")
+        used = [name for name in _NO_SPLIT_KNOBS
+                if (knobs.get(name) is not None if name != "window_size"
+                    else window is not None and tuple(window) != (-1, -1))]
         if used:
             raise ValueError(f"num_splits > 1 does not run with {', '.join(used)} yet (their positions "
                              "would move with each key range); use num_splits=1")
     return b, nq, nnew, capacity, page, lengths, table
+
+
+def _check_knobs(q, k_cache, causal, return_lse, knobs) -> None:
+    """``attention``'s checks of the knobs, run once on views of q and the cache before the cache is
+    written (each entry's call checks them again on its own shapes)."""
+    from ._checks import _check_bool, forward_problem
+    from .reference import _variants
+
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise TypeError(f"attention_with_kvcache got unknown knobs {unknown}; it takes {list(KNOBS)}")
+    _check_bool("return_lse", return_lse)
+    qv, kv = q[0].transpose(1, 0, 2)[None], k_cache[0].transpose(1, 0, 2)[None]
+    forward_problem(qv, kv, kv, causal=causal, scale=knobs.get("scale"), block_m=knobs.get("block_m"),
+                    block_n=knobs.get("block_n"), accum=knobs.get("accum", "fp32"),
+                    kernel=knobs.get("kernel", "auto"), ablate=knobs.get("ablate"),
+                    window_size=knobs.get("window_size", (-1, -1)), softcap=knobs.get("softcap", 0.0))
+    if knobs.get("sinks") is not None or knobs.get("alibi_slopes") is not None:
+        hq, hkv = q.shape[2], k_cache.shape[2]
+        _variants((q.shape[0], hkv, hq // hkv), (-1, -1), 0.0, knobs.get("sinks"), knobs.get("alibi_slopes"))
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None, v=None,
@@ -121,7 +160,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         outputs in the inputs' dtype); 0 picks one split, the policy until the split-KV kernel exists.
         S > 1 does not take window_size, sinks or alibi_slopes yet.
     return_lse : also return the LSE, float32 (B, Hq, Nq).
-    **knobs : ``flashcupy.attention``'s other knobs (scale, softcap, window_size, kernel, accum, ...).
+    **knobs : ``flashcupy.attention``'s other knobs (``KNOBS``: scale, block_m, block_n, accum, kernel,
+        ablate, window_size, softcap, sinks (Hq,), alibi_slopes (Hq,) or (B, Hq)), checked before the
+        cache is written.
+
+    Where it differs from flash_attn_with_kvcache: ``causal`` defaults to True (flash_attn: False);
+    ``cache_seqlens`` is an int32 array of q's kind, not an int; ``num_splits`` defaults to 1 and 0 means
+    one split; there is no ``cache_batch_idx``, ``cache_leftpad`` or rotary embedding; appends into a
+    page that another entry reads, or two appends into one slot, are refused (flash_attn leaves them
+    undefined); shared pages may be read.
 
     Returns o (B, Nq, Hq, D) in q's dtype (a view of a (B, Hq, Nq, D) array), and the LSE with
     ``return_lse``. An entry with no key (L = 0) gets o = 0 and LSE -inf. Everything is checked before
@@ -136,6 +183,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
             raise TypeError(f"{name} must be a {'NumPy' if xp is np else 'CuPy'} array like q")
     b, nq, nnew, _, page, lengths, table = _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                                   num_splits, knobs)
+    _check_knobs(q, k_cache, causal, return_lse, knobs)
     splits = max(1, int(num_splits))
     hq, d = q.shape[2], q.shape[3]
     if k is not None and nnew:  # the append, in place
@@ -169,7 +217,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
             mask = dict(causal=causal)
             if causal and e < n:  # an earlier range: keys up to i' + (n - e) of its own bottom-right i'
                 mask = dict(causal=False, window_size=(-1, n - e))
-            parts.append(attention(qb, kb, vb, return_lse=True, **{**knobs, **mask}))
+            slopes = knobs.get("alibi_slopes")
+            per_entry = {} if slopes is None or slopes.ndim == 1 else {"alibi_slopes": slopes[i]}
+            parts.append(attention(qb, kb, vb, return_lse=True, **{**knobs, **per_entry, **mask}))
         if len(parts) == 1:
             o[i], lse[i] = parts[0][0][0], parts[0][1][0]
         else:

@@ -163,7 +163,7 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap:
             kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
             s = _fp16_accumulate(None, qf, kt) if f16 else np.matmul(qf, kt)   # raw scores (.., Nq, bn)
             s, _ = _hooked_scores(s, rows, j0, j1, nq, nk, p.scale, var.causal, variants,
-                                  after_mask=ablate == "softcap_after_mask", f16=f16)
+                                  after_mask=p.twin_ablate == "softcap_after_mask", f16=f16)
             m_tile = s.max(axis=-1, keepdims=True)
             m_new = np.maximum(m, m_tile)
             if ablate == "max_subtraction":

@@ -330,8 +330,8 @@ def test_fp8_backward_study_prices_each_product(reports):
     assert by[("all five in fp8", "e4m3", "tc")] > max(by[(f"{p} in fp8", "e4m3", "tc")]
                                                       for p in ("S", "dP", "dV", "dK", "dQ"))
     # the granularity study: every product and granularity priced; the slice rows are the arms above
-    # with exact accumulation (the same model); no granularity, not even a scale per element (the
-    # mantissa's floor), brings a product within 3x
+    # with exact accumulation (the same model); no granularity, not even a scale per element (no range
+    # effect at all), brings a product within 3x
     gran = {(r["arm"], r["scales per"]): r["worst / bf16"]
             for r in table(reports[1]["fp8_backward"], "Scale granularity")}
     assert len(gran) == 6 * 4

@@ -129,3 +129,76 @@ def test_kvcache_on_the_kernels_matches_the_reference(rng, kernel):
     for i, n in enumerate(lengths):  # the append happened on the device's cache
         pos = n + 5
         assert np.array_equal(cupy.asnumpy(dev[1][table[i, pos // 64], pos % 64]), k[i, 5])
+
+
+def test_kvcache_checks_every_knob_before_writing(rng):
+    """Knobs ``attention`` would refuse, unknown knobs (flash_attn's rotary_cos, cache_batch_idx) and bad
+    q shapes or dtypes are refused before the append touches the cache; sinks and ALiBi refuse splits by
+    name."""
+    q, kc, vc, _, k, v, _ = _case(rng, np.float32, np.array([3, 3, 3], np.int32), 2, 1, 32)
+    lengths = np.array([3, 3, 3], np.int32)
+    before = (kc.copy(), vc.copy())
+    cases = [
+        (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(kernel="bogus"), ValueError, "kernel"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size"),
+        (dict(scale=0.0), ValueError, "scale"),
+        (dict(rotary_cos=q), TypeError, "unknown knobs"),
+        (dict(sinks=np.zeros(HQ + 1, np.float32)), ValueError, "sinks"),
+        (dict(alibi_slopes=np.ones((B + 1, HQ), np.float32)), ValueError, "alibi_slopes"),
+        (dict(sinks=np.zeros(HQ, np.float32), num_splits=2), ValueError,
+         "num_splits > 1 does not run with sinks"),
+        (dict(alibi_slopes=np.ones(HQ, np.float32), num_splits=2), ValueError, "with alibi_slopes"),
+    ]
+    for kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, k=k, v=v, **kw)
+        assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1]), msg
+    for bad_q, exc in ((q[:, :0], ValueError), (q.astype(np.float64), TypeError), (q[..., :12], ValueError)):
+        with pytest.raises(exc):
+            flashcupy.attention_with_kvcache(bad_q, kc, vc, cache_seqlens=lengths, k=k, v=v)
+        assert np.array_equal(kc, before[0])
+
+
+def test_kvcache_shared_pages_are_read_not_written(rng):
+    """Two entries may share a prefix page (read); an append into a page another entry reads, or two
+    appends into one slot, are refused before any write."""
+    page = 4
+    kc = rng.standard_normal((6, page, HKV, D)).astype(np.float32)
+    vc = rng.standard_normal((6, page, HKV, D)).astype(np.float32)
+    q = rng.standard_normal((2, 1, HQ, D)).astype(np.float32)
+    table = np.array([[0, 1, 2], [0, 3, 4]], np.int32)  # page 0 shared by both entries
+    lengths = np.array([6, 5], np.int32)
+    o, lse = flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, block_table=table,
+                                              return_lse=True)
+    seen = [(kc[table[i]].reshape(-1, HKV, D)[:n], vc[table[i]].reshape(-1, HKV, D)[:n])
+            for i, n in enumerate(lengths)]
+    _check(q, o, lse, seen, True, "f32")
+    k1 = rng.standard_normal((2, 1, HKV, D)).astype(np.float32)
+    before = kc.copy()
+    with pytest.raises(ValueError, match="another entry reads"):  # entry 1 at length 2 appends into page 0
+        flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([6, 2], np.int32),
+                                         block_table=table, k=k1, v=k1)
+    with pytest.raises(ValueError, match="one cache slot"):  # page 3 listed twice, both rows appended to
+        flashcupy.attention_with_kvcache(q[:1], kc, vc, cache_seqlens=np.array([3], np.int32),
+                                         block_table=np.array([[1, 3, 3]], np.int32),
+                                         k=np.ones((1, 6, HKV, D), np.float32),
+                                         v=np.ones((1, 6, HKV, D), np.float32))
+    assert np.array_equal(kc, before)
+
+
+def test_kvcache_more_splits_than_keys_and_alibi_per_entry(rng):
+    """num_splits above an entry's length runs one range per key; ALiBi slopes given per entry (B, Hq)
+    reach each entry's call."""
+    lengths = np.array([1, 2, 9], np.int32)
+    q, kc, vc, _, _, _, seen = _case(rng, np.float32, lengths, 0, 2, 16)
+    o, lse = flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, num_splits=5, return_lse=True)
+    _check(q, o, lse, seen, True, "f32")
+    slopes = rng.uniform(0.1, 0.9, (B, HQ)).astype(np.float32)
+    o, lse = flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, alibi_slopes=slopes,
+                                              return_lse=True)
+    for i, (ks, vs) in enumerate(seen):
+        qb, kb, vb = q[i].transpose(1, 0, 2)[None], ks.transpose(1, 0, 2)[None], vs.transpose(1, 0, 2)[None]
+        o_ref, lse_ref = reference.attention(qb, kb, vb, causal=True, alibi_slopes=slopes[i], return_lse=True)
+        np.testing.assert_allclose(o[i].transpose(1, 0, 2)[None], o_ref, atol=2e-6, rtol=0)
+        np.testing.assert_allclose(lse[i][None], lse_ref, atol=2e-6, rtol=0)

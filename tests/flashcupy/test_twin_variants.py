@@ -141,3 +141,10 @@ def test_the_softcap_after_the_mask_leaks_e_to_the_minus_cap_per_masked_key(rng)
     np.testing.assert_allclose(intact_lse[..., 10:], lse_ref[..., 10:], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="needs softcap > 0"):
         flashcupy.attention(q, k, v, causal=True, ablate="softcap_after_mask")
+    # the break lives on the problem, not in a kernel variant: no module compiles under its name
+    from flashcupy import inspect
+
+    var = inspect.forward_variant(q, k, v, causal=True, softcap=2.0, ablate="softcap_after_mask")
+    assert var.ablate is None and "ablate" not in var.key
+    with pytest.raises(ValueError, match="runs on the NumPy twin only"):
+        inspect.Variant("fwd_simt", "f32", "fp32", 64, 64, 16, softcap=2.0, ablate="softcap_after_mask")
