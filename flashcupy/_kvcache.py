@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._policy import kvcache_splits
 from .transforms import _xp
 
 # ``attention``'s knobs that a call here passes on; of them, those whose positions a key split would move
@@ -184,7 +185,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     b, nq, nnew, _, page, lengths, table = _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                                   num_splits, knobs)
     _check_knobs(q, k_cache, causal, return_lse, knobs)
-    splits = max(1, int(num_splits))
+    splits = kvcache_splits(int(num_splits))
     hq, d = q.shape[2], q.shape[3]
     if k is not None and nnew:  # the append, in place
         for i in range(b):

@@ -281,3 +281,14 @@ def launch_roles(var, deterministic: bool = False, n: int | None = None) -> tupl
     if var.fam.direction == "fwd":
         return ("fwd",)
     return ("prep", *backward_roles(var, deterministic, n))
+
+
+# --------------------------------------------------------------------------------------------------
+# decoding against a KV cache
+
+
+def kvcache_splits(num_splits: int) -> int:
+    """The key ranges ``attention_with_kvcache`` runs for ``num_splits`` (0: the policy's choice). One
+    range for 0: each range is a separate call and launch until the split-KV kernel exists, so splitting
+    only adds work; the rule will pick by the batch, heads and cache length once one launch runs them."""
+    return num_splits if num_splits > 0 else 1

@@ -202,3 +202,21 @@ def test_kvcache_more_splits_than_keys_and_alibi_per_entry(rng):
         o_ref, lse_ref = reference.attention(qb, kb, vb, causal=True, alibi_slopes=slopes[i], return_lse=True)
         np.testing.assert_allclose(o[i].transpose(1, 0, 2)[None], o_ref, atol=2e-6, rtol=0)
         np.testing.assert_allclose(lse[i][None], lse_ref, atol=2e-6, rtol=0)
+
+
+def test_kvcache_reads_views_in_place(rng):
+    """q broadcast over its heads (stride 0) and a cache that is a strided window of a larger buffer (an
+    offset, a step over the batch) run as their contiguous copies do, and the append lands in the
+    buffer."""
+    lengths = np.array([4, 9, 0], np.int32)
+    q, kc, vc, _, k, v, seen = _case(rng, np.float32, lengths, 3, 2, 24)
+    q_b = np.broadcast_to(q[:, :, :1], q.shape)  # every query head the same, stride 0
+    big_k = rng.standard_normal((2 * B + 1, 30, HKV, D)).astype(np.float32)
+    big_v = rng.standard_normal((2 * B + 1, 30, HKV, D)).astype(np.float32)
+    big_k[1::2, 2:26], big_v[1::2, 2:26] = kc, vc
+    kv_view, vv_view = big_k[1::2, 2:26], big_v[1::2, 2:26]
+    o_view = flashcupy.attention_with_kvcache(q_b, kv_view, vv_view, cache_seqlens=lengths, k=k, v=v)
+    o_copy = flashcupy.attention_with_kvcache(np.ascontiguousarray(q_b), kc, vc, cache_seqlens=lengths,
+                                              k=k, v=v)
+    assert np.array_equal(o_view, o_copy)
+    assert np.array_equal(big_k[1::2, 2:26], kc)  # the append reached the buffer behind the view
