@@ -273,6 +273,20 @@ def new_figure(ncols: int = 1, width: float = 7.0, height: float = 4.5):
     return fig, list(axes[0])
 
 
+def plot_rule_ratios(ax, series) -> None:
+    """The accuracy rule's panel: per (label, x values, o ratios, worst-gradient ratios), the forward's
+    and the gradients' error over the naive same-precision error, against the rule's 2x and 3x lines, on
+    a log x axis (the caller labels it)."""
+    for i, (label, xs, o, grads) in enumerate(series):
+        ax.plot(xs, o, marker="o", color=f"C{i}", label=f"o, {label}")
+        ax.plot(xs, grads, marker="x", ls="--", color=f"C{i}", label=f"worst gradient, {label}")
+    ax.axhline(2.0, color="k", lw=1, label="the forward rule (2x)")
+    ax.axhline(3.0, color="k", lw=1, ls="--", label="the backward rule (3x)")
+    ax.set_xscale("log")
+    ax.set_ylabel("max error / naive same-precision max error")
+    ax.legend(fontsize=6)
+
+
 def md_table(t: Table, cell=fmt) -> str:
     """The table in Markdown under its bold title, each value shown by ``cell``."""
     lines = [f"**{t.title}**", "", "| " + " | ".join(t.columns) + " |",

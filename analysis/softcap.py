@@ -32,7 +32,7 @@ from flashcupy import naive, reference
 from flashcupy.accuracy import backward_reduction, tolerance
 from flashcupy.inspect import kernel_build, numpy_dtype
 
-from .common import Context, Report, Table, errors, log, new_figure
+from .common import Context, Report, Table, errors, log, new_figure, plot_rule_ratios
 
 COMBOS = [("f16", "fp32"), ("bf16", "fp32"), ("f16", "fp16"), ("f32", "fp32")]
 SCORE_STD = 8.0  # standard deviation of the scaled scores
@@ -197,19 +197,11 @@ def run_softcap(ctx: Context) -> Report:
 
     fig, axes = new_figure(ncols=3 if cost else 2, width=6.5)
     ax = axes[0]
-    for i, (dname, accum) in enumerate(COMBOS):
-        sel = [r for r in capped if r[0] == dname and r[1] == accum]
-        ax.plot([r[2] for r in sel], [r[3] for r in sel], marker="o", color=f"C{i}",
-                label=f"o, {dname} acc {accum}")
-        ax.plot([r[2] for r in sel], [max(r[4:7]) for r in sel], marker="x", ls="--", color=f"C{i}",
-                label=f"worst gradient, {dname} acc {accum}")
-    ax.axhline(2.0, color="k", lw=1, label="the forward rule (2x)")
-    ax.axhline(3.0, color="k", lw=1, ls="--", label="the backward rule (3x)")
-    ax.set_xscale("log")
+    sels = [(f"{dn} acc {ac}", [r for r in capped if (r[0], r[1]) == (dn, ac)]) for dn, ac in COMBOS]
+    plot_rule_ratios(ax, [(label, [r[2] for r in sel], [r[3] for r in sel], [max(r[4:7]) for r in sel])
+                          for label, sel in sels])
     ax.set_xlabel("softcap c")
-    ax.set_ylabel("max error / naive same-precision max error")
     ax.set_title("Error against the cap", fontsize=10)
-    ax.legend(fontsize=6)
     ax = axes[1]
     ax.plot([r[0] for r in brk], [r[1] for r in brk], marker="o", label="worst row")
     ax.plot([r[0] for r in brk], [r[2] for r in brk], marker="s",
@@ -218,6 +210,7 @@ def run_softcap(ctx: Context) -> Report:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("softcap c")
+    ax.axhline(1e-5, color="k", lw=1, ls=":", label="the float32 LSE's resolution (about 1e-5): noise below")
     ax.set_ylabel("probability mass on masked keys")
     ax.set_title("The softcap after the mask (twin)", fontsize=10)
     ax.legend(fontsize=7)

@@ -21,7 +21,7 @@ import flashcupy
 from flashcupy import naive, reference
 from flashcupy.inspect import numpy_dtype
 
-from .common import Context, Report, Table, errors, log, new_figure
+from .common import Context, Report, Table, errors, log, new_figure, plot_rule_ratios
 
 COMBOS = [("f16", "fp32"), ("bf16", "fp32"), ("f16", "fp16"), ("f32", "fp32")]
 
@@ -120,19 +120,11 @@ def run_window(ctx: Context) -> Report:
 
     fig, axes = new_figure(ncols=2 if cost else 1, width=6.5)
     ax = axes[0]
-    for i, (dname, accum) in enumerate(COMBOS):
-        sel = [r for r in rows if r[0] == dname and r[1] == accum]
-        keys = [r[3] for r in sel]
-        ax.plot(keys, [r[6] for r in sel], marker="o", color=f"C{i}", label=f"o, {dname} acc {accum}")
-        ax.plot(keys, [max(r[7:10]) for r in sel], marker="x", ls="--", color=f"C{i}",
-                label=f"worst gradient, {dname} acc {accum}")
-    ax.axhline(2.0, color="k", lw=1, label="the forward rule (2x)")
-    ax.axhline(3.0, color="k", lw=1, ls="--", label="the backward rule (3x)")
-    ax.set_xscale("log")
+    sels = [(f"{dn} acc {ac}", [r for r in rows if (r[0], r[1]) == (dn, ac)]) for dn, ac in COMBOS]
+    plot_rule_ratios(ax, [(label, [r[3] for r in sel], [r[6] for r in sel], [max(r[7:10]) for r in sel])
+                          for label, sel in sels])
     ax.set_xlabel("visible keys per row (mean over the rows)")
-    ax.set_ylabel("max error / naive same-precision max error")
     ax.set_title("Error against the window's width (the rules: fp32 accumulators)", fontsize=10)
-    ax.legend(fontsize=6)
     if cost:
         ax = axes[1]
         vis = [r[1] for r in cost]
