@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typing as _typing
 
-from . import _launch, _twin, inspect, reference
+from . import _launch, _sinks, _twin, inspect, reference
 from ._checks import _check_bool
 from ._checks import backward_problem as _backward_problem
 from ._checks import forward_problem as _forward_problem
@@ -89,12 +89,18 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     softcap : flash_attn_func's softcap: S <- c tanh(S / c) on the scaled scores, before the mask (0: off;
         c in [2^-16, 2^32]). Every family runs it, forward and backward (not the fp8 forward yet),
         compiled into the kernel like the window (one module per cap). The kernels take tanh from the
-        MUFU's tanh.approx.f32 (relative error about 2^-11, an fp16 rounding) for 16-bit inputs and
-        the accurate tanhf for float32 inputs (``python -m analysis softcap`` measures both).
-    sinks, alibi_slopes : per-head attention sinks and ALiBi slopes (semantics and math:
-        ``flashcupy.reference.attention``): sink logits (Hq,), slopes (Hq,) or (B, Hq). They run on NumPy
-        inputs (the twin, as the kernels will run them) only so far; with CuPy inputs a ValueError says
-        so before any launch (issue 35).
+        MUFU's tanh.approx.f32 (largest absolute error measured on an H100: 2^-17) for 16-bit inputs
+        and the accurate tanhf for float32 inputs (``python -m analysis softcap`` measures both).
+    sinks : per-head attention sink logits z (Hq,) (gpt-oss's): each row's softmax denominator gains
+        e^z with no value row, lse' = log(e^lse + e^z) is returned. A NumPy array (checked finite) or,
+        for CuPy inputs, a CuPy float array on q's GPU (its values are not read: a non-finite sink gives
+        non-finite rows). Every family runs them: the kernel's (o, lse) over the keys is merged with the
+        sink after the key loop, o' = o e^(lse - lse'), by one elementwise CuPy kernel in float32
+        (``flashcupy._sinks``: why after the loop, and the cost, one more rounding of o). A row that sees
+        no key gets o = 0 and lse = z.
+    alibi_slopes : ALiBi slopes (Hq,) or (B, Hq) (semantics and math: ``flashcupy.reference.attention``).
+        NumPy inputs only (the twin, as the kernels will run them) so far; with CuPy inputs a ValueError
+        says so before any launch (issue 35).
 
     The algorithm, per tile of keys j, with running max m, sum l and output accumulator O:
     m' = max(m, rowmax(S_j)), P = exp(S_j - m'), l = e^(m - m') l + rowsum(P),
@@ -110,23 +116,29 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     problem = _forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                               accum=accum, kernel=kernel, ablate=ablate, window_size=window_size,
                               softcap=softcap)
-    variants = _score_variants(problem, sinks, alibi_slopes)
+    variants = _score_variants(problem, sinks, alibi_slopes, q)
     if problem.backend == "numpy":
         o, lse = _twin.forward(q, k, v, problem, **variants)
     else:
         o, lse = _launch.forward(q, k, v, problem)
+        if "sinks" in variants:
+            _sinks.apply(o, lse, variants["sinks"])
     return (o, lse) if return_lse else o
 
 
-def _score_variants(problem, sinks, alibi_slopes) -> dict:
+def _score_variants(problem, sinks, alibi_slopes, q) -> dict:
     """The array-valued score variants a call asks for (sinks, ALiBi slopes), as keyword arguments of
-    the twin; on CuPy inputs a ValueError naming them, before any launch: no kernel family runs them
-    yet. (The window and the softcap are part of the problem's variant, which every family compiles.)"""
-    asked = {name: value for name, value in (("sinks", sinks), ("alibi_slopes", alibi_slopes))
-             if value is not None}
-    if asked and problem.backend != "numpy":
-        raise ValueError(f"{', '.join(asked)}: these score variants run on NumPy inputs (the twin) only so "
-                         "far; no kernel family runs them yet")
+    the twin or, for sinks, of ``_sinks``; checked before any launch. ALiBi runs on NumPy inputs only so
+    far: on CuPy inputs a ValueError says so. (The window and the softcap are part of the problem's
+    variant, which every family compiles.)"""
+    asked = {}
+    if sinks is not None:
+        asked["sinks"] = _sinks.check(sinks, problem.heads_q, q)
+    if alibi_slopes is not None:
+        if problem.backend != "numpy":
+            raise ValueError("alibi_slopes: ALiBi runs on NumPy inputs (the twin) only so far; no kernel "
+                             "family runs it yet")
+        asked["alibi_slopes"] = alibi_slopes
     return asked
 
 
@@ -181,14 +193,19 @@ def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: A
     when its caller differentiates through the returned LSE.
 
     ``window_size``, ``softcap``: as in ``attention`` (every family; the softcap multiplies dS by its
-    derivative 1 - tanh^2); ``sinks``, ``alibi_slopes``: as in ``attention`` (NumPy inputs only so far);
-    with ``sinks`` the gradient of the sink logits, float32
-    (Hq,), is a fourth output (``flashcupy.reference.attention_backward`` writes its math).
+    derivative 1 - tanh^2); ``sinks``, ``alibi_slopes``: as in ``attention`` (ALiBi on NumPy inputs only
+    so far). With ``sinks``, ``o`` and ``lse`` are the sink forward's (lse includes the sinks): the
+    kernels recompute P from that lse, so they need nothing more, and the gradient of the sink logits,
+    d z_h = -sum_{b,i} e^(z_h - lse_i) delta_i (float32 (Hq,), ``flashcupy._sinks.grad``), is a fourth
+    output.
     """
     problem = _backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
                                block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic,
                                dlse=dlse, window_size=window_size, softcap=softcap)
-    variants = _score_variants(problem, sinks, alibi_slopes)
+    variants = _score_variants(problem, sinks, alibi_slopes, q)
     if problem.backend == "numpy":  # one fixed order: deterministic either way
         return _twin.backward(do, q, k, v, o, lse, problem, dlse=dlse, **variants)
-    return _launch.backward(do, q, k, v, o, lse, problem, deterministic=deterministic, dlse=dlse)
+    grads = _launch.backward(do, q, k, v, o, lse, problem, deterministic=deterministic, dlse=dlse)
+    if "sinks" not in variants:
+        return grads
+    return (*grads, _sinks.grad(do, o, lse, variants["sinks"], dlse))

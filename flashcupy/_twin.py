@@ -48,10 +48,12 @@ Score variants (issue 35; the window comes with the problem's variant, ``forward
 ``reference.attention``'s ``softcap``, ``sinks`` and ``alibi_slopes``): applied to the raw scores as the
 kernels apply them,
 the scale staying folded into c (``_score_variants``): softcap t = (cap / scale) tanh(scale s / cap),
-ALiBi t - (slope / scale) |i' - j|, then the mask (causal, window); a sink logit z enters as the online
-softmax's first term, m = z / scale and l = 1, so that lse includes it and a row that sees no key keeps
-lse = z. The backward multiplies dS by the softcap's 1 - tanh^2 and returns d sinks = -sum P_sink delta.
-Every kernel family runs the window; the other variants run on the twin only so far.
+ALiBi t - (slope / scale) |i' - j|, then the mask (causal, window). A sink logit z is merged into each
+row's (o, lse) after the key loop, as on the kernels (``flashcupy._sinks``: lse includes it, a row that sees
+no key gets lse = z and o = 0); ``forward(sink_first=True)`` starts the online softmax from it instead
+(m = z / scale, l = 1). The backward multiplies dS by the softcap's 1 - tanh^2 and returns d sinks =
+-sum P_sink delta. Every kernel family runs the window, the softcap and the sinks; ALiBi runs on the twin
+only so far.
 """
 from __future__ import annotations
 
@@ -129,10 +131,12 @@ _NO_VARIANTS = ((-1, -1), 0.0, None, None)
 
 
 def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap: float | None = None,
-            sinks=None, alibi_slopes=None):
+            sinks=None, alibi_slopes=None, sink_first: bool = False):
     """Run the twin for a checked problem. Returns (o in q's dtype, lse float32 (B, Hq, Nq)). The score
     variants are ``reference.attention``'s, applied as the kernels will (``_score_variants``); the
-    softcap is the problem's (``p.variant.softcap``) unless ``softcap`` is given."""
+    softcap is the problem's (``p.variant.softcap``) unless ``softcap`` is given. Sinks are merged after
+    the key loop, as on the kernels (``flashcupy._sinks``); ``sink_first`` instead starts the online
+    softmax from the sink (m = z, l = 1), the order whose 16-bit P collapse under a dominant sink."""
     var = p.variant
     variants = _score_variants(p, softcap, sinks, alibi_slopes)
     sink = variants[2]
@@ -152,7 +156,8 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap:
 
     m = np.full((b, hkv, g, nq, 1), -np.inf, dtype=np.float32)
     l = np.zeros((b, hkv, g, nq, 1), dtype=np.float32)
-    if sink is not None:  # the sink's term first: m = z / scale, l = exp2(0) (max subtraction: exp2(z c))
+    if sink is not None and sink_first:  # the sink's term first: m = z / scale, l = exp2(0)
+        # (with the max-subtraction break: l = exp2(z c))
         m = np.broadcast_to(sink, m.shape).astype(np.float32)
         l = np.exp2(m * c) if ablate == "max_subtraction" else np.ones_like(l)
     acc = np.zeros((b, hkv, g, nq, d), dtype=np.float32)
@@ -191,8 +196,12 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap:
         else:
             lse = m.astype(np.float64) * p.scale + np.log(l.astype(np.float64))
         lse = np.where(empty, -np.inf, lse)
-    o = o.reshape(b, hq, nq, d).astype(elem)
-    return o, lse.reshape(b, hq, nq).astype(np.float32)
+    o, lse = o.reshape(b, hq, nq, d).astype(elem), lse.reshape(b, hq, nq).astype(np.float32)
+    if sink is not None and not sink_first:
+        from . import _sinks
+
+        _sinks.apply(o, lse, np.asarray(sinks, dtype=np.float32))
+    return o, lse
 
 
 def _fp16_accumulate_rows(acc, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -271,8 +280,9 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, softcap: float | Non
     grads = ((dq * scale).reshape(b, hq, nq, d).astype(elem), (dk * scale).astype(elem), dv.astype(elem))
     if variants[2] is None:
         return grads
-    p_sink = np.exp2(variants[2] * c - lse2)  # (with a sink no row is empty: lse >= its logit)
-    return (*grads, -(p_sink * delta).sum(axis=(0, 3, 4), dtype=np.float32).reshape(hq))
+    from . import _sinks
+
+    return (*grads, _sinks.grad(do, o, lse, np.asarray(sinks, dtype=np.float32), dlse))
 
 
 def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: int, p_scale: float,

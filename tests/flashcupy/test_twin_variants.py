@@ -88,8 +88,8 @@ def test_naive_variants_follow_the_reference(rng, causal, window, softcap, sinks
 
 def test_the_entry_points_run_the_variants_on_numpy_inputs(rng):
     """flashcupy.attention and attention_backward take the variants on NumPy inputs (the twin's bits;
-    d sinks a fourth output); on CuPy inputs the variants are refused by name before any launch (checked
-    here on the refusal itself: it runs right after the call's checks, from the problem's backend)."""
+    d sinks a fourth output); on CuPy inputs ALiBi is refused by name before any launch (checked here on
+    the refusal itself: it runs right after the call's checks, from the problem's backend)."""
     import types
 
     import flashcupy
@@ -107,10 +107,10 @@ def test_the_entry_points_run_the_variants_on_numpy_inputs(rng):
     assert len(grads) == 4 and grads[3].shape == (2,) and np.abs(grads[3]).max() > 0
     plain = flashcupy.attention(q, k, v, causal=True, window_size=[-1, -1], softcap=0)
     assert np.array_equal(plain, flashcupy.attention(q, k, v, causal=True))
-    gpu = types.SimpleNamespace(backend="cuda")
-    assert flashcupy._score_variants(gpu, None, None) == {}
-    with pytest.raises(ValueError, match="sinks, alibi_slopes: these score variants run on NumPy inputs"):
-        flashcupy._score_variants(gpu, kw["sinks"], kw["alibi_slopes"])
+    gpu = types.SimpleNamespace(backend="cuda", heads_q=2)
+    assert flashcupy._score_variants(gpu, None, None, q) == {}
+    with pytest.raises(ValueError, match="alibi_slopes: ALiBi runs on NumPy inputs"):
+        flashcupy._score_variants(gpu, None, kw["alibi_slopes"], q)
     for bad in (None, True, "3"):
         with pytest.raises(TypeError, match="softcap must be a number"):
             flashcupy.attention(q, k, v, softcap=bad)
