@@ -59,18 +59,62 @@ def check(sinks, heads_q: int, like) -> object:
     return sinks.astype(np.float32, copy=False)
 
 
-_LOAD = {"f16": "float x; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(x) : \"h\"(o));",
-         "bf16": "const float x = __uint_as_float(((unsigned)o) << 16);",
-         "f32": "const float x = o;"}
-_STORE = {"f16": "unsigned short r; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(r) : \"f\"(x * w)); y = r;",
-          "bf16": "unsigned short r; asm(\"cvt.rn.bf16.f32 %0, %1;\" : \"=h\"(r) : \"f\"(x * w)); y = r;",
-          "f32": "y = x * w;"}
-# lse' and w = exp(lse - lse') of a row from its keys' lse and the sink z (lse = -inf: lse' = z, w = 0)
-_MERGE = """
+# The CuPy kernels. 16-bit arrays travel as their uint16 bits; fc_load/fc_store convert (fp16 by cvt,
+# bf16 by a shift and cvt.rn.bf16.f32).
+_PREAMBLE = r"""
+__device__ __forceinline__ float fc_load(float x) { return x; }
+__device__ __forceinline__ float fc_load_bits(unsigned short h, bool bf16) {
+    if (bf16) return __uint_as_float(((unsigned)h) << 16);
+    float x; asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h)); return x;
+}
+__device__ __forceinline__ unsigned short fc_store_bits(float x, bool bf16) {
+    unsigned short r;
+    if (bf16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+"""
+# per row: lse' and w = exp(lse - lse') from the keys' lse and the sink z (lse = -inf: lse' = z, w = 0)
+_ROW = r"""
     const float hi = fmaxf(lse, z);
     const float lse2 = hi + log1pf(expf(-fabsf(lse - z)));
-    const float w = expf(lse - lse2);
+    w = expf(lse - lse2);
+    lse_out = lse2;
 """
+# per element of o (C-contiguous, rows of d): o <- w[row] o. The row index by a 32-bit division where
+# the index fits (a 64-bit one costs about as much as the rest of the kernel: measured 1.2-1.35x the
+# forward's time at N = 4096 on an H100, against a memory floor of a few percent)
+_ROW_OF = "(i <= 0xFFFFFFFFll ? (ptrdiff_t)((unsigned)i / (unsigned)d) : i / d)"
+_SCALE = {"f32": f"y = x * w[{_ROW_OF}];",
+          "f16": f"y = fc_store_bits(fc_load_bits(x, false) * w[{_ROW_OF}], false);",
+          "bf16": f"y = fc_store_bits(fc_load_bits(x, true) * w[{_ROW_OF}], true);"}
+# per row i of C-contiguous do, o (rows of d, 16-byte aligned, d a multiple of 8): the sink's share of
+# d z, -exp(z - lse) (rowsum(dO o) - dlse), the row sum in float32 in order, 16 bytes per load
+_GRAD_ROW = {
+    "f32": r"""
+    const float4 *a = reinterpret_cast<const float4 *>(&dout[(size_t)i * d]);
+    const float4 *b = reinterpret_cast<const float4 *>(&out[(size_t)i * d]);
+    float acc = 0.f;
+    for (int j = 0; j < d / 4; ++j) {
+        const float4 x = a[j], y = b[j];
+        acc += x.x * y.x; acc += x.y * y.y; acc += x.z * y.z; acc += x.w * y.w;
+    }
+    t = -expf(z - lse) * (acc - dl);
+""",
+    "16": r"""
+    const uint4 *a = reinterpret_cast<const uint4 *>(&dout[(size_t)i * d]);
+    const uint4 *b = reinterpret_cast<const uint4 *>(&out[(size_t)i * d]);
+    float acc = 0.f;
+    for (int j = 0; j < d / 8; ++j) {
+        const uint4 x = a[j], y = b[j];
+        const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+        for (int e = 0; e < 4; ++e) {
+            acc += fc_load_bits(xs[e] & 0xFFFF, BF16) * fc_load_bits(ys[e] & 0xFFFF, BF16);
+            acc += fc_load_bits(xs[e] >> 16, BF16) * fc_load_bits(ys[e] >> 16, BF16);
+        }
+    }
+    t = -expf(z - lse) * (acc - dl);
+"""}
 _KERNELS: dict = {}
 
 
@@ -80,24 +124,29 @@ def _kernel(name: str):
     kern = _KERNELS.get(name)
     if kern is not None:
         return kern
-    if name == "lse":
-        kern = cupy.ElementwiseKernel("float32 lse, float32 z", "float32 y", _MERGE + "y = lse2;",
-                                      "flashcupy_sink_lse")
-    elif name == "grad":
-        kern = cupy.ReductionKernel("float32 lse, float32 z, float32 delta", "float32 dz",
-                                    "-expf(z - lse) * delta", "a + b", "dz = a", "0", "flashcupy_sink_grad")
-    else:
-        t = "float32" if name == "f32" else "uint16"
-        kern = cupy.ElementwiseKernel(f"{t} o, float32 lse, float32 z", f"{t} y",
-                                      _MERGE + _LOAD[name] + _STORE[name], f"flashcupy_sink_o_{name}")
+    if name == "row":
+        kern = cupy.ElementwiseKernel("float32 lse, float32 z", "float32 w, float32 lse_out", _ROW,
+                                      "flashcupy_sink_row")
+    elif name.startswith("scale_"):
+        dname = name[6:]
+        t = "float32" if dname == "f32" else "uint16"
+        kern = cupy.ElementwiseKernel(f"{t} x, raw float32 w, int32 d", f"{t} y", _SCALE[dname],
+                                      f"flashcupy_sink_{name}", preamble=_PREAMBLE)
+    else:  # grad_<dname>
+        dname = name[5:]
+        t = "float32" if dname == "f32" else "uint16"
+        body = _GRAD_ROW["f32" if dname == "f32" else "16"].replace("BF16", str(dname == "bf16").lower())
+        params = f"raw {t} dout, raw {t} out, float32 lse, float32 z, float32 dl, int32 d"
+        kern = cupy.ElementwiseKernel(params, "float32 t", body, f"flashcupy_sink_{name}", preamble=_PREAMBLE)
     _KERNELS[name] = kern
     return kern
 
 
 def apply(o, lse, sinks):
     """Merge the sinks into a forward's (o (B, Hq, N, D), lse (B, Hq, N) float32) in place and return
-    them: o <- w o, lse <- lse' (module docstring). On CuPy arrays two elementwise kernels on the current
-    stream, no temporaries (a captured call stays capturable); o must be the call's own output."""
+    them: o <- w o, lse <- lse' (module docstring). On CuPy arrays two kernels on the current stream: one
+    per row (w into a temporary from ``_launch._Scratch``, graph-safe under stream capture, and lse'), one
+    per element of o; o must be the call's own output (C-contiguous)."""
     xp = _xp(o)
     if xp is np:
         f32 = np.float32
@@ -111,22 +160,25 @@ def apply(o, lse, sinks):
     import cupy
 
     from ._checks import dtype_name
+    from ._launch import _Scratch
 
     name = dtype_name(o.dtype)
-    z = sinks.reshape(1, -1, 1)
-    view = o if name == "f32" else o.view(np.uint16)
     with cupy.cuda.Device(o.data.device_id):
-        _kernel(name)(view, lse[..., None], z[..., None], view)
-        _kernel("lse")(lse, z, lse)
+        w = _Scratch(cupy.cuda.get_current_stream()).empty(lse.shape, np.float32)
+        _kernel("row")(lse, sinks.reshape(1, -1, 1), w, lse)
+        flat = o.reshape(-1) if name == "f32" else o.reshape(-1).view(np.uint16)
+        _kernel("scale_" + name)(flat, w, np.int32(o.shape[-1]), flat)
     return o, lse
 
 
 def grad(do, o, lse, sinks, dlse=None, scratch=None):
     """d sinks (float32 (Hq,)) of a backward call: -sum over batch and rows of exp(z - lse') delta with
     delta_i = rowsum(dO_i o'_i) - dlse_i in float32 (``lse``, ``o``: the forward's, sinks merged).
-    On CuPy arrays the temporary delta (B, Hq, N) comes from ``scratch`` (``_launch._Scratch``, graph-safe
-    under stream capture; one of the current stream by default); it repeats the backward's own delta
-    (one more read of dO and O)."""
+    On CuPy arrays one kernel forms each row's term (a thread per row: it repeats the backward's own
+    delta, one more read of dO and O) and a sum over batch and rows adds them, in a fixed order; the
+    temporaries (the terms (B, Hq, N); copies of a dO or o that is not C-contiguous and 16-byte aligned)
+    come from ``scratch`` (``_launch._Scratch``, graph-safe under stream capture; one of the current
+    stream by default)."""
     xp = _xp(o)
     f32 = np.float32
     if xp is np:
@@ -139,36 +191,17 @@ def grad(do, o, lse, sinks, dlse=None, scratch=None):
     import cupy
 
     from ._checks import dtype_name
-    from ._launch import _Scratch
+    from ._launch import _copy, _Scratch
 
     name = dtype_name(do.dtype)
     with cupy.cuda.Device(o.data.device_id):
         scratch = _Scratch(cupy.cuda.get_current_stream()) if scratch is None else scratch
-        delta = scratch.empty(lse.shape, f32)
+        do, o = (x if x.flags.c_contiguous and x.data.ptr % 16 == 0 else _copy(x, scratch) for x in (do, o))
+        terms = scratch.empty(lse.shape, f32)
         if name != "f32":
             do, o = do.view(np.uint16), o.view(np.uint16)
-        _delta_kernel(name)(do, o, delta, axis=3)
-        if dlse is not None:
-            cupy.subtract(delta, dlse, out=delta)
+        _kernel("grad_" + name)(do, o, lse, sinks.reshape(1, -1, 1), f32(0) if dlse is None else dlse,
+                                np.int32(do.shape[-1]), terms)
         dz = cupy.empty(sinks.shape, f32)
-        _kernel("grad")(lse, sinks.reshape(1, -1, 1), delta, dz, axis=(0, 2))
+        terms.sum(axis=(0, 2), out=dz)
     return dz
-
-
-def _delta_kernel(dname: str):
-    """rowsum(dO * O) in float32 over the last axis, for 16-bit (as uint16 bits) or float32 inputs."""
-    import cupy
-
-    name = "delta_" + dname
-    kern = _KERNELS.get(name)
-    if kern is None:
-        t = "float32" if name == "delta_f32" else "uint16"
-        load = {"delta_f32": "(float)a * (float)b",
-                "delta_bf16": "__uint_as_float(((unsigned)a) << 16) * __uint_as_float(((unsigned)b) << 16)",
-                "delta_f16": "fc_h2f(a) * fc_h2f(b)"}[name]
-        pre = ("__device__ float fc_h2f(unsigned short h) { float x; "
-               "asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(x) : \"h\"(h)); return x; }")
-        kern = _KERNELS[name] = cupy.ReductionKernel(f"{t} a, {t} b", "float32 delta", load, "a + b",
-                                                     "delta = a", "0", f"flashcupy_sink_{name}",
-                                                     preamble=pre)
-    return kern
