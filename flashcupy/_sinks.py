@@ -59,10 +59,9 @@ def check(sinks, heads_q: int, like) -> object:
     return sinks.astype(np.float32, copy=False)
 
 
-# The CuPy kernels. 16-bit arrays travel as their uint16 bits; fc_load/fc_store convert (fp16 by cvt,
-# bf16 by a shift and cvt.rn.bf16.f32).
+# The CuPy kernels. 16-bit arrays travel as their uint16 bits; fc_load_bits/fc_store_bits convert (fp16
+# by cvt, bf16 by a shift and cvt.rn.bf16.f32).
 _PREAMBLE = r"""
-__device__ __forceinline__ float fc_load(float x) { return x; }
 __device__ __forceinline__ float fc_load_bits(unsigned short h, bool bf16) {
     if (bf16) return __uint_as_float(((unsigned)h) << 16);
     float x; asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h)); return x;
@@ -81,8 +80,8 @@ _ROW = r"""
     w = expf(lse - lse2);
     lse_out = lse2;
 """
-# o <- w[row] o over C-contiguous o with rows of d (a multiple of 8): a thread per 16 bytes, one row's
-# (one element each measured 1.15-1.38x the forward's time at N = 4096 on an H100: load-instruction bound)
+# o <- w[row] o over C-contiguous o with rows of d (a multiple of 8): a thread per 16 bytes, all of one
+# row (a thread per element is bound by load instructions: docs/design/score_variants.md, "Speed")
 _SCALE = {
     "f32": r"""
     float4 *p = reinterpret_cast<float4 *>(&o[(size_t)i * 4]);
