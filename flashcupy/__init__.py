@@ -96,8 +96,8 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
         for CuPy inputs, a CuPy float array on q's GPU (its values are not read: a non-finite sink gives
         non-finite rows). Every family runs them: the kernel's (o, lse) over the keys is merged with the
         sink after the key loop, o' = o e^(lse - lse'), in float32 by two CuPy kernels (a row kernel and
-        one over o; ``flashcupy._sinks``: why after the loop, and the cost, one more rounding of o). A row that sees
-        no key gets o = 0 and lse = z.
+        one over o; ``flashcupy._sinks``: why after the loop, and the cost, one more rounding of o).
+        A row that sees no key gets o = 0 and lse = z.
     alibi_slopes : ALiBi slopes (Hq,) or (B, Hq) (semantics and math: ``flashcupy.reference.attention``).
         NumPy inputs only (the twin, as the kernels will run them) so far; with CuPy inputs a ValueError
         says so before any launch (issue 35).
