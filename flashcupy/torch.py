@@ -504,7 +504,7 @@ def _eager(q, k, v) -> bool:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None, *, layout: str = "bhnd", return_lse: bool = False,
               deterministic: bool = False, window_size: tuple[int, int] = _NO_WINDOW, softcap: float = 0.0,
-              **knobs):
+              sinks: torch.Tensor | None = None, **knobs):
     """Differentiable flashcupy attention on CUDA tensors.
 
     ``layout="bhnd"`` (default): q is (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), as in
@@ -516,6 +516,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     ``window_size`` (left, right): a sliding window as in ``flashcupy.attention`` (bottom-right aligned,
     with ``causal`` the window (left, 0)), forward and backward, in every family. ``softcap``: c tanh(S / c)
     on the scaled scores as in ``flashcupy.attention`` (0: off), forward and backward, in every family.
+
+    ``sinks``: per-head sink logits (Hq,), a floating CUDA tensor on q's device, as in
+    ``flashcupy.attention``: the keys' (o, lse) is merged with the sinks after the operator
+    (``_merge_sinks``, the merge of ``flashcupy._sinks`` in torch ops), so autograd gives the sinks'
+    gradient and hands the operator the gradient of its output and of its LSE.
 
     ``knobs`` are ``flashcupy.attention``'s block_m, block_n, accum, kernel and ablate; the backward uses
     the same accum and kernel with its own default tiles, and ``deterministic`` as in
@@ -556,6 +561,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     window = _NO_WINDOW if window_size is _NO_WINDOW or window_size is None else check_window(window_size)
     if not (type(softcap) is float and softcap == 0.0) and not torch.compiler.is_compiling():
         softcap = check_kernel_softcap(softcap)  # (traced, a float may be symbolic: the operator checks it)
+    if sinks is not None:
+        _check_sinks(sinks, q.shape[2] if layout == "bnhd" else q.shape[1], q.device)
     if layout == "bnhd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     fwd = (causal, scale, knobs.get("block_m"), knobs.get("block_n"), knobs.get("accum", "fp32"),
@@ -566,6 +573,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         o, lse = _autograd(q, k, v, (*fwd, window, softcap, deterministic))
     else:
         o, lse = _forward(q, k, v, *fwd, window, softcap)
+    if sinks is not None:
+        o, lse = _merge_sinks(o, lse, sinks)
     if layout == "bnhd":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
+
+
+def _check_sinks(sinks, heads: int, device) -> None:
+    """sinks: a floating (Hq,) tensor on the inputs' device; else TypeError/ValueError naming it."""
+    if not isinstance(sinks, torch.Tensor) or sinks.device != device:
+        raise TypeError(f"sinks must be a torch.Tensor on {device}, got "
+                        f"{sinks.device if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+    if not sinks.is_floating_point() or tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must be a floating tensor of shape (Hq,) = ({heads},), got {sinks.dtype} "
+                         f"{tuple(sinks.shape)}")
+
+
+def _merge_sinks(o, lse, sinks):
+    """``flashcupy._sinks.apply`` in torch ops, (B, Hq, N, D) and (B, Hq, N): lse' = log(e^lse + e^z),
+    o' = e^(lse - lse') o in float32, rounded to o's dtype (one more rounding of o, as on CuPy). Autograd
+    then forms d z = -sum e^(z - lse') (rowsum(dO o') - dlse') and passes the operator dO e^(lse - lse')
+    and the LSE's gradient: the same gradients as ``flashcupy.attention_backward`` with sinks, by another
+    route (the operator's backward recomputes P from the keys' lse)."""
+    lse2 = torch.logaddexp(lse, sinks.to(torch.float32)[:, None])
+    return (o.float() * torch.exp(lse - lse2)[..., None]).to(o.dtype), lse2

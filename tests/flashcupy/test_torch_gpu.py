@@ -195,3 +195,58 @@ def test_a_window_runs_on_every_torch_path(rng, kernel, cap):
     o3.backward(do)
     for a, b in zip(eager, (o3.detach(), qs.grad, ks.grad, vs.grad)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+def test_sinks_through_torch_match_the_reference_and_compile(rng, kernel, layout):
+    """``sinks`` through flashcupy.torch (the merge after the operator, in torch ops): o, lse and the
+    gradients of q, k, v and the sinks against float64 by the accuracy rule (the naive baseline on the
+    same values), with GQA, a causal mask and rows that see no key; torch.compile (fullgraph) gives
+    the eager bits; bad sinks are refused by name."""
+    import cupy
+
+    import flashcupy.torch as fct
+    from flashcupy import naive
+    from flashcupy.accuracy import assert_accurate, backward_reduction
+
+    hq, nq, nk = 4, 300, 170  # causal, bottom-right: 130 rows see no key
+    q, k, v = _tensors(rng, [(2, hq, nq, 64), (2, 2, nk, 64), (2, 2, nk, 64)])
+    z = torch.from_numpy(rng.standard_normal(hq) * 3 + 5).to("cuda", torch.float32).requires_grad_(True)
+    do = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    kw = dict(causal=True, kernel=kernel, deterministic=True, sinks=z, return_lse=True)
+
+    def run(fn, *xs):
+        leaves = [x.detach().clone().requires_grad_(True) for x in xs]
+        args = [t.transpose(1, 2) for t in leaves[:3]] if layout == "bnhd" else leaves[:3]
+        o, lse = fn(*args, leaves[3])
+        if layout == "bnhd":
+            o = o.transpose(1, 2)
+        o.backward(do)
+        return [o.detach(), lse.detach(), *(t.grad for t in leaves)]
+
+    def call(a, b, c, s):
+        return fct.attention(a, b, c, layout=layout, **{**kw, "sinks": s})
+
+    eager = run(call, q, k, v, z)
+    host = [x.detach().float().cpu().numpy().astype(np.float64) for x in (do, q, k, v)]
+    zh = z.detach().cpu().numpy()
+    o_ref, lse_ref = reference.attention(*host[1:], causal=True, sinks=zh, return_lse=True)
+    refs = reference.attention_backward(*host, causal=True, sinks=zh)
+    dev = [cupy.asarray(x.detach()) for x in (do, q, k, v)]
+    n_o = naive.attention(*dev[1:], causal=True, sinks=zh)
+    nvs = naive.attention_backward(*dev, causal=True, sinks=zh)
+    assert_accurate(cupy.asarray(eager[0]), o_ref, n_o, "f16", "fp32", what=f"{kernel} o")
+    assert_lse_accurate(cupy.asarray(eager[1]), lse_ref, "fp32", what=f"{kernel} lse")
+    red = backward_reduction(*host[1:3])
+    for name, g, r, n in zip(("dq", "dk", "dv", "dsinks"), eager[2:], refs, nvs):
+        assert_accurate(cupy.asarray(g), r, n, "f16", "fp32", kind="bwd", reduction=red,
+                        what=f"{kernel} {layout} {name}")
+
+    compiled = run(torch.compile(call, fullgraph=True), q, k, v, z)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv", "dsinks"), eager, compiled):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match=r"sinks must be a floating tensor of shape \(Hq,\) = \(4,\)"):
+        fct.attention(q, k, v, sinks=z[:3])
+    with pytest.raises(TypeError, match="sinks must be a torch.Tensor on cuda"):
+        fct.attention(q, k, v, sinks=z.detach().cpu())
