@@ -303,7 +303,7 @@ def _check_magnitudes(q: Quantized, k: Quantized, v: Quantized, scale: float, d:
 
 def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, scale=None, block_n=128,
                   p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False, block_m=None,
-                  ablate=None, window_size=(-1, -1)):
+                  ablate=None, window_size=(-1, -1), sinks=None):
     """Attention on e4m3 inputs, FlashAttention-3's fp8 forward: ``o = softmax(scale * q k^T) v`` with
     q = q.data * q.scale and so on (the outputs of ``quantize``), o in ``out_dtype``.
 
@@ -329,8 +329,9 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
 
     Parameters: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) ``Quantized`` e4m3 (Hq % Hkv == 0; D 64, 128 or
     256); q and k at any granularity, v at "tensor" or "head" (its scale must be constant over keys, the
-    reduction axis of P V); ``causal`` bottom-right aligned and ``window_size`` as in
-    ``flashcupy.attention``; ``scale``
+    reduction axis of P V); ``causal`` bottom-right aligned, ``window_size`` and ``sinks`` as in
+    ``flashcupy.attention`` (sinks merged after the key loop, ``flashcupy._sinks``, on the twin and the
+    kernel alike: P keeps the keys' own max, so a dominant sink cannot underflow the e4m3 P); ``scale``
     default 1/sqrt(D); ``p_scale`` in (0, 448]; ``out_dtype`` "float16" or "bfloat16". Returns o (and
     lse, float32 (B, Hq, Nq), with ``return_lse``).
 
@@ -385,6 +386,10 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     if not isinstance(out_dtype, str) or out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of the names {OUT_DTYPES}, got {out_dtype!r}")
     _check_magnitudes(q, k, v, scale, d, out_dtype)
+    if sinks is not None:
+        from . import _sinks
+
+        sinks = _sinks.check(sinks, hq, q.data)
     if block_m is None:
         from ._policy import fp8_block_m
 
@@ -394,9 +399,12 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
         raise TypeError("q, k and v (data and scales) must all be NumPy arrays (the twin) or all CuPy "
                         "arrays (the kernel)")
     if _xp(q.data) is not np:
-        return _attention_fp8_kernel(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                                     p_scale=float(p_scale), accumulation=accumulation, out_dtype=out_dtype,
-                                     return_lse=return_lse, ablate=ablate, window=window)
+        o, lse = _attention_fp8_kernel(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                                       p_scale=float(p_scale), accumulation=accumulation, out_dtype=out_dtype,
+                                       ablate=ablate, window=window)
+        if sinks is not None:
+            _sinks.apply(o, lse, sinks)
+        return (o, lse) if return_lse else o
     from . import _twin
     from ._checks import numpy_dtype
 
@@ -407,12 +415,14 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
                                model=(None, "rn", None) if exact else None, ablate=ablate,
                                window=window or (-1, -1))
     o = o.astype(numpy_dtype({"float16": "f16", "bfloat16": "bf16"}[out_dtype]))
+    if sinks is not None:  # merged after the key loop, as on the kernel
+        _sinks.apply(o, lse, sinks)
     return (o, lse) if return_lse else o
 
 
 def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, accumulation, out_dtype,
-                          return_lse, ablate, window):
-    """attention_fp8 on CuPy inputs (arguments checked): the fp8 fwd_wgmma variant of this call."""
+                          ablate, window):
+    """attention_fp8 on CuPy inputs (arguments checked): (o, lse) of this call's fp8 fwd_wgmma variant."""
     import cupy
 
     from ._checks import _common_device, _device_capability
@@ -444,6 +454,5 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
                   causal, ablate, fp8=accumulation, fp8_kscale="tile" if per_tile else "key", window=window)
     blocks = tuple(x.block if x.granularity == "block" else None for x in (q, k))
     with cupy.cuda.Device(device):
-        o, lse = forward_fp8(q.data, k.data, v.data, q.scale, k.scale, v.scale, var, scale=scale,
-                             p_scale=p_scale, blocks=blocks)
-    return (o, lse) if return_lse else o
+        return forward_fp8(q.data, k.data, v.data, q.scale, k.scale, v.scale, var, scale=scale,
+                           p_scale=p_scale, blocks=blocks)

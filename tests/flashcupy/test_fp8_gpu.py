@@ -154,6 +154,35 @@ def test_fp8_kernel_with_a_window(rng, poisoned, causal, window, accumulation):
     np.testing.assert_allclose(lse[seen], lt[seen], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("strength", [0.0, 8.0], ids=["sink-even", "sink-dominant"])
+def test_fp8_kernel_with_sinks(rng, poisoned, strength):
+    """Sinks (issue 35) on the fp8 kernel, merged after the key loop: the kernel agrees with the twin
+    (which merges the same way) as closely as without sinks, against float64 with the sinks; rows that
+    see no key (Nq > Nk, causal) get o = 0 and lse = the sink. A sink e^8 above the keys' LSE leaves the
+    e4m3 P untouched (no P-collapse): the agreement holds there too."""
+    import cupy
+
+    qh, qd = _pair(rng, (1, 2, 700, 128), "token")
+    kh, kd = _pair(rng, (1, 1, 500, 128), "token")
+    vh, vd = _pair(rng, (1, 1, 500, 128), "head", shift=0.5)
+    deq = [fp8.dequantize(x).astype(np.float64) for x in (qh, kh, vh)]
+    lse_keys = reference.attention(*deq, causal=True, return_lse=True)[1]
+    z = (np.nanmax(np.where(np.isfinite(lse_keys), lse_keys, np.nan), axis=(0, 2)) + strength
+         + np.array([0.0, -1.0])).astype(np.float32)
+    kw = dict(causal=True, return_lse=True)
+    o, lse = flashcupy.attention_fp8(qd, kd, vd, sinks=cupy.asarray(z), **kw)
+    assert len(poisoned) == 1
+    o, lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse)
+    ot, lt = flashcupy.attention_fp8(qh, kh, vh, sinks=z, **kw)
+    ro = reference.attention(*deq, causal=True, sinks=z)
+    seen = np.isfinite(lse_keys)
+    assert not seen.all()
+    assert np.all(o[~seen] == 0) and np.all(lse[~seen] == np.broadcast_to(z[None, :, None], lse.shape)[~seen])
+    err_kern, err_twin = _agree(o, ot.astype(np.float64), ro, seen, "float16")
+    assert err_kern <= 1.05 * err_twin
+    np.testing.assert_allclose(lse, lt, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", [(1, 2, 1, 113, 300, ("token",), ("tensor",)),
                                   (1, 2, 2, 200, 129, ("block", 64), ("token",))], ids=["kt", "kk"])

@@ -81,3 +81,26 @@ def test_bad_sinks_are_refused_by_name(rng):
             flashcupy.attention(q, q, q, sinks=bad)
     o = flashcupy.attention(q, q, q, sinks=[0.5, -1.0])  # a list is taken as a NumPy array
     assert np.isfinite(o).all()
+
+
+def test_the_fp8_twin_takes_sinks(rng):
+    """attention_fp8 on NumPy inputs merges the sinks after its key loop: against float64 with the sinks
+    within the fp8 twin's own error without them (relative, P in e4m3), rows without keys at the sink."""
+    from flashcupy import fp8
+
+    q, k = (fp8.quantize(rng.standard_normal(s).astype(np.float32), "e4m3", "token")
+            for s in ((1, 2, 100, 128), (1, 1, 90, 128)))
+    v = fp8.quantize((rng.standard_normal((1, 1, 90, 128)) + 0.5).astype(np.float32), "e4m3", "head")
+    deq = [fp8.dequantize(x).astype(np.float64) for x in (q, k, v)]
+    z = np.array([3.0, 9.0], np.float32)
+    o, lse = flashcupy.attention_fp8(q, k, v, causal=True, sinks=z, return_lse=True)
+    ro, rl = reference.attention(*deq, causal=True, sinks=z, return_lse=True)
+    o0 = flashcupy.attention_fp8(q, k, v, causal=True)
+    r0 = reference.attention(*deq, causal=True)
+    rel = lambda a, r: np.abs(a.astype(np.float64) - r).max() / np.abs(r).max()  # noqa: E731
+    assert rel(o, ro) < 1.5 * rel(o0, r0)
+    assert (lse[..., :10] == z[None, :, None]).all() and (o[..., :10, :] == 0).all()
+    np.testing.assert_allclose(lse[..., 10:], rl[..., 10:], atol=1e-3)
+    assert not np.allclose(o.astype(np.float64), r0, atol=1e-2)  # the sinks are applied
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        flashcupy.attention_fp8(q, k, v, sinks=z[:1])
