@@ -286,7 +286,7 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, softcap: float | Non
 
 
 def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: int, p_scale: float,
-                accumulation: str, model=None, ablate=None, window=(-1, -1)):
+                accumulation: str, model=None, ablate=None, window=(-1, -1), sink_first=None):
     """The twin of the fp8 (e4m3) forward: q8, k8, v8 float64 arrays of e4m3 values (B, H, N, D), sq, sk
     their float32 scales broadcastable to (B, H, N, 1), sv (B, Hkv, 1, 1) or (1, 1, 1, 1) (constant over
     keys). Returns (o float32, lse float32). Per tile of ``block_n`` keys, with c = scale * log2(e):
@@ -308,7 +308,9 @@ def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: 
     accumulation measured for e4m3 wgmma (k32 steps, W = 14, the partial truncated to 14 bits), or
     ``model`` (W, rounding, P) instead; (None, "rn", None) sums exactly and rounds to fp32 per step.
     ``window``: a sliding window as in ``forward`` (a tile no row sees changes nothing: P = 0, alpha = 1,
-    and the accumulator it leaves was truncated already)."""
+    and the accumulator it leaves was truncated already). ``sink_first``: sink logits (Hq,) that start the
+    online softmax (m = z / scale, l = 1; lse then includes them), the order whose e4m3 P collapse under
+    a dominant sink (``attention_fp8`` merges its sinks after the loop instead: ``flashcupy._sinks``)."""
     import ml_dtypes
 
     from ._tensorcore import matmul
@@ -324,6 +326,10 @@ def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: 
     c = f32(scale * _LOG2E)
     m = np.full((b, hkv, g, nq, 1), -np.inf, dtype=f32)
     l = np.zeros((b, hkv, g, nq, 1), dtype=f32)
+    if sink_first is not None:
+        m = np.broadcast_to((np.asarray(sink_first, dtype=f32) / f32(scale)).reshape(1, hkv, g, 1, 1),
+                            m.shape).astype(f32)
+        l = np.ones_like(l)
     acc = np.zeros((b, hkv, g, nq, d), dtype=f32)
     rows = np.arange(nq)[:, None]
     e4m3 = np.dtype(ml_dtypes.float8_e4m3fn)

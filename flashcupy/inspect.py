@@ -41,7 +41,7 @@ __all__ = [
     "DTYPES", "FAMILIES", "WGMMA_BWD_HEAD_DIMS", "WGMMA_HEAD_DIMS", "Build", "CompileError", "Variant",
     "backward_variant", "compile_report", "covering_variants", "current_build", "default_blocks",
     "forward_variant", "kernel_build", "kernels_dir", "launch_roles", "numpy_dtype", "nvrtc_options", "ptx",
-    "source_text", "variant_source",
+    "sink_first_forward", "sink_first_forward_fp8", "source_text", "variant_source",
 ]
 
 
@@ -61,3 +61,40 @@ def backward_variant(do, q, k, v, o, lse, *, causal=False, scale=None, block_m=N
     return backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
                             block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic,
                             window_size=window_size, softcap=softcap).variant
+
+
+def sink_first_forward(q, k, v, sinks, *, causal=False, scale=None, block_n=None, accum="fp32",
+                       kernel="auto", return_lse=False):
+    """``flashcupy.attention(q, k, v, sinks=sinks, ...)`` on NumPy inputs (the twin) with the sinks as the
+    online softmax's first term (m = z, l = 1) instead of merged after the key loop, the order the
+    package's kernels take (``flashcupy._sinks``): the order whose 16-bit P underflow under a dominant
+    sink (``python -m analysis sinks``)."""
+    from . import _sinks, _twin
+
+    p = forward_problem(q, k, v, causal=causal, scale=scale, block_m=None, block_n=block_n, accum=accum,
+                        kernel=kernel, ablate=None, window_size=(-1, -1), softcap=0.0)
+    if p.backend != "numpy":
+        raise TypeError("sink_first_forward runs the NumPy twin: pass NumPy arrays")
+    o, lse = _twin.forward(q, k, v, p, sinks=_sinks.check(sinks, p.heads_q, q), sink_first=True)
+    return (o, lse) if return_lse else o
+
+
+def sink_first_forward_fp8(q, k, v, sinks, *, causal=False, scale=None, p_scale=256.0, accumulation="single",
+                           out_dtype="float16"):
+    """``flashcupy.attention_fp8(q, k, v, sinks=sinks, ...)`` on NumPy ``Quantized`` inputs (the twin)
+    with the sinks as the online softmax's first term, as ``sink_first_forward``: the e4m3 P of a row
+    whose sink dominates underflow (Lau 2026's P-collapse). Returns (o in ``out_dtype``, lse)."""
+    import numpy as np
+
+    from . import _sinks, _twin
+    from .fp8 import attention_fp8, expand_scale
+
+    attention_fp8(q, k, v, causal=causal, scale=scale, p_scale=p_scale, accumulation=accumulation,
+                  out_dtype=out_dtype, sinks=sinks)  # every check; the twin's answer with the merge order
+    d = q.shape[3]
+    scale = d ** -0.5 if scale is None else float(scale)
+    o, lse = _twin.forward_fp8(*(x.data.astype(np.float64) for x in (q, k, v)), expand_scale(q),
+                               expand_scale(k), v.scale, causal=causal, scale=scale, block_n=128,
+                               p_scale=float(p_scale), accumulation=accumulation,
+                               sink_first=_sinks.check(sinks, q.shape[1], q.data))
+    return o.astype(numpy_dtype({"float16": "f16", "bfloat16": "bf16"}[out_dtype])), lse

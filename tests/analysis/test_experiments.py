@@ -368,3 +368,12 @@ def test_softcap_error_within_the_rule_at_every_cap(reports):
         assert r["|measured - predicted|, worst"] < 1e-4, r
     assert brk[0]["leaked, median of the first half of the rows (most masked keys)"] > \
         brk[0]["leaked, median of the second half"]
+
+
+def test_sinks_collapse_p_only_when_they_start_the_softmax(reports):
+    """The sinks experiment: at delta = 8 the sink-first order (the twin) collapses fp16 and e4m3 P, the
+    merge after the loop (the kernels' order) does not; bf16 holds either way (``assert_sinks_findings``)."""
+    from tests.helpers import assert_sinks_findings
+
+    doc = reports[1]["sinks"]
+    assert_sinks_findings(table(doc, "Forward: relative error of o"), table(doc, "Backward (merge order"))
