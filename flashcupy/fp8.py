@@ -347,6 +347,16 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     Its launches go through a plan remembered per variant, shapes, strides, scale and p_scale, as the
     16-bit forward's do.
     """
+    return _attention_fp8(q, k, v, causal=causal, scale=scale, block_n=block_n, p_scale=p_scale,
+                          accumulation=accumulation, out_dtype=out_dtype, return_lse=return_lse,
+                          block_m=block_m, ablate=ablate, window_size=window_size, sinks=sinks)
+
+
+def _attention_fp8(q, k, v, *, causal, scale, block_n, p_scale, accumulation, out_dtype, return_lse, block_m,
+                   ablate, window_size, sinks, sink_first: bool = False):
+    """``attention_fp8``'s body; ``sink_first`` (NumPy inputs with sinks, for
+    ``inspect.sink_first_forward_fp8``): the twin starts its online softmax from the sinks instead of
+    merging them after the key loop."""
     from ._checks import _check_bool, check_scale, check_tile, window_of
 
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -398,6 +408,8 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
     if len(sides) > 1:
         raise TypeError("q, k and v (data and scales) must all be NumPy arrays (the twin) or all CuPy "
                         "arrays (the kernel)")
+    if sink_first and (sinks is None or _xp(q.data) is not np or ablate is not None):
+        raise ValueError("sink_first runs on the NumPy twin, with sinks and without a break")
     if _xp(q.data) is not np:
         o, lse = _attention_fp8_kernel(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                                        p_scale=float(p_scale), accumulation=accumulation, out_dtype=out_dtype,
@@ -413,9 +425,9 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
                                expand_scale(k), v.scale, causal=causal, scale=scale, block_n=block_n,
                                p_scale=float(p_scale), accumulation="tile" if exact else accumulation,
                                model=(None, "rn", None) if exact else None, ablate=ablate,
-                               window=window or (-1, -1))
+                               window=window or (-1, -1), sink_first=sinks if sink_first else None)
     o = o.astype(numpy_dtype({"float16": "f16", "bfloat16": "bf16"}[out_dtype]))
-    if sinks is not None:  # merged after the key loop, as on the kernel
+    if sinks is not None and not sink_first:  # merged after the key loop, as on the kernel
         _sinks.apply(o, lse, sinks)
     return (o, lse) if return_lse else o
 

@@ -84,17 +84,8 @@ def sink_first_forward_fp8(q, k, v, sinks, *, causal=False, scale=None, p_scale=
     """``flashcupy.attention_fp8(q, k, v, sinks=sinks, ...)`` on NumPy ``Quantized`` inputs (the twin)
     with the sinks as the online softmax's first term, as ``sink_first_forward``: the e4m3 P of a row
     whose sink dominates underflow (Lau 2026's P-collapse). Returns (o in ``out_dtype``, lse)."""
-    import numpy as np
+    from .fp8 import _attention_fp8
 
-    from . import _sinks, _twin
-    from .fp8 import attention_fp8, expand_scale
-
-    attention_fp8(q, k, v, causal=causal, scale=scale, p_scale=p_scale, accumulation=accumulation,
-                  out_dtype=out_dtype, sinks=sinks)  # every check; the twin's answer with the merge order
-    d = q.shape[3]
-    scale = d ** -0.5 if scale is None else float(scale)
-    o, lse = _twin.forward_fp8(*(x.data.astype(np.float64) for x in (q, k, v)), expand_scale(q),
-                               expand_scale(k), v.scale, causal=causal, scale=scale, block_n=128,
-                               p_scale=float(p_scale), accumulation=accumulation,
-                               sink_first=_sinks.check(sinks, q.shape[1], q.data))
-    return o.astype(numpy_dtype({"float16": "f16", "bfloat16": "bf16"}[out_dtype])), lse
+    return _attention_fp8(q, k, v, causal=causal, scale=scale, block_n=128, p_scale=p_scale,
+                          accumulation=accumulation, out_dtype=out_dtype, return_lse=True, block_m=None,
+                          ablate=None, window_size=(-1, -1), sinks=sinks, sink_first=True)
