@@ -202,8 +202,8 @@ def test_a_window_runs_on_every_torch_path(rng, kernel, cap):
 def test_sinks_through_torch_match_the_reference_and_compile(rng, kernel, layout):
     """``sinks`` through flashcupy.torch (the merge after the operator, in torch ops): o, lse and the
     gradients of q, k, v and the sinks against float64 by the accuracy rule (the naive baseline on the
-    same values), with GQA, a causal mask and rows that see no key; torch.compile (fullgraph) gives
-    the eager bits; bad sinks are refused by name."""
+    same values), with GQA, a causal mask and rows that see no key; under torch.compile the call is
+    refused (its gradients came out wrong); bad sinks are refused by name."""
     import cupy
 
     import flashcupy.torch as fct
@@ -236,16 +236,17 @@ def test_sinks_through_torch_match_the_reference_and_compile(rng, kernel, layout
     dev = [cupy.asarray(x.detach()) for x in (do, q, k, v)]
     n_o = naive.attention(*dev[1:], causal=True, sinks=zh)
     nvs = naive.attention_backward(*dev, causal=True, sinks=zh)
+    red = backward_reduction(*host[1:3])
     assert_accurate(cupy.asarray(eager[0]), o_ref, n_o, "f16", "fp32", what=f"{kernel} o")
     assert_lse_accurate(cupy.asarray(eager[1]), lse_ref, "fp32", what=f"{kernel} lse")
-    red = backward_reduction(*host[1:3])
     for name, g, r, n in zip(("dq", "dk", "dv", "dsinks"), eager[2:], refs, nvs):
         assert_accurate(cupy.asarray(g), r, n, "f16", "fp32", kind="bwd", reduction=red,
                         what=f"{kernel} {layout} {name}")
-
-    compiled = run(torch.compile(call, fullgraph=True), q, k, v, z)
-    for name, a, b in zip(("o", "lse", "dq", "dk", "dv", "dsinks"), eager, compiled):
-        assert torch.equal(a, b), name
+    # compiled, dq came out wrong (0.77 against a bound of 3.6e-3, H100): refused until the cause is found
+    with pytest.raises(Exception) as info:
+        run(torch.compile(call, fullgraph=True), q, k, v, z)
+    text = f"{info.value!r} {info.value.__cause__!r} {info.value.__context__!r}"
+    assert "sinks under torch.compile" in text, text
     with pytest.raises(ValueError, match=r"sinks must be a floating tensor of shape \(Hq,\) = \(4,\)"):
         fct.attention(q, k, v, sinks=z[:3])
     with pytest.raises(TypeError, match="sinks must be a torch.Tensor on cuda"):
