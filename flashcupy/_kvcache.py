@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _sinks
 from ._policy import kvcache_splits
 from .transforms import _xp
 
 # ``attention``'s knobs that a call here passes on; of them, those whose positions a key split would move
 KNOBS = ("scale", "block_m", "block_n", "accum", "kernel", "ablate", "window_size", "softcap", "sinks",
          "alibi_slopes")
-_NO_SPLIT_KNOBS = ("window_size", "sinks", "alibi_slopes")
+_NO_SPLIT_KNOBS = ("window_size", "alibi_slopes")
 
 
 def _host_ints(name: str, x):
@@ -159,7 +160,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     causal : bottom-right aligned over the L = cache_seqlens + Nnew keys (query i at L - Nq + i).
     num_splits : S >= 1 key ranges merged by ``merge_states`` (flash-decoding's arithmetic; partial
         outputs in the inputs' dtype); 0 picks one split, the policy until the split-KV kernel exists.
-        S > 1 does not take window_size, sinks or alibi_slopes yet.
+        S > 1 does not take window_size or alibi_slopes yet. Sinks are merged once, after the splits
+        (``flashcupy._sinks``), so they take any S.
     return_lse : also return the LSE, float32 (B, Hq, Nq).
     **knobs : ``flashcupy.attention``'s other knobs (``KNOBS``: scale, block_m, block_n, accum, kernel,
         ablate, window_size, softcap, sinks (Hq,), alibi_slopes (Hq,) or (B, Hq)), checked before the
@@ -172,8 +174,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     undefined); shared pages may be read.
 
     Returns o (B, Nq, Hq, D) in q's dtype (a view of a (B, Hq, Nq, D) array), and the LSE with
-    ``return_lse``. An entry with no key (L = 0) gets o = 0 and LSE -inf. Everything is checked before
-    the cache is written.
+    ``return_lse``. An entry with no key (L = 0) gets o = 0 and LSE -inf (with sinks: the sink).
+    Everything is checked before the cache is written.
     """
     from . import attention, merge_states
 
@@ -185,6 +187,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     b, nq, nnew, _, page, lengths, table = _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                                   num_splits, knobs)
     _check_knobs(q, k_cache, causal, return_lse, knobs)
+    sinks = None if knobs.get("sinks") is None else _sinks.check(knobs["sinks"], q.shape[2], q)
+    knobs = {name: value for name, value in knobs.items() if name != "sinks"}  # merged once, at the end
     splits = kvcache_splits(int(num_splits))
     hq, d = q.shape[2], q.shape[3]
     if k is not None and nnew:  # the append, in place
@@ -226,5 +230,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         else:
             ob, lb = merge_states(xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts]))
             o[i], lse[i] = ob[0], lb[0]
+    if sinks is not None:  # after the ranges are merged, as after a kernel's key loop (empty entry: lse = z)
+        _sinks.apply(o, lse, sinks)
     o = o.transpose(0, 2, 1, 3)
     return (o, lse) if return_lse else o

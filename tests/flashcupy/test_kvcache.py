@@ -45,7 +45,8 @@ def _check(q, o, lse, seen, causal, dname, **kw):
     for i, (ks, vs) in enumerate(seen):
         qb = q[i].transpose(1, 0, 2)[None]
         if ks.shape[0] == 0:
-            assert (o[i] == 0).all() and np.isneginf(lse[i]).all()
+            empty_lse = -np.inf if kw.get("sinks") is None else kw["sinks"][:, None]
+            assert (o[i] == 0).all() and (lse[i] == empty_lse).all()
             continue
         kb, vb = (x.transpose(1, 0, 2)[None] for x in (ks, vs))
         o_ref, lse_ref = reference.attention(qb, kb, vb, causal=causal, return_lse=True, **kw)
@@ -133,8 +134,7 @@ def test_kvcache_on_the_kernels_matches_the_reference(rng, kernel):
 
 def test_kvcache_checks_every_knob_before_writing(rng):
     """Knobs ``attention`` would refuse, unknown knobs (flash_attn's rotary_cos, cache_batch_idx) and bad
-    q shapes or dtypes are refused before the append touches the cache; sinks and ALiBi refuse splits by
-    name."""
+    q shapes or dtypes are refused before the append touches the cache; ALiBi refuses splits by name."""
     q, kc, vc, _, k, v, _ = _case(rng, np.float32, np.array([3, 3, 3], np.int32), 2, 1, 32)
     lengths = np.array([3, 3, 3], np.int32)
     before = (kc.copy(), vc.copy())
@@ -146,8 +146,6 @@ def test_kvcache_checks_every_knob_before_writing(rng):
         (dict(rotary_cos=q), TypeError, "unknown knobs"),
         (dict(sinks=np.zeros(HQ + 1, np.float32)), ValueError, "sinks"),
         (dict(alibi_slopes=np.ones((B + 1, HQ), np.float32)), ValueError, "alibi_slopes"),
-        (dict(sinks=np.zeros(HQ, np.float32), num_splits=2), ValueError,
-         "num_splits > 1 does not run with sinks"),
         (dict(alibi_slopes=np.ones(HQ, np.float32), num_splits=2), ValueError, "with alibi_slopes"),
     ]
     for kw, exc, msg in cases:
@@ -220,3 +218,18 @@ def test_kvcache_reads_views_in_place(rng):
                                               k=k, v=v)
     assert np.array_equal(o_view, o_copy)
     assert np.array_equal(big_k[1::2, 2:26], kc)  # the append reached the buffer behind the view
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kvcache_with_sinks_at_any_split(rng, splits):
+    """Sinks merged once after the key ranges: paged, with splits, an empty entry (o = 0, lse = the
+    sink), against the float64 reference with the sinks."""
+    import ml_dtypes
+
+    lengths = np.array([0, 13, 89], np.int32)
+    q, kc, vc, table, k, v, seen = _case(rng, ml_dtypes.bfloat16, lengths, 7, 5, 96, page=16)
+    sinks = (rng.standard_normal(HQ) + 2).astype(np.float32)
+    o, lse = flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, block_table=table, k=k, v=v,
+                                              num_splits=splits, return_lse=True, sinks=sinks)
+    _check(q, o, lse, seen, True, "bf16", sinks=sinks)
+
