@@ -157,11 +157,12 @@ def _kernel(name: str):
     return kern
 
 
-def apply(o, lse, sinks):
+def apply(o, lse, sinks, scratch=None):
     """Merge the sinks into a forward's (o (B, Hq, N, D), lse (B, Hq, N) float32) in place and return
     them: o <- w o, lse <- lse' (module docstring). On CuPy arrays two kernels on the current stream: one
-    per row (w into a temporary from ``_launch._Scratch``, graph-safe under stream capture, and lse'), one
-    per element of o; o must be the call's own output (C-contiguous)."""
+    per row (w into a temporary from ``scratch``, ``_launch._Scratch``'s interface, graph-safe under stream
+    capture; one of the current stream by default; and lse'), one per element of o; o must be the call's
+    own output (C-contiguous, 16-byte aligned)."""
     xp = _xp(o)
     if xp is np:
         f32 = np.float32
@@ -179,7 +180,8 @@ def apply(o, lse, sinks):
 
     name = dtype_name(o.dtype)
     with cupy.cuda.Device(o.data.device_id):
-        w = _Scratch(cupy.cuda.get_current_stream()).empty(lse.shape, np.float32)
+        scratch = _Scratch(cupy.cuda.get_current_stream()) if scratch is None else scratch
+        w = scratch.empty(lse.shape, np.float32)
         _kernel("row")(lse, sinks.reshape(1, -1, 1), w, lse)
         flat = o.reshape(-1) if name == "f32" else o.reshape(-1).view(np.uint16)
         per_thread = 4 if name == "f32" else 8  # 16 bytes
@@ -187,14 +189,15 @@ def apply(o, lse, sinks):
     return o, lse
 
 
-def grad(do, o, lse, sinks, dlse=None, scratch=None):
+def grad(do, o, lse, sinks, dlse=None, scratch=None, out=None):
     """d sinks (float32 (Hq,)) of a backward call: -sum over batch and rows of exp(z - lse') delta with
     delta_i = rowsum(dO_i o'_i) - dlse_i in float32 (``lse``, ``o``: the forward's, sinks merged).
     On CuPy arrays one kernel forms each row's term (a thread per row: it repeats the backward's own
     delta, one more read of dO and O) and a sum over batch and rows adds them, in a fixed order; the
     temporaries (the terms (B, Hq, N); copies of a dO or o that is not C-contiguous and 16-byte aligned)
     come from ``scratch`` (``_launch._Scratch``, graph-safe under stream capture; one of the current
-    stream by default)."""
+    stream by default); ``out``: where d sinks goes on CuPy (a float32 (Hq,) array; a new one by
+    default)."""
     xp = _xp(o)
     f32 = np.float32
     if xp is np:
@@ -218,6 +221,6 @@ def grad(do, o, lse, sinks, dlse=None, scratch=None):
             do, o = do.view(np.uint16), o.view(np.uint16)
         _kernel("grad_" + name)(do, o, lse, sinks.reshape(1, -1, 1), f32(0) if dlse is None else dlse,
                                 np.int32(do.shape[-1]), terms)
-        dz = cupy.empty(sinks.shape, f32)
+        dz = cupy.empty(sinks.shape, f32) if out is None else out
         terms.sum(axis=(0, 2), out=dz)
     return dz

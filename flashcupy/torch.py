@@ -37,7 +37,7 @@ try:
 except ImportError as e:  # pragma: no cover - the torch extra
     raise ImportError("flashcupy.torch needs torch: pip install 'flashcupy[torch]'") from e
 
-from . import _launch, _torch_node
+from . import _launch, _sinks, _torch_node
 from ._checks import backward_problem, check_kernel_softcap, forward_problem, numpy_dtype
 from ._variant import current_build, kernel_build
 from .reference import check_window
@@ -212,17 +212,19 @@ def _forward_entry(q, k, v, knobs) -> _Entry:
     return _entry(_FORWARD_SIGNATURES, _signature((q, k, v), knobs), make)
 
 
-def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap):
+def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap, sinks=None):
     """(o, lse) of ``flashcupy.attention`` on tensors (the custom op's and the eager path's body;
-    ``window``: a checked (left, right) pair; ``softcap``: a float)."""
+    ``window``: a checked (left, right) pair; ``softcap``: a float; ``sinks``: a checked (Hq,) tensor or
+    None, merged by ``flashcupy._sinks.apply`` as on CuPy)."""
     knobs = (causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap)
     entry = _forward_entry(q, k, v, knobs)
     if entry.program is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        return tuple(_torch_node.module().forward(q, k, v, entry.program))  # on q's device, from C++
+        o, lse = _torch_node.module().forward(q, k, v, entry.program)  # on q's device, from C++
+        return (o, lse) if sinks is None else _merge_sinks(o, lse, sinks)
     device = q.get_device()
     if torch._C._cuda_getDevice() != device:  # the driver launches on the current device's context
         with torch.cuda.device(device):
-            return _forward(q, k, v, *knobs)
+            return _forward(q, k, v, *knobs, sinks)
     if entry.copies:
         q, k, v = (t.contiguous() if c else t for t, c in zip((q, k, v), entry.copies))
     o = _contiguous_like(q)
@@ -235,11 +237,26 @@ def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, wi
     else:
         entry.plan.run(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, o.data_ptr(), lse.data_ptr(),
                        _TorchScratch(q.device))
+    return (o, lse) if sinks is None else _merge_sinks(o, lse, sinks)
+
+
+def _sinks32(sinks: torch.Tensor) -> torch.Tensor:
+    return sinks.detach().to(torch.float32).contiguous()
+
+
+def _merge_sinks(o, lse, sinks):
+    """The forward's (o, lse), C-contiguous and its own, with the sinks merged in place by
+    ``flashcupy._sinks.apply`` on torch's current stream (the CuPy path's kernels, so the same bits)."""
+    with cupy.cuda.Device(o.get_device()), _stream(o.device):
+        _sinks.apply(_cp(o), _cp(lse), _cp(_sinks32(sinks)), scratch=_TorchScratch(o.device))
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window, softcap):
-    """(dq, dk, dv) of ``flashcupy.attention_backward`` on tensors (``dlse`` may be None)."""
+def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window, softcap,
+              sinks=None):
+    """(dq, dk, dv) of ``flashcupy.attention_backward`` on tensors (``dlse`` may be None), and d sinks
+    (float32 (Hq,), ``flashcupy._sinks.grad``) after them where ``sinks`` is given (o, lse: the sink
+    forward's, as on CuPy)."""
     tensors = (do, q, k, v, o, lse) if dlse is None else (do, q, k, v, o, lse, dlse)
 
     def make() -> _Entry:
@@ -260,7 +277,7 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
     device = q.get_device()
     if torch._C._cuda_getDevice() != device:
         with torch.cuda.device(device):
-            return _backward(do, q, k, v, o, lse, dlse, *knobs)
+            return _backward(do, q, k, v, o, lse, dlse, *knobs, sinks)
     if entry.copies:
         do, q, k, v, o, lse, *dlse_ = (t.contiguous() if c else t for t, c in zip(tensors, entry.copies))
         dlse = dlse_[0] if dlse_ else None
@@ -276,7 +293,13 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
     else:
         entry.plan.run(torch._C._cuda_getCurrentRawStream(device), *ptrs, *rows, grads[0].data_ptr(),
                        grads[1].data_ptr(), grads[2].data_ptr(), _TorchScratch(q.device))
-    return grads
+    if sinks is None:
+        return grads
+    dz = q.new_empty(sinks.shape, dtype=torch.float32)
+    with cupy.cuda.Device(device), _stream(q.device):
+        _sinks.grad(_cp(do), _cp(o), _cp(lse), _cp(_sinks32(sinks)), None if dlse is None else _cp(dlse),
+                    scratch=_TorchScratch(q.device), out=_cp(dz))
+    return (*grads, dz)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -287,15 +310,16 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
                   block_m: Optional[int], block_n: Optional[int], accum: str, kernel: str,
                   ablate: Optional[str], deterministic: bool, window_left: int = -1,
-                  window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  window_right: int = -1, softcap: float = 0.0,
+                  sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     # ``deterministic`` is the backward's knob, kept by the forward for its autograd context
     return _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate,
-                    (window_left, window_right), softcap)
+                    (window_left, window_right), softcap, sinks)
 
 
 @_attention_op.register_fake
 def _(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, deterministic, window_left=-1,
-      window_right=-1, softcap=0.0):
+      window_right=-1, softcap=0.0, sinks=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -303,31 +327,34 @@ def _(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, determini
 def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            o: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
                            scale: Optional[float], accum: str, kernel: str, deterministic: bool,
-                           window_left: int = -1, window_right: int = -1,
-                           softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                           sinks: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     # do may come with any strides (autograd hands o.mean()'s a stride-0 one): what the kernels cannot
-    # read is copied
-    return _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic,
-                     (window_left, window_right), softcap)
+    # read is copied. [dq, dk, dv], and d sinks (float32) after them where sinks is given
+    return list(_backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic,
+                          (window_left, window_right), softcap, sinks))
 
 
 @_attention_backward_op.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window_left=-1,
-      window_right=-1, softcap=0.0):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      window_right=-1, softcap=0.0, sinks=None):
+    grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
+    return grads if sinks is None else [*grads, q.new_empty(sinks.shape, dtype=torch.float32)]
 
 
-def _backward_op(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window, softcap):
+def _backward_op(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window, softcap,
+                 sinks=None):
     """``_backward``'s arguments through the backward operator (whose schema takes the window's sides as
     two ints)."""
     return _attention_backward_op(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic,
-                                  *window, softcap)
+                                  *window, softcap, sinks)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, _, _, accum, kernel, ablate, deterministic, *rest = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    sinks = rest[3] if len(rest) > 3 else None
+    ctx.save_for_backward(q, k, v, o, lse, sinks)
     window = tuple(rest[:2]) if len(rest) >= 2 else (-1, -1)
     ctx.knobs = (causal, scale, accum, kernel, deterministic, window, rest[2] if len(rest) > 2 else 0.0)
     ctx.ablate = ablate
@@ -342,9 +369,14 @@ def _no_backward(ablate) -> str:
 def _backward_of_op(ctx, do, dlse):
     if ctx.ablate is not None:
         raise RuntimeError(_no_backward(ctx.ablate))
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _backward_op(do, q, k, v, o, lse, dlse, *ctx.knobs)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+    q, k, v, o, lse, sinks = ctx.saved_tensors
+    # the backward kernels need o and lse alone, not the sinks (needs_input_grad stops at the last
+    # argument passed that is not its default, so it reaches the sinks where they are given)
+    if sinks is not None and not ctx.needs_input_grad[14]:
+        sinks = None
+    dq, dk, dv, *dz = _backward_op(do, q, k, v, o, lse, dlse, *ctx.knobs, sinks)
+    dz = dz[0].to(sinks.dtype) if dz else None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, dz
 
 
 torch.library.register_autograd("flashcupy::attention", _backward_of_op, setup_context=_setup_context)
@@ -357,15 +389,16 @@ torch.library.register_autograd("flashcupy::attention", _backward_of_op, setup_c
 
 
 class _EagerAttention(torch.autograd.Function):
-    """``apply(q, k, v, knobs)``, knobs = (causal, scale, block_m, block_n, accum, kernel, ablate, window,
-    softcap, deterministic): one argument for the ten, since ``apply`` inspects each argument it is
-    given."""
+    """``apply(q, k, v, sinks, knobs)``, knobs = (causal, scale, block_m, block_n, accum, kernel, ablate,
+    window, softcap, deterministic): one argument for the ten, since ``apply`` inspects each argument it
+    is given; ``sinks``: a checked (Hq,) tensor or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, knobs):
+    def forward(ctx, q, k, v, sinks, knobs):
         causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap, deterministic = knobs
-        o, lse = _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, lse = _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap,
+                          sinks)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.knobs = (causal, scale, accum, kernel, deterministic, window, softcap)
         ctx.ablate = ablate
         ctx.set_materialize_grads(False)
@@ -385,14 +418,16 @@ def _eager_grads(ctx, do, dlse):
     if ctx.ablate is not None:
         raise RuntimeError(_no_backward(ctx.ablate))
     if do is None and dlse is None:
-        return None, None, None, None
-    q, k, v, o, lse = ctx.saved_tensors
+        return None, None, None, None, None
+    q, k, v, o, lse, *sinks = ctx.saved_tensors
+    # d sinks where the sinks need it (the backward kernels read o and lse alone, sinks merged)
+    sinks = sinks[0] if sinks and ctx.needs_input_grad[3] else None
     if do is None:
         do = torch.zeros_like(o)
     # a backward run under a mode or compiled autograd goes through the operator those can see
     backward = _backward if _plain_torch() else _backward_op
-    dq, dk, dv = backward(do, q, k, v, o, lse, dlse, *ctx.knobs)
-    return dq, dk, dv, None
+    dq, dk, dv, *dz = backward(do, q, k, v, o, lse, dlse, *ctx.knobs, sinks)
+    return dq, dk, dv, dz[0].to(sinks.dtype) if dz else None, None
 
 
 _eager_grads_once = torch.autograd.function.once_differentiable(_eager_grads)
@@ -413,13 +448,15 @@ def _compiled_autograd() -> bool:
                 or (config is not None and getattr(config, "compiled_autograd", False)))
 
 
-def _autograd(q, k, v, knobs):
+def _autograd(q, k, v, knobs, sinks=None):
     """(o, lse) of an eager call with gradients: the compiled node where the forward's entry has a
-    program, q, k, v start on the 16-byte grid and compiled autograd is off; ``_EagerAttention``
-    otherwise (the same bits)."""
+    program, q, k, v start on the 16-byte grid, there are no sinks and compiled autograd is off;
+    ``_EagerAttention`` otherwise (the same bits)."""
+    if sinks is not None:
+        return _EagerAttention.apply(q, k, v, sinks, knobs)
     entry = _forward_entry(q, k, v, knobs[:-1])
     if entry.program is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or _compiled_autograd():
-        return _EagerAttention.apply(q, k, v, knobs)
+        return _EagerAttention.apply(q, k, v, None, knobs)
     deterministic = knobs[-1]
     bwd = entry.backward.get(deterministic)
     if bwd is None:
@@ -518,11 +555,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     on the scaled scores as in ``flashcupy.attention`` (0: off), forward and backward, in every family.
 
     ``sinks``: per-head sink logits (Hq,), a floating CUDA tensor on q's device, as in
-    ``flashcupy.attention``: the keys' (o, lse) is merged with the sinks after the operator
-    (``_merge_sinks``, the merge of ``flashcupy._sinks`` in torch ops), so autograd gives the sinks'
-    gradient and hands the operator the gradient of its output and of its LSE. Eager calls only: under
-    torch.compile the gradients came out wrong (dq, measured on an H100), so a compiled call with
-    sinks raises NotImplementedError until the cause is found.
+    ``flashcupy.attention``, with its gradient (in the sinks' dtype): the operators merge them and form
+    d sinks with ``flashcupy._sinks``'s kernels, as the CuPy entry points do (the same bits), eager and
+    compiled. (Eager calls with sinks run ``_EagerAttention``, not the compiled node. The merge is not
+    written in torch ops on purpose: torch 2.11's inductor, with comprehensive padding, compiled that
+    merge's backward into a reduction that read a buffer with padded strides it had written dense,
+    docs/design/torch_bridge.md.)
 
     ``knobs`` are ``flashcupy.attention``'s block_m, block_n, accum, kernel and ablate; the backward uses
     the same accum and kernel with its own default tiles, and ``deterministic`` as in
@@ -557,31 +595,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     ablate = knobs.get("ablate")
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad))
     if ablate is not None and grad:
         raise ValueError(_no_backward(ablate))
     window = _NO_WINDOW if window_size is _NO_WINDOW or window_size is None else check_window(window_size)
     if not (type(softcap) is float and softcap == 0.0) and not torch.compiler.is_compiling():
         softcap = check_kernel_softcap(softcap)  # (traced, a float may be symbolic: the operator checks it)
     if sinks is not None:
-        if torch.compiler.is_compiling():
-            raise NotImplementedError(
-                "flashcupy.torch.attention: sinks under torch.compile gave wrong gradients (dq off by 0.77 "
-                "against a bound of 3.6e-3, measured on an H100; eager calls are within the accuracy rule): "
-                "refused until the cause is found; call it outside the compiled region")
         _check_sinks(sinks, q.shape[2] if layout == "bnhd" else q.shape[1], q.device)
     if layout == "bnhd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     fwd = (causal, scale, knobs.get("block_m"), knobs.get("block_n"), knobs.get("accum", "fp32"),
            knobs.get("kernel", "auto"), ablate)
     if not _eager(q, k, v):
-        o, lse = _attention_op(q, k, v, *fwd, deterministic, *window, softcap)
+        o, lse = _attention_op(q, k, v, *fwd, deterministic, *window, softcap, sinks)
     elif grad:
-        o, lse = _autograd(q, k, v, (*fwd, window, softcap, deterministic))
+        o, lse = _autograd(q, k, v, (*fwd, window, softcap, deterministic), sinks)
     else:
-        o, lse = _forward(q, k, v, *fwd, window, softcap)
-    if sinks is not None:
-        o, lse = _merge_sinks(o, lse, sinks)
+        o, lse = _forward(q, k, v, *fwd, window, softcap, sinks)
     if layout == "bnhd":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
@@ -596,12 +628,3 @@ def _check_sinks(sinks, heads: int, device) -> None:
         raise ValueError(f"sinks must be a floating tensor of shape (Hq,) = ({heads},), got {sinks.dtype} "
                          f"{tuple(sinks.shape)}")
 
-
-def _merge_sinks(o, lse, sinks):
-    """``flashcupy._sinks.apply`` in torch ops, (B, Hq, N, D) and (B, Hq, N): lse' = log(e^lse + e^z),
-    o' = e^(lse - lse') o in float32, rounded to o's dtype (one more rounding of o, as on CuPy). Autograd
-    then forms d z = -sum e^(z - lse') (rowsum(dO o') - dlse') and passes the operator dO e^(lse - lse')
-    and the LSE's gradient: the same gradients as ``flashcupy.attention_backward`` with sinks, by another
-    route (the operator's backward recomputes P from the keys' lse)."""
-    lse2 = torch.logaddexp(lse, sinks.to(torch.float32)[:, None])
-    return (o.float() * torch.exp(lse - lse2)[..., None]).to(o.dtype), lse2
