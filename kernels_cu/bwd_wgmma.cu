@@ -267,6 +267,46 @@ __device__ __forceinline__ void sectioned_tile(int lin, int n_kt, int n_hb, int 
     kt = r / in_sec, hk = hb % gridDim.y, b = hb / gridDim.y;
 }
 
+// The key tile a CTA runs (kt, its first key n0), with its KV head hk and batch b, on a grid of (key
+// tiles, KV heads, batch). The order: block x on the atomic path without a causal mask; on the causal
+// deterministic path block x runs key tile n_kt - 1 - x (its CTAs wait only on CTAs of lower block index;
+// see the header); on the non-causal deterministic path the blocks take the (batch, KV head) pairs in
+// sections of dq_heads, key tile slowest (the header); and on the causal atomic path they take them in
+// FlashAttention-3's LPT order: sections of hs, a power of two of heads whose Q, dO and fp32 dQ fit in
+// 40 MB (of the H200's 50 MB of L2) together, and inside a section the key tile slowest, from key tile 0,
+// the heaviest (it sees every query tile), so that the hardware's block scheduler hands the heaviest
+// tiles of all the section's heads out first.
+struct BwdBlock {
+    int kt, n0, hk, b;
+};
+
+template <bool ORDERED>
+__device__ __forceinline__ BwdBlock bwd_block(int nq, int group, int dq_heads) {
+    const int n_kt = gridDim.x, n_hb = gridDim.y * gridDim.z;
+    const int lin = blockIdx.x + n_kt * (blockIdx.y + gridDim.y * blockIdx.z);
+#if FC_CAUSAL
+    int kt, hk, b;
+    if (ORDERED) {
+        kt = (int)(gridDim.x - 1 - blockIdx.x), hk = blockIdx.y, b = blockIdx.z;
+    } else {
+        const long long head_bytes = (long long)group * max(nq, 1) * HD * (2 + 2 + 4), l2_bytes = 40ll << 20;
+        const int hs = min(head_bytes >= l2_bytes ? 1 : 1 << (31 - __clz((int)(l2_bytes / head_bytes))), n_hb);
+        sectioned_tile(lin, n_kt, n_hb, hs, kt, hk, b);
+    }
+    const int n0 = kt * BN;
+#else
+    int kt, n0, hk, b;
+    if (ORDERED) {
+        sectioned_tile(lin, n_kt, n_hb, max(dq_heads, 1), kt, hk, b);
+        n0 = kt * BN;
+    } else {
+        kt = (int)blockIdx.x;
+        n0 = kt * BN, hk = blockIdx.y, b = blockIdx.z;
+    }
+#endif
+    return BwdBlock{kt, n0, hk, b};
+}
+
 // The kernels' body; ORDERED: the deterministic path (dq_sem, dq_heads read), a compile-time switch so
 // that the default path carries none of its bookkeeping (measured: 2-3% of the default path's time when
 // it was a run-time switch); ROTATE: the atomic path without a causal mask starts CTA kt at query tile
@@ -290,43 +330,13 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     auto s_ld = [&](int s) { return reinterpret_cast<float *>(smem + OFF_LD + s * 2 * BM * 4); };
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
-    // The key tile: block x on the atomic path without a causal mask; on the causal deterministic path
-    // block x runs key tile n_kt - 1 - x (its CTAs wait only on CTAs of lower block index; see the
-    // header); on the non-causal deterministic path the blocks take the (batch, KV head) pairs in sections
-    // of dq_heads, key tile slowest (the header); and on the causal atomic path they take them in
-    // FlashAttention-3's LPT order: sections of hs, a power of two of heads whose Q, dO and fp32 dQ fit in
-    // 40 MB (of the H200's 50 MB of L2) together, and inside a section the key tile slowest, from key
-    // tile 0, the heaviest (it sees every query tile), so that the hardware's block scheduler hands the
-    // heaviest tiles of all the section's heads out first.
-    constexpr bool ordered = ORDERED;
     // dk, dv through shared memory and TMA stores (FC_BWD_KV_STAGE) everywhere but on the atomic path at
     // D = 64 without a causal mask and unrotated, where the register stores measured faster (rows of dk
     // and dv of 128 bytes, whose register stores fill whole sectors, and CTAs in lock-step; a hypothesis,
     // docs/design/wgmma_backward.md)
     constexpr bool KV_STAGE = FC_BWD_KV_STAGE && (ORDERED || ROTATE || FC_CAUSAL || HD != 64);
-    // the linear block index, the key tiles and the (batch, KV head) pairs (for the sectioned orders)
-    const int n_kt = gridDim.x, n_hb = gridDim.y * gridDim.z;
-    const int lin = blockIdx.x + n_kt * (blockIdx.y + gridDim.y * blockIdx.z);
-#if FC_CAUSAL
-    int kt, hk, b;
-    if (ordered) {
-        kt = (int)(gridDim.x - 1 - blockIdx.x), hk = blockIdx.y, b = blockIdx.z;
-    } else {
-        const long long head_bytes = (long long)group * max(nq, 1) * HD * (2 + 2 + 4), l2_bytes = 40ll << 20;
-        const int hs = min(head_bytes >= l2_bytes ? 1 : 1 << (31 - __clz((int)(l2_bytes / head_bytes))), n_hb);
-        sectioned_tile(lin, n_kt, n_hb, hs, kt, hk, b);
-    }
-    const int n0 = kt * BN;
-#else
-    int kt, n0, hk, b;
-    if (ordered) {
-        sectioned_tile(lin, n_kt, n_hb, max(dq_heads, 1), kt, hk, b);
-        n0 = kt * BN;
-    } else {
-        kt = (int)blockIdx.x;
-        n0 = kt * BN, hk = blockIdx.y, b = blockIdx.z;
-    }
-#endif
+    const BwdBlock blk = bwd_block<ORDERED>(nq, group, dq_heads);
+    const int kt = blk.kt, n0 = blk.n0, hk = blk.hk, b = blk.b;
     const int heads_kv = gridDim.y, heads_q = heads_kv * group;
 
     // The query tiles of each of the group's heads this key tile visits and masks (the range hook,
@@ -342,7 +352,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #else
     // ROTATE (the atomic path, no mask): CTA kt starts at query tile rot = floor(kt n_qt / n_kt) and
     // wraps around, so that a head's CTAs read different query tiles at each step
-    const int rot = ROTATE ? (int)((long long)kt * n_qt / n_kt) : 0;
+    const int rot = ROTATE ? (int)((long long)kt * n_qt / (int)gridDim.x) : 0;
 #endif
     auto tile_of = [&](int it) {
         const int j = it % qt_per_head + rot;
@@ -411,7 +421,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             int *sem = nullptr;  // deterministic: the counter of the tile being added, not yet released
             for (int it = 0; it < n_it; ++it) {
                 const int hq = head_of(it), qt = tile_of(it), m0 = qt * BM;
-                if (ordered && lane == 0) {
+                if (ORDERED && lane == 0) {
                     if (sem != nullptr) {  // the last tile's additions performed: next key tile's turn
                         tma_wait_all();
                         fence_proxy_async_global();
@@ -447,7 +457,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             }
             if (lane == 0) {
                 tma_wait_all();  // the reductions performed (the stages read) before the CTA ends
-                if (ordered) {
+                if (ORDERED) {
                     fence_proxy_async_global();
                     red_release_gpu_add(sem, 1);
                 }

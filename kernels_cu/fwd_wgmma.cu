@@ -183,6 +183,76 @@ constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = NCWG == 3 ? 160 : 240;
 
 
+// ------------------------------------------------------------------ tile schedule ---------------
+// A tile: query rows m0 .. m0 + BM - 1 of head h, batch b, and the key tiles it visits and masks (the
+// range hook, flash_common.cuh).
+struct FwdTile {
+    int m0, h, b;
+    FcKeyTiles keys;
+};
+
+__device__ __forceinline__ FwdTile fwd_tile(int m_tile, int h, int b, int nq, int nk) {
+    return FwdTile{m_tile * BM, h, b, fc_key_tiles<BN>(m_tile * BM, BM, nq, nk)};
+}
+
+// The walk: the tiles a CTA runs, named by an index w: first(), has(w), at(w) (the tile), and next(w)
+// for the static walks. The dynamic walk's next index is not the CTA's to compute: the producer takes
+// it from the counter and hands it to the consumers through shared memory (the kernel's slot).
+#if FC_WG_PERSISTENT == 0
+// One tile per CTA: (blockIdx.x, blockIdx.y, blockIdx.z) = (query tile, head, batch); causal grids run
+// the heaviest query tiles first (fc_query_tile).
+struct FwdWalk {
+    int nq, nk;
+    __device__ __forceinline__ FwdWalk(int nq_, int nk_, int, int, int) : nq(nq_), nk(nk_) {}
+    __device__ __forceinline__ int first() const { return 0; }
+    __device__ __forceinline__ bool has(int w) const { return w == 0; }
+    __device__ __forceinline__ int next(int) const { return 1; }
+    __device__ __forceinline__ FwdTile at(int) const {
+        return fwd_tile(fc_query_tile(), blockIdx.y, blockIdx.z, nq, nk);
+    }
+};
+#elif FC_WG_PERSISTENT == 1
+// A static split: CTA x runs tiles x, x + gridDim.x, ... of the n_mt * heads_q * batch (query tile,
+// head, batch) tiles, the query tile fastest (neighbouring CTAs share a head's K and V in L2).
+struct FwdWalk {
+    int nq, nk, heads_q, n_mt, n_work;
+    __device__ __forceinline__ FwdWalk(int nq_, int nk_, int heads_q_, int batch, int)
+        : nq(nq_), nk(nk_), heads_q(heads_q_), n_mt((nq_ + BM - 1) / BM), n_work(n_mt * heads_q_ * batch) {}
+    __device__ __forceinline__ int first() const { return blockIdx.x; }
+    __device__ __forceinline__ bool has(int w) const { return n_work > w; }
+    __device__ __forceinline__ int next(int w) const { return w + gridDim.x; }
+    __device__ __forceinline__ FwdTile at(int w) const {
+        const int bh = w / n_mt;
+        return fwd_tile(fc_query_tile(w - bh * n_mt, n_mt), bh % heads_q, bh / heads_q, nq, nk);
+    }
+};
+#else
+// The dynamic walk: the CTA's first tile is blockIdx.x, each next one comes from a global counter.
+// The tile order: the (batch, query head) pairs in sections of hs, the query heads of a power of two of
+// KV heads whose K and V fit in 32 MB (of the H200's 50 MB of L2) together (at most all the pairs, so
+// that hs n_mt <= n_work); inside a section the query tile is the slow index (causal: the heaviest
+// first), so the CTAs running at once read a few heads' K and V and the heaviest tiles of a section
+// start first (longest processing time first). The last section holds the remaining pairs.
+struct FwdWalk {
+    int nq, nk, heads_q, n_mt, n_bh, n_work, hs;
+    __device__ __forceinline__ FwdWalk(int nq_, int nk_, int heads_q_, int batch, int group)
+        : nq(nq_), nk(nk_), heads_q(heads_q_), n_mt((nq_ + BM - 1) / BM), n_bh(heads_q_ * batch),
+          n_work(n_mt * n_bh) {
+        const long long kv_head_bytes = 2ll * max(nk, 1) * HD * EB, l2_kv = 32ll << 20;
+        const long long hs_l2 =
+            group * (kv_head_bytes >= l2_kv ? 1ll : 1ll << (31 - __clz((int)(l2_kv / kv_head_bytes))));
+        hs = (int)min(hs_l2, (long long)n_bh);
+    }
+    __device__ __forceinline__ int first() const { return blockIdx.x; }
+    __device__ __forceinline__ bool has(int w) const { return n_work > w; }
+    __device__ __forceinline__ FwdTile at(int w) const {
+        const int sec = w / (hs * n_mt), first = sec * hs, in_sec = min(hs, n_bh - first);
+        const int r = w - first * n_mt, mt = r / in_sec, bh = first + (r - mt * in_sec);
+        return fwd_tile(fc_query_tile(mt, n_mt), bh % heads_q, bh / heads_q, nq, nk);
+    }
+};
+#endif
+
 #if FC_FP8
 // fp8: the descales (float32): q_ds (B, Hq, nq) per query row, k_ds (B, Hkv, nk) per key, v_ds (B, Hkv)
 // per head, and P's static scale with its log2.
@@ -212,50 +282,12 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
-    // A tile: query rows m0 .. m0 + BM - 1 of head h, batch b, and the key tiles it visits and masks
-    // (the range hook, flash_common.cuh).
-    struct Tile {
-        int m0, h, b;
-        FcKeyTiles keys;
-    };
-    auto tile_of = [&](int m_tile, int h, int b) {
-        return Tile{m_tile * BM, h, b, fc_key_tiles<BN>(m_tile * BM, BM, nq, nk)};
-    };
-#if FC_WG_PERSISTENT == 1
-    // CTA x runs tiles x, x + gridDim.x, ... of the n_mt * heads_q * batch (query tile, head, batch)
-    // tiles, the query tile fastest (neighbouring CTAs share a head's K and V in L2).
-    const int n_mt = (nq + BM - 1) / BM, n_work = n_mt * heads_q * batch;
-    auto tile_at = [&](int w) {
-        const int bh = w / n_mt;
-        return tile_of(fc_query_tile(w - bh * n_mt, n_mt), bh % heads_q, bh / heads_q);
-    };
-#define FC_FOR_EACH_TILE(tl) \
-    for (int w_ = blockIdx.x; w_ < n_work; w_ += gridDim.x) if (const Tile tl = tile_at(w_); true)
-#elif FC_WG_PERSISTENT == 2
-    // The tile order: the (batch, query head) pairs in sections of hs, the query heads of a power of two
-    // of KV heads whose K and V fit in 32 MB (of the H200's 50 MB of L2) together (at most all the
-    // pairs, so that hs n_mt <= n_work); inside a section the query tile is the slow index (causal: the
-    // heaviest first), so the CTAs running at once read a few heads' K and V and the heaviest tiles of
-    // a section start first (longest processing time first). The last section holds the remaining pairs.
-    const int n_mt = (nq + BM - 1) / BM, n_bh = heads_q * batch, n_work = n_mt * n_bh;
-    const long long kv_head_bytes = 2ll * max(nk, 1) * HD * EB, l2_kv = 32ll << 20;
-    const long long hs_l2 =
-        group * (kv_head_bytes >= l2_kv ? 1ll : 1ll << (31 - __clz((int)(l2_kv / kv_head_bytes))));
-    const int hs = (int)min(hs_l2, (long long)n_bh);
-    auto tile_at = [&](int w) {
-        const int sec = w / (hs * n_mt), first = sec * hs, in_sec = min(hs, n_bh - first);
-        const int r = w - first * n_mt, mt = r / in_sec, bh = first + (r - mt * in_sec);
-        return tile_of(fc_query_tile(mt, n_mt), bh % heads_q, bh / heads_q);
-    };
+    const FwdWalk walk(nq, nk, heads_q, batch, group);
+#if FC_WG_PERSISTENT == 2
     // Tile k > 0 of a CTA: its index, which the producer writes into the slot before its arrival on
     // bar_q for that tile (the arrival releases, the wait acquires); n_work or more: no tile left.
     volatile int *const slot =
         reinterpret_cast<volatile int *>(smem_raw + (base + OFF_SLOT - (u32)__cvta_generic_to_shared(smem_raw)));
-#define FC_FOR_EACH_TILE(tl) \
-    for (int w_ = blockIdx.x; w_ < n_work; w_ = next_tile()) if (const Tile tl = tile_at(w_); true)
-#else
-    // one tile per CTA: (blockIdx.x, blockIdx.y, blockIdx.z) = (query tile, head, batch)
-#define FC_FOR_EACH_TILE(tl) if (const Tile tl = tile_of(fc_query_tile(), blockIdx.y, blockIdx.z); true)
 #endif
 
     if (tid == 0) {
@@ -280,13 +312,13 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             tma_prefetch_map(&tm_v);
             if (FC_WG_O_STAGE) tma_prefetch_map(&tm_o);
             int it = 0, tq = 0;  // K/V loads and Q loads so far
-            auto load_q = [&](const Tile &tl) {
+            auto load_q = [&](const FwdTile &tl) {
                 mbar_arrive_expect_tx(bar_q, Q_BYTES);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
                     tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, PANEL_ELEMS * p, tl.m0, tl.h, tl.b);
             };
-            auto load_kv = [&](const Tile &tl, int hk) {  // (hk = tl.h / group, the KV head)
+            auto load_kv = [&](const FwdTile &tl, int hk) {  // (hk = tl.h / group, the KV head)
                 for (int j = tl.keys.first; j < tl.keys.end; ++j, ++it) {
                     const int s = stage(it);
                     const u32 ph = phase(it);
@@ -315,16 +347,16 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             // Every tile, and the stop after the last, takes one phase of bar_q (an arrival without
             // bytes where the tile loads nothing) and, but for the first, the release of the previous
             // tile's Q; the next tile's index is fetched as soon as this one is known.
-            for (int w = blockIdx.x;; ++tq) {
+            for (int w = walk.first();; ++tq) {
                 if (tq > 0) {
                     mbar_wait(bar_q_empty, (u32)((tq - 1) & 1));
                     *slot = w;
                 }
-                if (w >= n_work) {
+                if (!walk.has(w)) {
                     if (tq > 0) mbar_arrive(bar_q);
                     break;
                 }
-                const Tile tl = tile_at(w);
+                const FwdTile tl = walk.at(w);
                 w = atomicAdd(tile_counter, 1) + (int)gridDim.x;
                 if (tl.keys.count() > 0) {
                     const int hk = tl.h / group;
@@ -343,7 +375,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 atomicExch(tile_counter + 1, 0);
             }
 #else
-            FC_FOR_EACH_TILE(tl) {
+            for (int w = walk.first(); walk.has(w); w = walk.next(w)) {
+                const FwdTile tl = walk.at(w);
                 if (tl.keys.count() > 0) {  // (rows that see no key: nothing to load)
                     const int hk = tl.h / group;
                     // the Q buffer is free once every consumer warp has seen the previous tile's last S
@@ -366,16 +399,20 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         // FC_WG_O_STAGE 1, 2: this warpgroup's 64 rows of each o panel (in the Q buffer or its own)
         const u32 o_rows = (FC_WG_O_STAGE == 1 ? sQ : base + OFF_O) + 64 * cw * 128;
         int it = 0, tq = 0;                          // K/V loads and Q loads consumed so far
+        // the next tile's index (FC_WG_PERSISTENT 2: the producer's, from the slot once bar_q's phase
+        // for it has completed; lane 0, which makes the warp's arrival on bar_q_empty, reads it)
+        auto next_tile = [&](int w) {
 #if FC_WG_PERSISTENT == 2
-        // (lane 0, which makes the warp's arrival on bar_q_empty, reads the slot for its warp)
-        auto next_tile = [&]() {
             mbar_wait(bar_q, (u32)(tq & 1));
-            int w = 0;
+            w = 0;
             if (lane == 0) w = *slot;
             return __shfl_sync(0xffffffffu, w, 0);
-        };
+#else
+            return walk.next(w);
 #endif
-        FC_FOR_EACH_TILE(tl) {
+        };
+        for (int w = walk.first(); walk.has(w); w = next_tile(w)) {
+            const FwdTile tl = walk.at(w);
             // iteration j (0 .. n_tiles - 1) of this tile runs key tile j0 + j, pipeline slot it0 + j
             const int j0 = tl.keys.first, n_tiles = tl.keys.count(), it0 = it;
             const int row_g = tl.m0 + 64 * cw + 16 * (lt >> 5) + g;  // query rows row_g and row_g + 8
