@@ -1,4 +1,5 @@
-"""Context parallelism (issue 37), first part: zigzag sharding and ring attention simulated in one process.
+"""Context parallelism (issue 37): zigzag sharding, ring attention simulated in one process, and ring
+attention across the ranks of a torch.distributed process group.
 
 Ring attention splits the sequence over W ranks. Each rank keeps its queries and passes its K/V block
 around the ring; at each of the W steps it attends its queries to the block it holds and merges the
@@ -20,7 +21,7 @@ import numpy as np
 
 from .transforms import _xp
 
-__all__ = ["simulate_ring", "zigzag_chunks", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["ring_attention", "simulate_ring", "zigzag_chunks", "zigzag_shard", "zigzag_unshard"]
 
 
 def zigzag_chunks(world_size: int, rank: int) -> tuple[int, int]:
@@ -65,7 +66,7 @@ def zigzag_unshard(shards, axis: int = 2):
 
 
 def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, state_dtype: str = "float32",
-                  grad_dtype: str = "float32", **knobs):
+                  grad_dtype: str = "float32", deterministic: bool = False, **knobs):
     """Ring attention over ``world_size`` ranks, simulated in one process: returns (o, lse) of the whole
     sequence, and with ``do`` also (dq, dk, dv).
 
@@ -76,7 +77,8 @@ def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, st
     (``merge_states(form="logsigmoid")``) with the running output held in ``state_dtype``. In the
     backward each pair's dq, dk, dv (in the inputs' dtype, as the kernels write them) are added into
     accumulators held in ``grad_dtype`` and rounded after every addition, in the ring's order: dq on the
-    query's rank, dk and dv travelling with their K/V block.
+    query's rank, dk and dv travelling with their K/V block; ``deterministic`` is each pair's
+    ``attention_backward``'s (the ring's own order is fixed either way).
     """
     import flashcupy
 
@@ -139,8 +141,42 @@ def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, st
                     sq, sk = chunk[qc], chunk[kc]
                     g = flashcupy.attention_backward(do[:, :, sq], q[:, :, sq], k[:, :, sk], v[:, :, sk],
                                                      o[:, :, sq], lse[:, :, sq], causal=causal and kc == qc,
-                                                     **knobs)
+                                                     deterministic=deterministic, **knobs)
                     for total, part, sl in ((dq, g[0], sq), (dk, g[1], sk), (dv, g[2], sk)):
                         total[:, :, sl] = (total[:, :, sl].astype(xp.float32)
                                            + part.astype(xp.float32)).astype(acc)
     return o, lse, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def ring_attention(q, k, v, group=None, *, causal: bool = False, return_lse: bool = False,
+                   state_dtype: str = "float32", grad_dtype: str = "float32", deterministic: bool = False,
+                   **knobs):
+    """Ring attention across the ranks of a torch.distributed process group (``group``; None: the
+    default group), differentiable: this rank's zigzag shards in, this rank's output shard out.
+
+    q (B, Hq, 2c, D), k, v (B, Hkv, 2c, D): torch tensors, the rank's shard of one sequence of 2 W c
+    tokens in the zigzag layout (``zigzag_shard(x, W, rank)``: chunks rank and 2W - 1 - rank), on this
+    rank's current CUDA device (NCCL; the kernels run on torch's current stream) or on the CPU (gloo;
+    the NumPy twin runs, for tests and study). Returns o (B, Hq, 2c, D) in q's dtype, the same shard of
+    the whole sequence's attention, and with ``return_lse`` its LSE, float32 (B, Hq, 2c). ``causal``:
+    the whole sequence's causal mask (chunk pairs as in ``simulate_ring``).
+
+    The arithmetic is ``simulate_ring``'s, with the same ``state_dtype``, ``grad_dtype``,
+    ``deterministic`` and ``knobs`` (kernel, accum, scale): on the same inputs every rank's o, lse and
+    gradients are the bits of the matching shard of ``simulate_ring``'s (with ``deterministic=True``
+    where the chunk pairs' backward would otherwise vary in its last bits: the kernels' atomic dQ).
+    The K/V block travels to the next rank while the current one is attended (``batch_isend_irecv``); the
+    backward sends each block's dK/dV with it and hands them back to the owner at the end. Gradients of o
+    and of the LSE flow (the LSE's through every chunk pair's ``dlse``).
+
+    Before any transfer the call checks its arguments (TypeError/ValueError naming them) and compares
+    every rank's shapes, dtype and knobs (one ``all_gather_object``: a rank that differs is named).
+    A rank that fails later leaves the others waiting until the process group's timeout
+    (``init_process_group(timeout=...)``), which then raises.
+
+    Needs torch (``pip install "flashcupy[torch]"``); imported only when this function is called.
+    """
+    from ._ring_torch import ring_attention as run
+
+    return run(q, k, v, group, causal=causal, return_lse=return_lse, state_dtype=state_dtype,
+               grad_dtype=grad_dtype, deterministic=deterministic, **knobs)

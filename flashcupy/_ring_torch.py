@@ -1,0 +1,263 @@
+"""Ring attention over a torch.distributed process group: ``flashcupy.parallel.ring_attention``'s body.
+
+The arithmetic is ``flashcupy.parallel.simulate_ring``'s, rank by rank: the same chunk-pair calls of
+``flashcupy.attention`` / ``attention_backward``, the same fold of each query chunk's parts in the
+ring's order (``merge_states(form="logsigmoid")``, one part at a time, the running output held in
+``state_dtype``), the same roundings of the gradient accumulators (``grad_dtype``). So on the same inputs
+the distributed ring gives ``simulate_ring``'s bits, which the tests check on CPU (gloo, the NumPy twin)
+and on GPUs (NCCL, the kernels).
+
+Tensors are the transport; the arithmetic runs on array views of them without copies (NumPy for CPU
+tensors, where the twin runs; CuPy for CUDA tensors, where the kernels run on torch's current stream).
+Each step posts the K/V block's transfer to the next rank (``batch_isend_irecv``) before the step's
+chunk pairs, so the transfer overlaps them; the backward sends the block's dK/dV after its pairs have
+added to them, and one last transfer hands each block's dK/dV back to its owner.
+
+This module imports torch; ``flashcupy.parallel`` imports it only when ``ring_attention`` is called.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ._checks import numpy_dtype
+from ._merge import merge_states
+from .parallel import zigzag_chunks
+
+_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+_TORCH = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+KNOBS = ("kernel", "accum", "scale")
+
+
+def _view(t: torch.Tensor):
+    """An array view of a tensor's memory (no copy): CuPy for a CUDA tensor, NumPy otherwise."""
+    if t.is_cuda:
+        from .torch import _cp
+
+        return _cp(t)
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(numpy_dtype("bf16"))
+    return t.numpy()
+
+
+def _xp(t: torch.Tensor):
+    if t.is_cuda:
+        import cupy
+
+        return cupy
+    return np
+
+
+class _OnStream:
+    """CuPy work on torch's current stream of a CUDA tensor's device (nothing for CPU tensors)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.cms = []
+        if t.is_cuda:
+            import cupy
+
+            from .torch import _stream
+
+            self.cms = [cupy.cuda.Device(t.get_device()), _stream(t.device)]
+
+    def __enter__(self):
+        for cm in self.cms:
+            cm.__enter__()
+
+    def __exit__(self, *exc):
+        for cm in reversed(self.cms):
+            cm.__exit__(*exc)
+
+
+def _peers(group) -> tuple[int, int, int, int]:
+    """(rank in the group, its size, the global ranks of the next and the previous rank in the ring)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    return rank, world, glob((rank + 1) % world), glob((rank - 1) % world)
+
+
+def _exchange(send: torch.Tensor, nxt: int, prv: int, group):
+    """Post send -> next rank and a receive of the same shape from the previous one; (buffer, requests)."""
+    recv = torch.empty_like(send)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group),
+                                   dist.P2POp(dist.irecv, recv, prv, group)])
+    return recv, reqs
+
+
+def _visible(causal: bool, qc: int, kc: int):
+    """The pair's kind: None (query chunk qc sees nothing of key chunk kc), False (all), True (causal)."""
+    if not causal or kc < qc:
+        return False
+    return True if kc == qc else None
+
+
+def check(q, k, v, group, causal, state_dtype, grad_dtype, deterministic, knobs) -> None:
+    """Local checks (before any communication), then one all_gather_object of every rank's call: a rank
+    whose shapes, dtype or knobs differ from rank 0's is named in a ValueError on every rank."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _TORCH:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be (B, H, N_local, D), got shape {tuple(t.shape)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.is_cuda and q.get_device() != torch.cuda.current_device():
+        raise ValueError(f"q is on {q.device} but this rank's current CUDA device is "
+                         f"cuda:{torch.cuda.current_device()} (NCCL sends from the current device: "
+                         f"torch.cuda.set_device(local_rank) first)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape or (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]):
+        raise ValueError(f"ring attention is self-attention on zigzag shards: k and v must be (B, Hkv, "
+                         f"N_local, D) with q's B, N_local and D; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % 2 or q.shape[2] == 0:
+        raise ValueError(f"a rank's shard holds two equal chunks (zigzag_shard): its length must be even "
+                         f"and > 0, got {q.shape[2]}")
+    for name, value in (("state_dtype", state_dtype), ("grad_dtype", grad_dtype)):
+        if value not in _NAMES:
+            raise ValueError(f"{name} must be one of {tuple(_NAMES)}, got {value!r}")
+    for name, flag in (("causal", causal), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    bad = set(knobs) - set(KNOBS)
+    if bad:
+        raise TypeError(f"ring_attention takes the knobs {KNOBS}; got {sorted(bad)}")
+    call = (tuple(q.shape), tuple(k.shape), str(q.dtype), q.device.type, causal, state_dtype, grad_dtype,
+            deterministic, sorted(knobs.items()))
+    calls = [None] * dist.get_world_size(group)
+    dist.all_gather_object(calls, call, group=group)
+    for r, other in enumerate(calls):
+        if other != calls[0]:
+            raise ValueError(f"ring_attention: rank {r} of the group called with {other}, rank 0 with "
+                             f"{calls[0]} (shapes (q, k), dtype, device type, causal, state_dtype, "
+                             "grad_dtype, deterministic, knobs must agree)")
+
+
+def forward(q, k, v, group, causal, knobs, state_dtype):
+    """(o, lse) of this rank's queries over the whole ring (tensors: o in q's dtype, lse float32)."""
+    import flashcupy
+
+    rank, world, nxt, prv = _peers(group)
+    c = q.shape[2] // 2
+    xp = _xp(q)
+    mine = zigzag_chunks(world, rank)
+    qa = _view(q)
+    acc = {}  # query chunk -> (o float32, lse float32): the fold so far
+    kv = torch.stack([k, v]).contiguous()
+    with _OnStream(q):
+        for s in range(world):
+            recv, reqs = _exchange(kv, nxt, prv, group) if s < world - 1 else (None, ())
+            kva = _view(kv)
+            for i, qc in enumerate(mine):
+                for j, kc in enumerate(zigzag_chunks(world, (rank - s) % world)):
+                    kind = _visible(causal, qc, kc)
+                    if kind is None:
+                        continue
+                    sl = slice(j * c, (j + 1) * c)
+                    o_p, lse_p = flashcupy.attention(qa[:, :, i * c:(i + 1) * c], kva[0][:, :, sl],
+                                                     kva[1][:, :, sl], causal=kind, return_lse=True, **knobs)
+                    if qc not in acc:
+                        acc[qc] = merge_states(o_p[None], lse_p[None], form="logsigmoid",
+                                               state_dtype=state_dtype, out_dtype="float32")
+                    else:
+                        a_o, a_l = acc[qc]
+                        acc[qc] = merge_states(xp.stack([a_o, o_p.astype(xp.float32)]),
+                                               xp.stack([a_l, lse_p]), form="logsigmoid",
+                                               state_dtype=state_dtype, out_dtype="float32")
+            for req in reqs:
+                req.wait()
+            kv = recv if recv is not None else kv
+        o = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        oa, la = _view(o), _view(lse)
+        for i, qc in enumerate(mine):
+            oa[:, :, i * c:(i + 1) * c] = acc[qc][0].astype(oa.dtype)
+            la[:, :, i * c:(i + 1) * c] = acc[qc][1]
+    return o, lse
+
+
+def backward(do, q, k, v, o, lse, dlse, group, causal, knobs, grad_dtype, deterministic):
+    """(dq, dk, dv) of this rank's shards: dq added up on this rank, dk and dv travelling with their
+    K/V block and handed back to its owner at the end; every sum held in ``grad_dtype``, rounded after
+    each addition, in ``simulate_ring``'s order."""
+    import flashcupy
+
+    rank, world, nxt, prv = _peers(group)
+    c = q.shape[2] // 2
+    f32 = np.float32
+    gt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[grad_dtype]
+    mine = zigzag_chunks(world, rank)
+    dq = torch.zeros(q.shape, dtype=gt, device=q.device)
+    dkv = torch.zeros((2, *k.shape), dtype=gt, device=q.device)
+    kv = torch.stack([k, v]).contiguous()
+    qa, doa, oa, la = _view(q), _view(do.contiguous()), _view(o), _view(lse)
+    dla = None if dlse is None else _view(dlse.contiguous())
+    dqa = _view(dq)
+    with _OnStream(q):
+        for s in range(world):
+            recv, reqs = _exchange(kv, nxt, prv, group) if s < world - 1 else (None, [])
+            kva, dkva = _view(kv), _view(dkv)
+            for i, qc in enumerate(mine):
+                sq = slice(i * c, (i + 1) * c)
+                for j, kc in enumerate(zigzag_chunks(world, (rank - s) % world)):
+                    kind = _visible(causal, qc, kc)
+                    if kind is None:
+                        continue
+                    sk = slice(j * c, (j + 1) * c)
+                    g = flashcupy.attention_backward(
+                        doa[:, :, sq], qa[:, :, sq], kva[0][:, :, sk], kva[1][:, :, sk], oa[:, :, sq],
+                        la[:, :, sq], causal=kind, dlse=None if dla is None else dla[:, :, sq],
+                        deterministic=deterministic, **knobs)
+                    sums = ((dqa[:, :, sq], g[0]), (dkva[0][:, :, sk], g[1]), (dkva[1][:, :, sk], g[2]))
+                    for total, part in sums:
+                        total[...] = (total.astype(f32) + part.astype(f32)).astype(total.dtype)
+            # this step's block leaves with its dK/dV; after the last step they go home, to the next rank
+            drecv, dreqs = _exchange(dkv, nxt, prv, group)
+            for req in [*reqs, *dreqs]:
+                req.wait()
+            kv = recv if recv is not None else kv
+            dkv = drecv
+        grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+        dkva = _view(dkv)
+        for out, acc in zip(grads, (dqa, dkva[0], dkva[1])):
+            _view(out)[...] = acc.astype(_view(out).dtype)
+    return grads
+
+
+class _Ring(torch.autograd.Function):
+    """apply(q, k, v, group, causal, knobs, state_dtype, grad_dtype, deterministic) -> (o, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, knobs, state_dtype, grad_dtype, deterministic):
+        o, lse = forward(q, k, v, group, causal, knobs, state_dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.meta = (group, causal, knobs, grad_dtype, deterministic)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        group, causal, knobs, grad_dtype, deterministic = ctx.meta
+        if do is None and dlse is None:
+            return (None,) * 9
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = backward(do, q, k, v, o, lse, dlse, group, causal, knobs, grad_dtype, deterministic)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def ring_attention(q, k, v, group=None, *, causal=False, return_lse=False, state_dtype="float32",
+                   grad_dtype="float32", deterministic=False, **knobs):
+    check(q, k, v, group, causal, state_dtype, grad_dtype, deterministic, knobs)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = _Ring.apply(q, k, v, group, causal, dict(knobs), state_dtype, grad_dtype, deterministic)
+    else:
+        o, lse = forward(q, k, v, group, causal, knobs, state_dtype)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,143 @@
+"""flashcupy.parallel.ring_attention across processes: torch.distributed with gloo on the CPU, where each
+rank's chunk pairs run the NumPy twin. Every rank's o, lse, dq, dk, dv must be the bits of the matching
+shard of ``simulate_ring`` on the whole sequence (the same calls, merges and roundings), o within the
+accuracy rule of the float64 reference, and a call whose ranks disagree must raise on every rank.
+(Skipped without torch, as in the CI's test extra; the GPU version runs under torchrun on the
+multi-GPU kinds.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from flashcupy import parallel, reference  # noqa: E402
+from flashcupy._checks import numpy_dtype  # noqa: E402
+
+SHAPE = dict(b=1, hq=4, hkv=2, d=32, c=24)  # c: a chunk's length (not a multiple of 16)
+
+
+def _inputs(world: int, dtype: str, seed: int):
+    rng = np.random.default_rng(seed)
+    n = 2 * world * SHAPE["c"]
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((SHAPE["b"], SHAPE["hq"], n, SHAPE["d"])).astype(dt)
+    k = rng.standard_normal((SHAPE["b"], SHAPE["hkv"], n, SHAPE["d"])).astype(dt)
+    v = rng.standard_normal((SHAPE["b"], SHAPE["hkv"], n, SHAPE["d"])).astype(dt)
+    do = rng.standard_normal(q.shape).astype(dt)
+    return q, k, v, do
+
+
+def _tensor(a):
+    if a.dtype == numpy_dtype("bf16"):
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def _array(t):
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(numpy_dtype("bf16"))
+    return t.numpy()
+
+
+def _worker(rank: int, world: int, store: str, out: str, case: dict):
+    gpu = case.get("gpu", False)
+    if gpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    try:
+        if case.get("mismatch"):
+            shape = (1, 4, 2 * SHAPE["c"] + (2 if rank == 1 else 0), SHAPE["d"])
+            x = torch.randn(shape)
+            try:
+                parallel.ring_attention(x, x[:, :2], x[:, :2])
+            except ValueError as e:
+                np.save(f"{out}/err{rank}.npy", np.array(str(e)))
+            return
+        q, k, v, do = _inputs(world, case["dtype"], case["seed"])
+        shard = [_tensor(parallel.zigzag_shard(x, world, rank)) for x in (q, k, v, do)]
+        if gpu:
+            shard = [t.cuda() for t in shard]
+        leaves = [t.requires_grad_(True) for t in shard[:3]]
+        o, lse = parallel.ring_attention(*leaves, causal=case["causal"], return_lse=True,
+                                         state_dtype=case["state"], grad_dtype=case["grad"],
+                                         deterministic=gpu)
+        o.backward(shard[3])
+        got = [_array(t) for t in (o, lse, *(x.grad for x in leaves))]
+        np.savez(f"{out}/rank{rank}.npz", *[x.view(np.uint8) for x in got])
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path, world: int, case: dict):
+    store = tmp_path / "store"
+    torch.multiprocessing.spawn(_worker, args=(world, str(store), str(tmp_path), case), nprocs=world,
+                                join=True)
+
+
+@pytest.mark.parametrize("world,causal,dtype,state", [
+    (2, False, "f16", "float32"), (2, True, "f16", "float32"), (3, True, "f16", "float32"),
+    (3, True, "bf16", "bfloat16")])
+def test_ring_over_gloo_gives_the_simulated_rings_bits(tmp_path, world, causal, dtype, state):
+    case = dict(dtype=dtype, causal=causal, state=state, grad=state, seed=100 + world)
+    _spawn(tmp_path, world, case)
+    q, k, v, do = _inputs(world, dtype, case["seed"])
+    want = parallel.simulate_ring(q, k, v, world, causal=causal, do=do, state_dtype=state, grad_dtype=state)
+    o_ref = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=causal)
+    for rank in range(world):
+        files = np.load(tmp_path / f"rank{rank}.npz")
+        got = [files[f"arr_{i}"] for i in range(5)]
+        for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+            shard = parallel.zigzag_shard(w, world, rank)
+            assert np.array_equal(g, np.ascontiguousarray(shard).view(np.uint8)), (name, rank)
+    # the whole sequence's o, assembled from the ranks, against float64 (the ring's merges included)
+    o = parallel.zigzag_unshard([np.load(tmp_path / f"rank{r}.npz")["arr_0"].view(q.dtype)
+                                 for r in range(world)])
+    err = np.abs(o.astype(np.float64) - o_ref).max() / np.abs(o_ref).max()
+    assert err < (1e-2 if dtype == "bf16" else 2e-3), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_over_nccl_gives_the_simulated_rings_bits_on_the_kernels(tmp_path, causal):
+    """The same on two GPUs (NCCL; the kernels, deterministic backward): every rank's shard is the bits
+    of ``simulate_ring`` on CuPy arrays (GPU 0, the same kernels)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h100-x2)")
+    import cupy
+
+    world = 2
+    case = dict(dtype="f16", causal=causal, state="float32", grad="float32", seed=7, gpu=True)
+    _spawn(tmp_path, world, case)
+    q, k, v, do = (cupy.asarray(x) for x in _inputs(world, "f16", 7))
+    want = parallel.simulate_ring(q, k, v, world, causal=causal, do=do, deterministic=True)
+    for rank in range(world):
+        files = np.load(tmp_path / f"rank{rank}.npz")
+        for i, (name, w) in enumerate(zip(("o", "lse", "dq", "dk", "dv"), want)):
+            shard = cupy.asnumpy(cupy.ascontiguousarray(parallel.zigzag_shard(w, world, rank)))
+            assert np.array_equal(files[f"arr_{i}"], shard.view(np.uint8)), (name, rank)
+
+
+def test_ranks_that_disagree_are_named_on_every_rank(tmp_path):
+    _spawn(tmp_path, 2, dict(mismatch=True))
+    for rank in range(2):
+        text = str(np.load(tmp_path / f"err{rank}.npy"))
+        assert "rank 1 of the group called with" in text, text
+
+
+def test_bad_arguments_are_refused_before_any_transfer():
+    x = torch.zeros((1, 2, 6, 8))
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        parallel.ring_attention(np.zeros((1, 2, 6, 8)), x, x)
+    with pytest.raises(ValueError, match="its length must be even"):
+        y = torch.zeros((1, 2, 5, 8))
+        parallel.ring_attention(y, y, y)
+    with pytest.raises(ValueError, match="state_dtype must be one of"):
+        parallel.ring_attention(x, x, x, state_dtype="float64")
+    with pytest.raises(TypeError, match="takes the knobs"):
+        parallel.ring_attention(x, x, x, block_m=64)
