@@ -78,7 +78,8 @@ def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, st
     backward each pair's dq, dk, dv (in the inputs' dtype, as the kernels write them) are added into
     accumulators held in ``grad_dtype`` and rounded after every addition, in the ring's order: dq on the
     query's rank, dk and dv travelling with their K/V block; ``deterministic`` is each pair's
-    ``attention_backward``'s (the ring's own order is fixed either way).
+    ``attention_backward``'s (the ring's own order is fixed either way). One rank is one call of
+    ``flashcupy.attention`` (and ``attention_backward``) over the whole sequence: its bits.
     """
     import flashcupy
 
@@ -96,6 +97,13 @@ def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, st
     if k.shape[2] != n:
         raise ValueError(f"simulate_ring runs self-attention: q and k must have one length, got {n} and "
                          f"{k.shape[2]}")
+    zigzag_chunks(world_size, 0)
+    if world_size == 1:  # one rank: one call over the whole sequence (no chunks, nothing to merge)
+        o, lse = flashcupy.attention(q, k, v, causal=causal, return_lse=True, **knobs)
+        if do is None:
+            return o, lse
+        return (o, lse, *flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal,
+                                                      deterministic=deterministic, **knobs))
     c = _chunk_len(n, world_size, "q")
     chunk = [slice(i * c, (i + 1) * c) for i in range(2 * world_size)]
     owner = {}

@@ -112,3 +112,16 @@ def test_simulate_ring_adds_in_the_rings_order(rng, causal):
             np.concatenate([travelling[i][1] for i in range(2 * world)], axis=2))
     for got, ref in zip(grads, want):
         np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+
+
+def test_one_rank_is_one_call_over_the_sequence(rng):
+    """simulate_ring with one rank: the bits of one flashcupy.attention / attention_backward call over the
+    whole sequence (no chunks, no merge; any length)."""
+    import flashcupy
+
+    q, k, v, do = (rng.standard_normal((1, 2, 45, 16)).astype(np.float16) for _ in range(4))
+    got = parallel.simulate_ring(q, k, v, 1, causal=True, do=do)
+    o, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)
+    want = (o, lse, *flashcupy.attention_backward(do, q, k, v, o, lse, causal=True))
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b)
