@@ -1,5 +1,5 @@
-"""Context parallelism (issue 37): zigzag sharding, ring attention simulated in one process, and ring
-attention across the ranks of a torch.distributed process group.
+"""Context parallelism (issue 37): zigzag sharding, ring attention simulated in one process, and ring and
+Ulysses attention across the ranks of a torch.distributed process group.
 
 Ring attention splits the sequence over W ranks. Each rank keeps its queries and passes its K/V block
 around the ring; at each of the W steps it attends its queries to the block it holds and merges the
@@ -21,7 +21,8 @@ import numpy as np
 
 from .transforms import _xp
 
-__all__ = ["ring_attention", "simulate_ring", "zigzag_chunks", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["ring_attention", "simulate_ring", "ulysses_attention", "zigzag_chunks", "zigzag_shard",
+           "zigzag_unshard"]
 
 
 def zigzag_chunks(world_size: int, rank: int) -> tuple[int, int]:
@@ -184,7 +185,30 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, return_lse: boo
 
     Needs torch (``pip install "flashcupy[torch]"``); imported only when this function is called.
     """
-    from ._ring_torch import ring_attention as run
+    from ._context_parallel import ring_attention as run
 
     return run(q, k, v, group, causal=causal, return_lse=return_lse, state_dtype=state_dtype,
                grad_dtype=grad_dtype, deterministic=deterministic, **knobs)
+
+
+def ulysses_attention(q, k, v, group=None, *, causal: bool = False, return_lse: bool = False,
+                      deterministic: bool = False, **knobs):
+    """Ulysses attention (DeepSpeed-Ulysses) across the ranks of a torch.distributed process group,
+    differentiable: this rank's sequence shard in, this rank's output shard out.
+
+    q (B, Hq, n, D), k, v (B, Hkv, n, D): torch tensors, tokens [r n, (r + 1) n) of one sequence of W n
+    (contiguous shards, not zigzag: each rank attends whole sequences), on this rank's current CUDA device
+    (NCCL) or on the CPU (gloo; the NumPy twin runs). Hq and Hkv must be multiples of W. An all-to-all
+    gives each rank the whole sequence of Hq / W query heads and their Hkv / W KV heads; one
+    ``flashcupy.attention`` call (``knobs``: kernel, accum, scale; ``causal`` over the whole sequence)
+    runs there; a second all-to-all returns o (B, Hq, n, D) and with ``return_lse`` the LSE (B, Hq, n),
+    float32. The backward moves dO (and the LSE's gradient) the same way around one
+    ``attention_backward`` (``deterministic`` as there). Attention is per head, so every shard is the bits
+    of one call over the whole sequence.
+
+    Checks as ``ring_attention``'s: arguments first, then one ``all_gather_object`` comparing the ranks'
+    calls. Needs torch; imported only when this function is called.
+    """
+    from ._context_parallel import ulysses_attention as run
+
+    return run(q, k, v, group, causal=causal, return_lse=return_lse, deterministic=deterministic, **knobs)

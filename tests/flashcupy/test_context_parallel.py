@@ -1,7 +1,8 @@
-"""flashcupy.parallel.ring_attention across processes: torch.distributed with gloo on the CPU, where each
-rank's chunk pairs run the NumPy twin. Every rank's o, lse, dq, dk, dv must be the bits of the matching
-shard of ``simulate_ring`` on the whole sequence (the same calls, merges and roundings), o within the
-accuracy rule of the float64 reference, and a call whose ranks disagree must raise on every rank.
+"""flashcupy.parallel.ring_attention and ulysses_attention across processes: torch.distributed with gloo
+on the CPU, where each rank's calls run the NumPy twin. Ring: every rank's o, lse, dq, dk, dv must be
+the bits of the matching shard of ``simulate_ring`` on the whole sequence (the same calls, merges and
+roundings), o within the accuracy rule of the float64 reference. Ulysses: the bits of one call over the
+whole sequence. A call whose ranks disagree must raise on every rank.
 (Skipped without torch, as in the CI's test extra; the GPU version runs under torchrun on the
 multi-GPU kinds.)"""
 from __future__ import annotations
@@ -20,15 +21,20 @@ from flashcupy._checks import numpy_dtype  # noqa: E402
 SHAPE = dict(b=1, hq=4, hkv=2, d=32, c=24)  # c: a chunk's length (not a multiple of 16)
 
 
-def _inputs(world: int, dtype: str, seed: int):
+def _inputs(world: int, dtype: str, seed: int, heads=(4, 2)):
     rng = np.random.default_rng(seed)
     n = 2 * world * SHAPE["c"]
     dt = numpy_dtype(dtype)
-    q = rng.standard_normal((SHAPE["b"], SHAPE["hq"], n, SHAPE["d"])).astype(dt)
-    k = rng.standard_normal((SHAPE["b"], SHAPE["hkv"], n, SHAPE["d"])).astype(dt)
-    v = rng.standard_normal((SHAPE["b"], SHAPE["hkv"], n, SHAPE["d"])).astype(dt)
+    q = rng.standard_normal((SHAPE["b"], heads[0], n, SHAPE["d"])).astype(dt)
+    k = rng.standard_normal((SHAPE["b"], heads[1], n, SHAPE["d"])).astype(dt)
+    v = rng.standard_normal((SHAPE["b"], heads[1], n, SHAPE["d"])).astype(dt)
     do = rng.standard_normal(q.shape).astype(dt)
     return q, k, v, do
+
+
+def _dlse(q):
+    """A seeded gradient of the LSE (float32 (B, Hq, N)), the same on every rank."""
+    return np.random.default_rng(5).standard_normal(q.shape[:3]).astype(np.float32)
 
 
 def _tensor(a):
@@ -55,6 +61,8 @@ def _worker(rank: int, world: int, store: str, out: str, case: dict):
             odd = torch.randn((1, 4, 2 * SHAPE["c"] + 1, SHAPE["d"]))
             with pytest.raises(ValueError, match="its length must be even"):  # (local: no transfer)
                 parallel.ring_attention(odd, odd, odd)
+            with pytest.raises(ValueError, match="must be multiples of 2"):
+                parallel.ulysses_attention(odd[:, :3], odd[:, :3], odd[:, :3])
             shape = (1, 4, 2 * SHAPE["c"] + (2 if rank == 1 else 0), SHAPE["d"])
             x = torch.randn(shape)
             try:
@@ -62,7 +70,20 @@ def _worker(rank: int, world: int, store: str, out: str, case: dict):
             except ValueError as e:
                 np.save(f"{out}/err{rank}.npy", np.array(str(e)))
             return
-        q, k, v, do = _inputs(world, case["dtype"], case["seed"])
+        q, k, v, do = _inputs(world, case["dtype"], case["seed"], case.get("heads", (4, 2)))
+        if case.get("ulysses"):
+            n = q.shape[2] // world
+            shard = [_tensor(x[:, :, rank * n:(rank + 1) * n]) for x in (q, k, v, do)]
+            dl = torch.from_numpy(_dlse(q)[:, :, rank * n:(rank + 1) * n].copy())
+            if gpu:
+                shard, dl = [t.cuda() for t in shard], dl.cuda()
+            leaves = [t.requires_grad_(True) for t in shard[:3]]
+            o, lse = parallel.ulysses_attention(*leaves, causal=case["causal"], return_lse=True,
+                                                deterministic=gpu)
+            torch.autograd.backward((o, lse), (shard[3], dl))
+            got = [_array(t) for t in (o, lse, *(x.grad for x in leaves))]
+            np.savez(f"{out}/rank{rank}.npz", *[x.view(np.uint8) for x in got])
+            return
         shard = [_tensor(parallel.zigzag_shard(x, world, rank)) for x in (q, k, v, do)]
         if gpu:
             shard = [t.cuda() for t in shard]
@@ -126,6 +147,51 @@ def test_ring_over_nccl_gives_the_simulated_rings_bits_on_the_kernels(tmp_path, 
             assert np.array_equal(files[f"arr_{i}"], shard.view(np.uint8)), (name, rank)
 
 
+@pytest.mark.parametrize("world,causal,dtype,heads", [(2, True, "f16", (4, 2)), (4, False, "bf16", (8, 4)),
+                                                     (4, True, "f16", (8, 4))])
+def test_ulysses_over_gloo_gives_one_calls_bits(tmp_path, world, causal, dtype, heads):
+    """Every rank's o, lse and gradients (the loss uses o and the LSE) are the bits of the matching
+    shard of one flashcupy.attention / attention_backward call over the whole sequence."""
+    import flashcupy
+
+    case = dict(ulysses=True, dtype=dtype, causal=causal, seed=200 + world, heads=heads)
+    _spawn(tmp_path, world, case)
+    q, k, v, do = _inputs(world, dtype, case["seed"], heads)
+    o, lse = flashcupy.attention(q, k, v, causal=causal, return_lse=True)
+    want = (o, lse, *flashcupy.attention_backward(do, q, k, v, o, lse, causal=causal, dlse=_dlse(q)))
+    n = q.shape[2] // world
+    for rank in range(world):
+        files = np.load(tmp_path / f"rank{rank}.npz")
+        for i, (name, w) in enumerate(zip(("o", "lse", "dq", "dk", "dv"), want)):
+            shard = np.ascontiguousarray(w[:, :, rank * n:(rank + 1) * n])
+            assert np.array_equal(files[f"arr_{i}"], shard.view(np.uint8)), (name, rank)
+
+
+@pytest.mark.gpu
+def test_ulysses_over_nccl_gives_one_calls_bits_on_the_kernels(tmp_path):
+    """Ulysses on two GPUs (NCCL; the kernels, deterministic backward): every rank's shard is the bits of
+    one call over the whole sequence on GPU 0."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h100-x2)")
+    import cupy
+
+    import flashcupy
+
+    world = 2
+    case = dict(ulysses=True, dtype="f16", causal=True, seed=9, heads=(4, 2), gpu=True)
+    _spawn(tmp_path, world, case)
+    q, k, v, do = (cupy.asarray(x) for x in _inputs(world, "f16", 9, (4, 2)))
+    o, lse = flashcupy.attention(q, k, v, causal=True, return_lse=True)
+    want = (o, lse, *flashcupy.attention_backward(do, q, k, v, o, lse, causal=True,
+                                                  dlse=cupy.asarray(_dlse(q)), deterministic=True))
+    n = q.shape[2] // world
+    for rank in range(world):
+        files = np.load(tmp_path / f"rank{rank}.npz")
+        for i, (name, w) in enumerate(zip(("o", "lse", "dq", "dk", "dv"), want)):
+            shard = cupy.asnumpy(cupy.ascontiguousarray(w[:, :, rank * n:(rank + 1) * n]))
+            assert np.array_equal(files[f"arr_{i}"], shard.view(np.uint8)), (name, rank)
+
+
 def test_ranks_that_disagree_are_named_on_every_rank(tmp_path):
     _spawn(tmp_path, 2, dict(mismatch=True))
     for rank in range(2):
@@ -143,3 +209,7 @@ def test_bad_arguments_are_refused_before_any_transfer():
         parallel.ring_attention(x, x, x, state_dtype="float64")
     with pytest.raises(TypeError, match="takes the knobs"):
         parallel.ring_attention(x, x, x, block_m=64)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        parallel.ulysses_attention(x, x, x, causal=1)
+    with pytest.raises(RuntimeError, match="ulysses_attention needs an initialized"):
+        parallel.ulysses_attention(x, x, x)

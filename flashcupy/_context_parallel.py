@@ -1,5 +1,7 @@
-"""Ring attention over a torch.distributed process group: ``flashcupy.parallel.ring_attention``'s body.
+"""Context parallelism over a torch.distributed process group: the bodies of
+``flashcupy.parallel.ring_attention`` and ``ulysses_attention``.
 
+Ring attention.
 The arithmetic is ``flashcupy.parallel.simulate_ring``'s, rank by rank: the same chunk-pair calls of
 ``flashcupy.attention`` / ``attention_backward``, the same fold of each query chunk's parts in the
 ring's order (``merge_states(form="logsigmoid")``, one part at a time, the running output held in
@@ -13,7 +15,13 @@ Each step posts the K/V block's transfer to the next rank (``batch_isend_irecv``
 chunk pairs, so the transfer overlaps them; the backward sends the block's dK/dV after its pairs have
 added to them, and one last transfer hands each block's dK/dV back to its owner.
 
-This module imports torch; ``flashcupy.parallel`` imports it only when ``ring_attention`` is called.
+Ulysses attention (DeepSpeed-Ulysses' scheme): an all-to-all turns the sequence shards of all heads into
+the whole sequence of a group of heads (H / W heads a rank), one ``flashcupy.attention`` call runs there,
+and a second all-to-all turns the output back into sequence shards; the backward does the same with
+the gradients. Attention is per head, so every rank's shard is the bits of one call over the whole
+sequence (the tests check it).
+
+This module imports torch; ``flashcupy.parallel`` imports it only when one of the two is called.
 """
 from __future__ import annotations
 
@@ -103,8 +111,38 @@ def _visible(causal: bool, qc: int, kc: int):
 
 
 def check(q, k, v, group, causal, state_dtype, grad_dtype, deterministic, knobs) -> None:
-    """Local checks (before any communication), then one all_gather_object of every rank's call: a rank
-    whose shapes, dtype or knobs differ from rank 0's is named in a ValueError on every rank."""
+    """ring_attention's checks: the local ones (before any communication), then ``_agree``."""
+    _check_local(q, k, v, causal, deterministic, knobs, "ring_attention")
+    for name, value in (("state_dtype", state_dtype), ("grad_dtype", grad_dtype)):
+        if value not in _NAMES:
+            raise ValueError(f"{name} must be one of {tuple(_NAMES)}, got {value!r}")
+    _check_group("ring_attention")
+    if q.shape[2] == 0 or (q.shape[2] % 2 and dist.get_world_size(group) > 1):
+        raise ValueError(f"a rank's shard holds two equal chunks (zigzag_shard): its length must be even "
+                         f"and > 0, got {q.shape[2]}")
+    _agree(group, "ring_attention", (tuple(q.shape), tuple(k.shape), str(q.dtype), q.device.type, causal,
+                                     state_dtype, grad_dtype, deterministic, sorted(knobs.items())))
+
+
+def _check_group(what: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what} needs an initialized torch.distributed process group "
+                           "(torch.distributed.init_process_group; under torchrun, with backend='nccl')")
+
+
+def _agree(group, what: str, call: tuple) -> None:
+    """One all_gather_object of every rank's call: a rank whose call differs from rank 0's is named in
+    a ValueError on every rank."""
+    calls = [None] * dist.get_world_size(group)
+    dist.all_gather_object(calls, call, group=group)
+    for r, other in enumerate(calls):
+        if other != calls[0]:
+            raise ValueError(f"{what}: rank {r} of the group called with {other}, rank 0 with "
+                             f"{calls[0]} (shapes (q, k), dtype, device type and every knob must agree)")
+
+
+def _check_local(q, k, v, causal, deterministic, knobs, what: str) -> None:
+    """The checks of one rank's arguments (no communication): TypeError/ValueError naming them."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -121,33 +159,15 @@ def check(q, k, v, group, causal, state_dtype, grad_dtype, deterministic, knobs)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape or (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]):
-        raise ValueError(f"ring attention is self-attention on zigzag shards: k and v must be (B, Hkv, "
+        raise ValueError(f"{what} is self-attention on sequence shards: k and v must be (B, Hkv, "
                          f"N_local, D) with q's B, N_local and D; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    for name, value in (("state_dtype", state_dtype), ("grad_dtype", grad_dtype)):
-        if value not in _NAMES:
-            raise ValueError(f"{name} must be one of {tuple(_NAMES)}, got {value!r}")
     for name, flag in (("causal", causal), ("deterministic", deterministic)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     bad = set(knobs) - set(KNOBS)
     if bad:
-        raise TypeError(f"ring_attention takes the knobs {KNOBS}; got {sorted(bad)}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_attention needs an initialized torch.distributed process group "
-                           "(torch.distributed.init_process_group; under torchrun, with backend='nccl')")
-    if q.shape[2] == 0 or (q.shape[2] % 2 and dist.get_world_size(group) > 1):
-        raise ValueError(f"a rank's shard holds two equal chunks (zigzag_shard): its length must be even "
-                         f"and > 0, got {q.shape[2]}")
-    call = (tuple(q.shape), tuple(k.shape), str(q.dtype), q.device.type, causal, state_dtype, grad_dtype,
-            deterministic, sorted(knobs.items()))
-    calls = [None] * dist.get_world_size(group)
-    dist.all_gather_object(calls, call, group=group)
-    for r, other in enumerate(calls):
-        if other != calls[0]:
-            raise ValueError(f"ring_attention: rank {r} of the group called with {other}, rank 0 with "
-                             f"{calls[0]} (shapes (q, k), dtype, device type, causal, state_dtype, "
-                             "grad_dtype, deterministic, knobs must agree)")
+        raise TypeError(f"{what} takes the knobs {KNOBS}; got {sorted(bad)}")
 
 
 def forward(q, k, v, group, causal, knobs, state_dtype):
@@ -283,4 +303,103 @@ def ring_attention(q, k, v, group=None, *, causal=False, return_lse=False, state
         o, lse = _Ring.apply(q, k, v, group, causal, dict(knobs), state_dtype, grad_dtype, deterministic)
     else:
         o, lse = forward(q, k, v, group, causal, knobs, state_dtype)
+    return (o, lse) if return_lse else o
+
+
+# --------------------------------------------------------------------------------------------------
+# Ulysses: all-to-all between sequence shards and head groups around one call of the whole sequence
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all over dim 0 of a contiguous (W, ...) tensor: row i goes to rank i, and row i of the
+    result came from rank i. Sent as bytes (every backend moves uint8, gloo included)."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out.view(torch.uint8), x.view(torch.uint8), group=group)
+    return out
+
+
+def _seq_to_head(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """(B, H, n, ...) sequence shards of every head -> (B, H / W, W n, ...): the whole sequence (the
+    ranks' shards in rank order) of this rank's group of H / W heads."""
+    b, h, n, *rest = x.shape
+    parts = x.reshape(b, world, h // world, n, *rest).movedim(1, 0).contiguous()
+    got = _all_to_all(parts, group)  # (W, B, H / W, n, ...): rank i's shard of this rank's heads
+    return got.movedim(0, 2).reshape(b, h // world, world * n, *rest)
+
+
+def _head_to_seq(y: torch.Tensor, world: int, group) -> torch.Tensor:
+    """_seq_to_head's inverse: (B, H / W, W n, ...) -> (B, H, n, ...)."""
+    b, hw, nn, *rest = y.shape
+    n = nn // world
+    parts = y.reshape(b, hw, world, n, *rest).movedim(2, 0).contiguous()
+    got = _all_to_all(parts, group)  # (W, B, H / W, n, ...): head group i of this rank's shard
+    return got.movedim(0, 1).reshape(b, world * hw, n, *rest)
+
+
+def _heads_forward(qh, kh, vh, causal, knobs):
+    import flashcupy
+
+    with _OnStream(qh):
+        o, lse = flashcupy.attention(_view(qh), _view(kh), _view(vh), causal=causal, return_lse=True, **knobs)
+        return _from(o, qh), _from(lse, qh)
+
+
+def _heads_backward(doh, qh, kh, vh, oh, lseh, dlseh, causal, deterministic, knobs):
+    import flashcupy
+
+    with _OnStream(qh):
+        grads = flashcupy.attention_backward(_view(doh), _view(qh), _view(kh), _view(vh), _view(oh),
+                                             _view(lseh), causal=causal,
+                                             dlse=None if dlseh is None else _view(dlseh),
+                                             deterministic=deterministic, **knobs)
+        return [_from(g, x) for g, x in zip(grads, (qh, kh, vh))]
+
+
+def _ulysses_forward(q, k, v, group, causal, knobs):
+    """(o, lse) sequence shards, and the head-group tensors the backward reads (q, k, v, o, lse)."""
+    world = dist.get_world_size(group)
+    qh, kh, vh = (_seq_to_head(x.detach().contiguous(), world, group) for x in (q, k, v))
+    oh, lseh = _heads_forward(qh, kh, vh, causal, knobs)
+    return _head_to_seq(oh, world, group), _head_to_seq(lseh, world, group), (qh, kh, vh, oh, lseh)
+
+
+class _Ulysses(torch.autograd.Function):
+    """apply(q, k, v, group, causal, knobs, deterministic) -> (o, lse), sequence shards in and out."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, knobs, deterministic):
+        o, lse, saved = _ulysses_forward(q, k, v, group, causal, knobs)
+        ctx.save_for_backward(*saved)
+        ctx.meta = (group, causal, knobs, deterministic)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlse):
+        qh, kh, vh, oh, lseh = ctx.saved_tensors
+        group, causal, knobs, deterministic = ctx.meta
+        world = dist.get_world_size(group)
+        if do is None and dlse is None:
+            return (None,) * 7
+        doh = torch.zeros_like(oh) if do is None else _seq_to_head(do.contiguous(), world, group)
+        dlseh = None if dlse is None else _seq_to_head(dlse.contiguous(), world, group)
+        grads = _heads_backward(doh, qh, kh, vh, oh, lseh, dlseh, causal, deterministic, knobs)
+        return (*(_head_to_seq(g, world, group) for g in grads), None, None, None, None)
+
+
+def ulysses_attention(q, k, v, group=None, *, causal=False, return_lse=False, deterministic=False, **knobs):
+    _check_local(q, k, v, causal, deterministic, knobs, "ulysses_attention")
+    _check_group("ulysses_attention")
+    world = dist.get_world_size(group)
+    if q.shape[1] % world or k.shape[1] % world:
+        raise ValueError(f"ulysses_attention shards the heads over the {world} ranks: Hq = {q.shape[1]} and "
+                         f"Hkv = {k.shape[1]} must be multiples of {world}")
+    if q.shape[2] == 0:
+        raise ValueError("a rank's sequence shard must not be empty")
+    _agree(group, "ulysses_attention", (tuple(q.shape), tuple(k.shape), str(q.dtype), q.device.type, causal,
+                                        deterministic, sorted(knobs.items())))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = _Ulysses.apply(q, k, v, group, causal, dict(knobs), deterministic)
+    else:
+        o, lse, _ = _ulysses_forward(q, k, v, group, causal, knobs)
     return (o, lse) if return_lse else o
