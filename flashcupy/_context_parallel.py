@@ -176,10 +176,7 @@ def forward(q, k, v, group, causal, knobs, state_dtype):
 
     rank, world, nxt, prv = _peers(group)
     if world == 1:  # one rank: one call over the whole sequence, as simulate_ring
-        with _OnStream(q):
-            o_a, lse_a = flashcupy.attention(_view(q), _view(k), _view(v), causal=causal, return_lse=True,
-                                             **knobs)
-            return _from(o_a, q), _from(lse_a, q)
+        return _one_call(q, k, v, causal, knobs)
     c = q.shape[2] // 2
     xp = _xp(q)
     mine = zigzag_chunks(world, rank)
@@ -226,11 +223,7 @@ def backward(do, q, k, v, o, lse, dlse, group, causal, knobs, grad_dtype, determ
 
     rank, world, nxt, prv = _peers(group)
     if world == 1:
-        with _OnStream(q):
-            grads = flashcupy.attention_backward(
-                _view(do), _view(q), _view(k), _view(v), _view(o), _view(lse), causal=causal,
-                dlse=None if dlse is None else _view(dlse), deterministic=deterministic, **knobs)
-            return [_from(g, x) for g, x in zip(grads, (q, k, v))]
+        return _one_call_backward(do, q, k, v, o, lse, dlse, causal, deterministic, knobs)
     c = q.shape[2] // 2
     f32 = np.float32
     gt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[grad_dtype]
@@ -335,7 +328,8 @@ def _head_to_seq(y: torch.Tensor, world: int, group) -> torch.Tensor:
     return got.movedim(0, 1).reshape(b, world * hw, n, *rest)
 
 
-def _heads_forward(qh, kh, vh, causal, knobs):
+def _one_call(qh, kh, vh, causal, knobs):
+    """(o, lse) tensors of one flashcupy.attention call on the tensors' array views."""
     import flashcupy
 
     with _OnStream(qh):
@@ -343,7 +337,8 @@ def _heads_forward(qh, kh, vh, causal, knobs):
         return _from(o, qh), _from(lse, qh)
 
 
-def _heads_backward(doh, qh, kh, vh, oh, lseh, dlseh, causal, deterministic, knobs):
+def _one_call_backward(doh, qh, kh, vh, oh, lseh, dlseh, causal, deterministic, knobs):
+    """[dq, dk, dv] tensors of one flashcupy.attention_backward call on the tensors' array views."""
     import flashcupy
 
     with _OnStream(qh):
@@ -358,7 +353,7 @@ def _ulysses_forward(q, k, v, group, causal, knobs):
     """(o, lse) sequence shards, and the head-group tensors the backward reads (q, k, v, o, lse)."""
     world = dist.get_world_size(group)
     qh, kh, vh = (_seq_to_head(x.detach().contiguous(), world, group) for x in (q, k, v))
-    oh, lseh = _heads_forward(qh, kh, vh, causal, knobs)
+    oh, lseh = _one_call(qh, kh, vh, causal, knobs)
     return _head_to_seq(oh, world, group), _head_to_seq(lseh, world, group), (qh, kh, vh, oh, lseh)
 
 
@@ -383,7 +378,7 @@ class _Ulysses(torch.autograd.Function):
             return (None,) * 7
         doh = torch.zeros_like(oh) if do is None else _seq_to_head(do.contiguous(), world, group)
         dlseh = None if dlse is None else _seq_to_head(dlse.contiguous(), world, group)
-        grads = _heads_backward(doh, qh, kh, vh, oh, lseh, dlseh, causal, deterministic, knobs)
+        grads = _one_call_backward(doh, qh, kh, vh, oh, lseh, dlseh, causal, deterministic, knobs)
         return (*(_head_to_seq(g, world, group) for g in grads), None, None, None, None)
 
 
