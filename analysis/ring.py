@@ -37,6 +37,54 @@ def _errors(out, ref) -> list[float]:
     return errs
 
 
+BREAK_WORLD = 4
+SINK_LOGITS = (40.0, 80.0, 100.0, 120.0)
+
+
+def _softplus_break(ctx: Context, b, h, n, d, host):
+    """The ring with and without the stable softplus in its LSE update (``merge_ablate``), on inputs with
+    a sink: key 0 scores about ``logit`` (scaled) against every query, as a BOS token with a large logit
+    does. In the zigzag ring every rank but 0 merges key 0's chunk after its own parts, a gap of about
+    logit - 5 in LSE: past 88.72 the naive log(1 + exp(gap)) overflows. Errors here are relative to the
+    largest reference value (rows that attend to the sink alone have gradients near 0, whose own scale
+    would make any rounding look huge)."""
+    rng = ctx.rng("ring-softplus")
+    bf16 = numpy_dtype("bf16")
+    scale = 1.0 / np.sqrt(d)
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    rows, table = {}, []
+    for logit in SINK_LOGITS:
+        q = (rng.standard_normal((b, h, n, d)) + 3.0 * u).astype(bf16)
+        k = rng.standard_normal((b, h, n, d))
+        k[:, :, 0] = logit / (3.0 * scale) * u
+        k = k.astype(bf16)
+        v, do = (rng.standard_normal((b, h, n, d)).astype(bf16) for _ in range(2))
+        ref = (reference.attention(q, k, v, causal=True),
+               *reference.attention_backward(do, q, k, v, causal=True))
+        dev = ctx.dev(q, k, v, do)
+        for ablate in (None, "stable_softplus"):
+            out = parallel.simulate_ring(*dev[:3], BREAK_WORLD, causal=True, do=dev[3], merge_ablate=ablate)
+            errs = [float(np.abs(np.asarray(host(x), np.float64) - r).max() / np.abs(r).max())
+                    for x, r in zip((out[0], *out[2:]), ref)]
+            inf_rows = int(np.isposinf(host(out[1])).sum())
+            name = "stable (logsigmoid)" if ablate is None else "log(1 + exp(d)) (break)"
+            table.append([logit, name, inf_rows, *errs])
+            rows[(logit, ablate)] = (inf_rows, errs)
+            log(f"[ring] sink logit {logit:.0f}, {name}: {inf_rows} rows at lse = inf, "
+                + ", ".join(f"{nm} {e:.2e}" for nm, e in zip(NAMES, errs)))
+    top = SINK_LOGITS[-1]
+    inf_rows, broken = rows[(top, "stable_softplus")]
+    _, intact = rows[(top, None)]
+    finding = ("Without the stable softplus in the fold's LSE update (lse + log(1 + exp(d)), the update "
+               f"of an early ring-flash-attention), a sink key of logit {top:.0f} sends {inf_rows} rows' LSE "
+               f"to inf at {BREAK_WORLD} ranks: o is unchanged ({broken[0]:.1e}, intact {intact[0]:.1e}) "
+               f"while dV goes from {intact[3]:.1e} to {broken[3]:.2g} (those rows' P, recomputed from "
+               "lse = inf, are 0, so the sink key's dV loses them): a backward that fails behind a forward "
+               "that looks right.")
+    return table, finding
+
+
 def run_ring(ctx: Context) -> Report:
     b, h, n, d = ctx.sizes((1, 2, 512, 32), (1, 8, 8192, 64))
     worlds = ctx.sizes([1, 2, 4, 8, 16], [1, 2, 4, 8, 16, 32, 64])
@@ -69,6 +117,8 @@ def run_ring(ctx: Context) -> Report:
                f"held in bf16 they grow to {bf[-1, 0] / single[0]:.1f}x (o) and "
                f"{(bf[-1, 1:] / np.array(single[1:])).max():.1f}x (worst gradient, "
                f"{NAMES[1 + int(np.argmax(bf[-1, 1:] / np.array(single[1:])))]}) at {worlds[-1]} ranks.")
+    breaks, break_finding = _softplus_break(ctx, b, h, n, d, host)
+    finding += " " + break_finding
     fig, (ax,) = new_figure()
     for i, name in enumerate(NAMES):
         ax.plot(worlds, f32[:, i], marker="o", color=f"C{i}", label=f"{name}, float32 state")
@@ -89,6 +139,10 @@ def run_ring(ctx: Context) -> Report:
     return Report("ring", "Ring attention against the number of ranks (simulated)", finding, setup,
                   [Table("Error against float64 of the whole sequence (largest row error over the row's "
                          "max |x_ref|)",
-                         ["ranks", "state and gradient dtype", "o", "dQ", "dK", "dV"], rows)],
+                         ["ranks", "state and gradient dtype", "o", "dQ", "dK", "dV"], rows),
+                   Table("The fold's LSE update without its stable form, against a sink key's logit "
+                         f"({BREAK_WORLD} ranks, float32 state and gradients; errors max |x - x_ref| / "
+                         "max |x_ref|: a row that attends to the sink alone has gradients near 0)",
+                         ["sink logit", "LSE update", "rows with lse = inf", "o", "dQ", "dK", "dV"], breaks)],
                   figure=fig, figure_caption="Error of ring attention against the simulated ranks.",
                   notes=[__doc__.split("\n\n")[1].replace("\n", " ")])

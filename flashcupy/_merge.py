@@ -17,6 +17,11 @@ a softmax over the parts' LSEs used as weights. Two ways to compute it, both in 
 
 ``ablate="max_subtraction"`` removes the max from the one-pass form (w_s = exp(lse_s)): it overflows once
 an LSE passes ln(float32 max) = 88.72, as the kernels' own break does for scores.
+``ablate="stable_softplus"`` removes the stable softplus from the pairwise fold: lse + log(1 + exp(lse_s -
+lse)), the update of an early ring-flash-attention (which also weighted o by exp(lse - new_lse)). It
+overflows once a part's LSE exceeds the running one by more than 88.72: the running LSE becomes inf, the
+output still takes the new part's weight (the sigmoid does not overflow), so the forward's o can look
+right while every later part is dropped and a backward that recomputes P from that LSE gets P = 0.
 """
 from __future__ import annotations
 
@@ -46,7 +51,8 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", state
         while the parts are added one by one, rounded after each (the weights stay float32): a merge
         whose running output lives in the inputs' dtype, as in ring implementations that accumulate
         their output in bf16. "float32" is the one-pass float32 sum.
-    ablate : None or "max_subtraction" (form "exp" only): the weights exp(lse_s) without the max.
+    ablate : None, "max_subtraction" (form "exp" only): the weights exp(lse_s) without the max, or
+        "stable_softplus" (form "logsigmoid" only): the LSE update log(1 + exp(d)) without its stable form.
 
     Returns (o (B, H, N, D) in ``out_dtype``, lse (B, H, N) float32). A row that no part saw gets o = 0
     and lse = -inf. The math and the two forms: ``flashcupy._merge``.
@@ -56,10 +62,12 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", state
         raise TypeError("o_parts and lse_parts must both be NumPy arrays or both CuPy arrays")
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    if ablate not in (None, "max_subtraction"):
-        raise ValueError(f"ablate must be None or 'max_subtraction', got {ablate!r}")
-    if ablate is not None and form != "exp":
+    if ablate not in (None, "max_subtraction", "stable_softplus"):
+        raise ValueError(f"ablate must be None, 'max_subtraction' or 'stable_softplus', got {ablate!r}")
+    if ablate == "max_subtraction" and form != "exp":
         raise ValueError("ablate='max_subtraction' breaks the one-pass form: use form='exp'")
+    if ablate == "stable_softplus" and form != "logsigmoid":
+        raise ValueError("ablate='stable_softplus' breaks the pairwise fold: use form='logsigmoid'")
     if o_parts.ndim != 5 or lse_parts.shape != o_parts.shape[:4] or o_parts.shape[0] < 1:
         raise ValueError(f"o_parts must be (S, B, H, N, D) with S >= 1 and lse_parts (S, B, H, N); got "
                          f"{tuple(o_parts.shape)} and {tuple(lse_parts.shape)}")
@@ -115,7 +123,10 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", state
             acc_o = acc_o - weight[..., None] * (acc_o - o_s)
             if state is not None:
                 acc_o = acc_o.astype(state).astype(f32)
-            softplus = xp.where(d > 0, d + xp.log1p(xp.exp(-d)), xp.log1p(xp.exp(d)))  # -logsigmoid(-d)
+            if ablate is None:
+                softplus = xp.where(d > 0, d + xp.log1p(xp.exp(-d)), xp.log1p(xp.exp(d)))  # -logsigmoid(-d)
+            else:  # REMOVED: the stable form (exp(d) overflows past 88.72)
+                softplus = xp.log(f32(1) + xp.exp(d))
             acc_lse = xp.where(xp.isneginf(acc_lse), lse_s,
                                xp.where(xp.isneginf(lse_s), acc_lse, acc_lse + softplus))
     return acc_o.astype(out), acc_lse.astype(f32)

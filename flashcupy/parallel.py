@@ -67,7 +67,8 @@ def zigzag_unshard(shards, axis: int = 2):
 
 
 def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, state_dtype: str = "float32",
-                  grad_dtype: str = "float32", deterministic: bool = False, **knobs):
+                  grad_dtype: str = "float32", deterministic: bool = False, merge_ablate: str | None = None,
+                  **knobs):
     """Ring attention over ``world_size`` ranks, simulated in one process: returns (o, lse) of the whole
     sequence, and with ``do`` also (dq, dk, dv).
 
@@ -81,6 +82,7 @@ def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, st
     query's rank, dk and dv travelling with their K/V block; ``deterministic`` is each pair's
     ``attention_backward``'s (the ring's own order is fixed either way). One rank is one call of
     ``flashcupy.attention`` (and ``attention_backward``) over the whole sequence: its bits.
+    ``merge_ablate="stable_softplus"`` breaks the fold's LSE update (``merge_states``'s ``ablate``).
     """
     import flashcupy
 
@@ -129,7 +131,7 @@ def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, st
         parts = [flashcupy.attention(q[:, :, chunk[qc]], k[:, :, chunk[kc]], v[:, :, chunk[kc]], causal=diag,
                                      return_lse=True, **knobs) for kc, diag in pairs(qc)]
         o_c, lse_c = flashcupy.merge_states(xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts]),
-                                            form="logsigmoid", state_dtype=state_dtype)
+                                            form="logsigmoid", state_dtype=state_dtype, ablate=merge_ablate)
         o[:, :, chunk[qc]] = o_c
         lse[:, :, chunk[qc]] = lse_c
     if do is None:

@@ -311,6 +311,15 @@ def test_ring_error_grows_with_ranks_only_with_a_bf16_state(reports):
         assert all(r[n] <= 2 * single[n] for n in names), r
     assert max(bf[-1][n] / single[n] for n in ("dQ", "dK", "dV")) > 2
     assert bf[-1]["o"] > bf[0]["o"]
+    # the fold without its stable softplus: past a gap of 88.72 the LSE overflows to inf; o is unchanged,
+    # dV (the sink key's, from rows whose recomputed P is then 0) breaks; the stable form never overflows
+    breaks = table(reports[1]["ring"], "The fold's LSE update without its stable form")
+    stable = [r for r in breaks if r["LSE update"].startswith("stable")]
+    broken = [r for r in breaks if r["LSE update"].startswith("log(1 + exp")]
+    assert len(stable) == len(broken) >= 3
+    assert all(r["rows with lse = inf"] == 0 and r["dV"] < 0.02 for r in stable), stable
+    assert broken[0]["rows with lse = inf"] == 0 and broken[-1]["rows with lse = inf"] > 0
+    assert broken[-1]["dV"] > 0.3 and all(a["o"] == b["o"] for a, b in zip(stable, broken))
 
 
 def test_fp8_backward_study_prices_each_product(reports):

@@ -84,6 +84,7 @@ def test_the_max_subtraction_break_overflows_past_ln_max(rng):
     (lambda o, ls: flashcupy.merge_states(o, ls, out_dtype="int8"), ValueError, "out_dtype"),
     (lambda o, ls: flashcupy.merge_states(o, ls, form="logsigmoid", ablate="max_subtraction"), ValueError,
      "one-pass"),
+    (lambda o, ls: flashcupy.merge_states(o, ls, ablate="stable_softplus"), ValueError, "pairwise fold"),
     (lambda o, ls: flashcupy.merge_states(o.tolist(), ls), TypeError, "numpy.ndarray or cupy.ndarray"),
     (lambda o, ls: flashcupy.merge_states(o, ls, state_dtype="f16"), ValueError, "state_dtype"),
 ])
@@ -118,3 +119,23 @@ def test_merge_on_cupy_arrays_gives_the_numpy_result(rng, form):
     oh, lh = flashcupy.merge_states(o_parts, lse_parts, form=form, out_dtype="float32")
     np.testing.assert_allclose(cupy.asnumpy(o), oh, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(cupy.asnumpy(lse), lh, rtol=1e-6)
+
+
+def test_the_fold_without_the_stable_softplus_overflows_past_a_gap_of_88(rng):
+    """ablate='stable_softplus': a part whose LSE exceeds the running one by more than ln(float32 max)
+    = 88.72 sends the merged LSE to inf while o still takes that part's weight; below the gap, and with
+    the stable form at any gap, the two forms agree to float32 rounding."""
+    _, o, lse = _parts(rng, 3)
+    for gap, overflows in ((80.0, False), (95.0, True)):
+        shifted = lse.copy()
+        shifted[1] = lse[0] + np.float32(gap)  # part 1 dominates part 0 by the gap
+        good_o, good_lse = flashcupy.merge_states(o, shifted, form="logsigmoid")
+        bad_o, bad_lse = flashcupy.merge_states(o, shifted, form="logsigmoid", ablate="stable_softplus")
+        assert np.isfinite(good_lse).all()
+        if overflows:
+            assert np.isposinf(bad_lse).all()
+            # the output barely moves: part 1 dominates, and the overflowed LSE only drops part 2
+            assert np.abs(bad_o.astype(np.float64) - good_o).max() < 2 * np.abs(o).max()
+        else:
+            np.testing.assert_allclose(bad_lse, good_lse, rtol=1e-6)
+            np.testing.assert_allclose(bad_o.astype(np.float64), good_o.astype(np.float64), rtol=0, atol=1e-3)
