@@ -43,26 +43,37 @@ def _chunk_len(n: int, world_size: int, name: str) -> int:
     return n // (2 * world_size)
 
 
+def _narrow(x, start: int, length: int, axis: int):
+    """x's entries [start, start + length) along ``axis``: NumPy, CuPy or a torch tensor."""
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(start, start + length)
+    return x[tuple(index)]
+
+
+def _concatenate(parts, axis: int):
+    if type(parts[0]).__module__.startswith("torch"):
+        import torch
+
+        return torch.cat(parts, dim=axis)
+    return _xp(parts[0]).concatenate(parts, axis=axis)
+
+
 def zigzag_shard(x, world_size: int, rank: int, axis: int = 2):
     """Rank ``rank``'s shard of ``x`` along ``axis`` (the sequence axis of (B, H, N, D)): its two chunks,
-    concatenated (a copy)."""
-    xp = _xp(x)
+    concatenated (a copy). NumPy, CuPy or torch (``ring_attention``'s inputs)."""
     c = _chunk_len(x.shape[axis], world_size, "x")
-    parts = [xp.take(x, xp.arange(i * c, (i + 1) * c), axis=axis) for i in zigzag_chunks(world_size, rank)]
-    return xp.concatenate(parts, axis=axis)
+    return _concatenate([_narrow(x, i * c, c, axis) for i in zigzag_chunks(world_size, rank)], axis)
 
 
 def zigzag_unshard(shards, axis: int = 2):
     """The whole sequence from every rank's shard (``shards[r]`` from ``zigzag_shard(x, W, r)``)."""
     world = len(shards)
-    xp = _xp(shards[0])
     c = shards[0].shape[axis] // 2
     chunks = [None] * (2 * world)
     for r, s in enumerate(shards):
         a, b = zigzag_chunks(world, r)
-        chunks[a] = xp.take(s, xp.arange(0, c), axis=axis)
-        chunks[b] = xp.take(s, xp.arange(c, 2 * c), axis=axis)
-    return xp.concatenate(chunks, axis=axis)
+        chunks[a], chunks[b] = _narrow(s, 0, c, axis), _narrow(s, c, c, axis)
+    return _concatenate(chunks, axis)
 
 
 
@@ -166,11 +177,11 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, return_lse: boo
     default group), differentiable: this rank's zigzag shards in, this rank's output shard out.
 
     q (B, Hq, 2c, D), k, v (B, Hkv, 2c, D): torch tensors, the rank's shard of one sequence of 2 W c
-    tokens in the zigzag layout (``zigzag_shard(x, W, rank)``: chunks rank and 2W - 1 - rank), on this
-    rank's current CUDA device (NCCL; the kernels run on torch's current stream) or on the CPU (gloo;
-    the NumPy twin runs, for tests and study). Returns o (B, Hq, 2c, D) in q's dtype, the same shard of
-    the whole sequence's attention, and with ``return_lse`` its LSE, float32 (B, Hq, 2c). ``causal``:
-    the whole sequence's causal mask (chunk pairs as in ``simulate_ring``).
+    tokens in the zigzag layout (``zigzag_shard(x, W, rank)``, which takes torch tensors too: chunks rank
+    and 2W - 1 - rank), on this rank's current CUDA device (NCCL; the kernels run on torch's current
+    stream) or on the CPU (gloo; the NumPy twin runs, for tests and study). Returns o (B, Hq, 2c, D) in
+    q's dtype, the same shard of the whole sequence's attention, and with ``return_lse`` its LSE, float32
+    (B, Hq, 2c). ``causal``: the whole sequence's causal mask (chunk pairs as in ``simulate_ring``).
 
     The arithmetic is ``simulate_ring``'s, with the same ``state_dtype``, ``grad_dtype``,
     ``deterministic`` and ``knobs`` (kernel, accum, scale): on the same inputs every rank's o, lse and
