@@ -25,6 +25,8 @@ This module imports torch; ``flashcupy.parallel`` imports it only when one of th
 """
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -120,8 +122,25 @@ def check(q, k, v, group, causal, state_dtype, grad_dtype, deterministic, knobs)
     if q.shape[2] == 0 or (q.shape[2] % 2 and dist.get_world_size(group) > 1):
         raise ValueError(f"a rank's shard holds two equal chunks (zigzag_shard): its length must be even "
                          f"and > 0, got {q.shape[2]}")
+    c = max(q.shape[2] // 2, 1)
+    grad = _check_calls(q[:, :, :c], k[:, :, :c], v[:, :, :c], knobs)
     _agree(group, "ring_attention", (tuple(q.shape), tuple(k.shape), str(q.dtype), q.device.type, causal,
-                                     state_dtype, grad_dtype, deterministic, sorted(knobs.items())))
+                                     state_dtype, grad_dtype, deterministic, sorted(knobs.items()), grad))
+
+
+def _check_calls(q, k, v, knobs) -> bool:
+    """The checks of ``flashcupy.attention`` (and of its backward where gradients are asked) on tensors
+    shaped as one of this rank's calls, so that a bad knob value or shape raises here, before any
+    transfer, not in the middle of the ring; returns whether gradients are asked."""
+    from ._checks import check_forward
+
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    views = [_view(t) for t in (q, k, v)]
+    for direction in ("fwd", "bwd") if grad else ("fwd",):
+        check_forward(*views, causal=False, scale=knobs.get("scale"), block_m=None, block_n=None,
+                      accum=knobs.get("accum", "fp32"), kernel=knobs.get("kernel", "auto"), ablate=None,
+                      direction=direction)
+    return grad
 
 
 def _check_group(what: str) -> None:
@@ -131,14 +150,16 @@ def _check_group(what: str) -> None:
 
 
 def _agree(group, what: str, call: tuple) -> None:
-    """One all_gather_object of every rank's call: a rank whose call differs from rank 0's is named in
-    a ValueError on every rank."""
+    """One all_gather_object of every rank's call (shapes, dtype, knobs, whether gradients are asked):
+    a rank whose call differs from rank 0's is named in a ValueError on every rank. (Compared as pickled
+    bytes: a NaN scale equals itself there.)"""
     calls = [None] * dist.get_world_size(group)
     dist.all_gather_object(calls, call, group=group)
     for r, other in enumerate(calls):
-        if other != calls[0]:
+        if pickle.dumps(other) != pickle.dumps(calls[0]):
             raise ValueError(f"{what}: rank {r} of the group called with {other}, rank 0 with "
-                             f"{calls[0]} (shapes (q, k), dtype, device type and every knob must agree)")
+                             f"{calls[0]} (shapes (q, k), dtype, device type, every knob and whether "
+                             "gradients are asked must agree)")
 
 
 def _check_local(q, k, v, causal, deterministic, knobs, what: str) -> None:
@@ -170,9 +191,31 @@ def _check_local(q, k, v, causal, deterministic, knobs, what: str) -> None:
         raise TypeError(f"{what} takes the knobs {KNOBS}; got {sorted(bad)}")
 
 
+def _forward_step(qa, kva, acc, mine, world, src, c, causal, knobs, state_dtype, xp) -> None:
+    """One step of the ring's forward on this rank: each of its query chunks (``mine``) against the
+    chunks of rank ``src``'s K/V block (``kva``: (2, B, Hkv, 2c, D) views) that it sees, each part folded
+    into ``acc`` (query chunk -> (o, lse) float32) in the ring's order."""
+    import flashcupy
+
+    for i, qc in enumerate(mine):
+        for j, kc in enumerate(zigzag_chunks(world, src)):
+            kind = _visible(causal, qc, kc)
+            if kind is None:
+                continue
+            sl = slice(j * c, (j + 1) * c)
+            o_p, lse_p = flashcupy.attention(qa[:, :, i * c:(i + 1) * c], kva[0][:, :, sl], kva[1][:, :, sl],
+                                             causal=kind, return_lse=True, **knobs)
+            if qc not in acc:
+                acc[qc] = merge_states(o_p[None], lse_p[None], form="logsigmoid", state_dtype=state_dtype,
+                                       out_dtype="float32")
+            else:
+                a_o, a_l = acc[qc]
+                acc[qc] = merge_states(xp.stack([a_o, o_p.astype(xp.float32)]), xp.stack([a_l, lse_p]),
+                                       form="logsigmoid", state_dtype=state_dtype, out_dtype="float32")
+
+
 def forward(q, k, v, group, causal, knobs, state_dtype):
     """(o, lse) of this rank's queries over the whole ring (tensors: o in q's dtype, lse float32)."""
-    import flashcupy
 
     rank, world, nxt, prv = _peers(group)
     if world == 1:  # one rank: one call over the whole sequence, as simulate_ring
@@ -186,25 +229,12 @@ def forward(q, k, v, group, causal, knobs, state_dtype):
     with _OnStream(q):
         for s in range(world):
             recv, reqs = _exchange(kv, nxt, prv, group) if s < world - 1 else (None, ())
-            kva = _view(kv)
-            for i, qc in enumerate(mine):
-                for j, kc in enumerate(zigzag_chunks(world, (rank - s) % world)):
-                    kind = _visible(causal, qc, kc)
-                    if kind is None:
-                        continue
-                    sl = slice(j * c, (j + 1) * c)
-                    o_p, lse_p = flashcupy.attention(qa[:, :, i * c:(i + 1) * c], kva[0][:, :, sl],
-                                                     kva[1][:, :, sl], causal=kind, return_lse=True, **knobs)
-                    if qc not in acc:
-                        acc[qc] = merge_states(o_p[None], lse_p[None], form="logsigmoid",
-                                               state_dtype=state_dtype, out_dtype="float32")
-                    else:
-                        a_o, a_l = acc[qc]
-                        acc[qc] = merge_states(xp.stack([a_o, o_p.astype(xp.float32)]),
-                                               xp.stack([a_l, lse_p]), form="logsigmoid",
-                                               state_dtype=state_dtype, out_dtype="float32")
-            for req in reqs:
-                req.wait()
+            try:
+                _forward_step(qa, _view(kv), acc, mine, world, (rank - s) % world, c, causal, knobs,
+                              state_dtype, xp)
+            finally:  # (the posted transfers complete even where a step raises: the group stays usable)
+                for req in reqs:
+                    req.wait()
             kv = recv if recv is not None else kv
         o = torch.empty_like(q)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -238,20 +268,25 @@ def backward(do, q, k, v, o, lse, dlse, group, causal, knobs, grad_dtype, determ
         for s in range(world):
             recv, reqs = _exchange(kv, nxt, prv, group) if s < world - 1 else (None, [])
             kva, dkva = _view(kv), _view(dkv)
-            for i, qc in enumerate(mine):
-                sq = slice(i * c, (i + 1) * c)
-                for j, kc in enumerate(zigzag_chunks(world, (rank - s) % world)):
-                    kind = _visible(causal, qc, kc)
-                    if kind is None:
-                        continue
-                    sk = slice(j * c, (j + 1) * c)
-                    g = flashcupy.attention_backward(
-                        doa[:, :, sq], qa[:, :, sq], kva[0][:, :, sk], kva[1][:, :, sk], oa[:, :, sq],
-                        la[:, :, sq], causal=kind, dlse=None if dla is None else dla[:, :, sq],
-                        deterministic=deterministic, **knobs)
-                    sums = ((dqa[:, :, sq], g[0]), (dkva[0][:, :, sk], g[1]), (dkva[1][:, :, sk], g[2]))
-                    for total, part in sums:
-                        total[...] = (total.astype(f32) + part.astype(f32)).astype(total.dtype)
+            try:
+                for i, qc in enumerate(mine):
+                    sq = slice(i * c, (i + 1) * c)
+                    for j, kc in enumerate(zigzag_chunks(world, (rank - s) % world)):
+                        kind = _visible(causal, qc, kc)
+                        if kind is None:
+                            continue
+                        sk = slice(j * c, (j + 1) * c)
+                        g = flashcupy.attention_backward(
+                            doa[:, :, sq], qa[:, :, sq], kva[0][:, :, sk], kva[1][:, :, sk], oa[:, :, sq],
+                            la[:, :, sq], causal=kind, dlse=None if dla is None else dla[:, :, sq],
+                            deterministic=deterministic, **knobs)
+                        sums = ((dqa[:, :, sq], g[0]), (dkva[0][:, :, sk], g[1]), (dkva[1][:, :, sk], g[2]))
+                        for total, part in sums:
+                            total[...] = (total.astype(f32) + part.astype(f32)).astype(total.dtype)
+            except BaseException:  # (the posted K/V transfers complete before the error leaves)
+                for req in reqs:
+                    req.wait()
+                raise
             # this step's block leaves with its dK/dV; after the last step they go home, to the next rank
             drecv, dreqs = _exchange(dkv, nxt, prv, group)
             for req in [*reqs, *dreqs]:
@@ -391,9 +426,11 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, return_lse=False, de
                          f"Hkv = {k.shape[1]} must be multiples of {world}")
     if q.shape[2] == 0:
         raise ValueError("a rank's sequence shard must not be empty")
+    hq, hkv = q.shape[1] // world, k.shape[1] // world
+    grad = _check_calls(q[:, :hq], k[:, :hkv], v[:, :hkv], knobs)
     _agree(group, "ulysses_attention", (tuple(q.shape), tuple(k.shape), str(q.dtype), q.device.type, causal,
-                                        deterministic, sorted(knobs.items())))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                                        deterministic, sorted(knobs.items()), grad))
+    if grad:
         o, lse = _Ulysses.apply(q, k, v, group, causal, dict(knobs), deterministic)
     else:
         o, lse, _ = _ulysses_forward(q, k, v, group, causal, knobs)

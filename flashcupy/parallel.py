@@ -66,9 +66,16 @@ def zigzag_shard(x, world_size: int, rank: int, axis: int = 2):
 
 
 def zigzag_unshard(shards, axis: int = 2):
-    """The whole sequence from every rank's shard (``shards[r]`` from ``zigzag_shard(x, W, r)``)."""
+    """The whole sequence from every rank's shard (``shards[r]`` from ``zigzag_shard(x, W, r)``): one
+    shape for all, an even length along ``axis`` (two chunks)."""
     world = len(shards)
-    c = shards[0].shape[axis] // 2
+    if world < 1:
+        raise ValueError("zigzag_unshard needs the shards of at least one rank")
+    shape = tuple(shards[0].shape)
+    if any(tuple(s.shape) != shape for s in shards) or shape[axis] % 2:
+        raise ValueError(f"every shard must have one shape with an even length along axis {axis} (two "
+                         f"chunks); got {[tuple(s.shape) for s in shards]}")
+    c = shape[axis] // 2
     chunks = [None] * (2 * world)
     for r, s in enumerate(shards):
         a, b = zigzag_chunks(world, r)

@@ -63,6 +63,17 @@ def _worker(rank: int, world: int, store: str, out: str, case: dict):
                 parallel.ring_attention(odd, odd, odd)
             with pytest.raises(ValueError, match="must be multiples of 2"):
                 parallel.ulysses_attention(odd[:, :3], odd[:, :3], odd[:, :3])
+            # a bad knob value is the local checks' (no transfer starts), and the group stays usable
+            good = torch.randn((1, 4, 2 * SHAPE["c"], SHAPE["d"]))
+            with pytest.raises(ValueError, match="kernel must be one of"):
+                parallel.ring_attention(good, good[:, :2], good[:, :2], kernel="bogus")
+            with pytest.raises(ValueError, match="kernel must be one of"):
+                parallel.ulysses_attention(good, good[:, :2], good[:, :2], kernel="bogus")
+            assert parallel.ring_attention(good, good[:, :2], good[:, :2], causal=True).shape == good.shape
+            # ranks that disagree on whether gradients are asked are named before any transfer
+            asks = good.clone().requires_grad_(rank == 0)
+            with pytest.raises(ValueError, match="rank 1 of the group called with"):
+                parallel.ring_attention(asks, good[:, :2], good[:, :2])
             shape = (1, 4, 2 * SHAPE["c"] + (2 if rank == 1 else 0), SHAPE["d"])
             x = torch.randn(shape)
             try:

@@ -125,3 +125,12 @@ def test_one_rank_is_one_call_over_the_sequence(rng):
     want = (o, lse, *flashcupy.attention_backward(do, q, k, v, o, lse, causal=True))
     for a, b in zip(got, want):
         assert np.array_equal(a, b)
+
+
+def test_zigzag_unshard_refuses_shards_it_cannot_join():
+    with pytest.raises(ValueError, match="at least one rank"):
+        parallel.zigzag_unshard([])
+    with pytest.raises(ValueError, match="one shape with an even length"):
+        parallel.zigzag_unshard([np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 3, 2))])
+    with pytest.raises(ValueError, match="one shape with an even length"):
+        parallel.zigzag_unshard([np.zeros((1, 1, 4, 2)), np.zeros((1, 1, 6, 2))])
