@@ -118,6 +118,9 @@ def simulate_ring(q, k, v, world_size: int, *, causal: bool = False, do=None, st
     if k.shape[2] != n:
         raise ValueError(f"simulate_ring runs self-attention: q and k must have one length, got {n} and "
                          f"{k.shape[2]}")
+    if v.shape != k.shape or (do is not None and do.shape != q.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)} and do q's {tuple(q.shape)}; got v "
+                         f"{tuple(v.shape)}" + ("" if do is None else f", do {tuple(do.shape)}"))
     zigzag_chunks(world_size, 0)
     if world_size == 1:  # one rank: one call over the whole sequence (no chunks, nothing to merge)
         o, lse = flashcupy.attention(q, k, v, causal=causal, return_lse=True, **knobs)

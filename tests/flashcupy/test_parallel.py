@@ -134,3 +134,11 @@ def test_zigzag_unshard_refuses_shards_it_cannot_join():
         parallel.zigzag_unshard([np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 3, 2))])
     with pytest.raises(ValueError, match="one shape with an even length"):
         parallel.zigzag_unshard([np.zeros((1, 1, 4, 2)), np.zeros((1, 1, 6, 2))])
+
+
+def test_simulated_ring_refuses_v_and_do_of_other_shapes():
+    q = np.zeros((1, 2, 8, 16), np.float16)
+    with pytest.raises(ValueError, match="v must have k's shape"):
+        parallel.simulate_ring(q, q, q[:, :, :4], 2)
+    with pytest.raises(ValueError, match=r"do \(1, 2, 4, 16\)"):
+        parallel.simulate_ring(q, q, q, 2, do=q[:, :, :4])
