@@ -11,6 +11,7 @@ import typing as _typing
 from . import _launch, _sinks, _twin, inspect, reference
 from ._checks import _check_bool
 from ._checks import backward_problem as _backward_problem
+from ._checks import check_alibi_slopes as _check_alibi_slopes
 from ._checks import forward_problem as _forward_problem
 from ._kvcache import attention_with_kvcache
 from ._merge import merge_states
@@ -98,9 +99,10 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
         sink after the key loop, o' = o e^(lse - lse'), in float32 by two CuPy kernels (a row kernel and
         one over o; ``flashcupy._sinks``: why after the loop, and the cost, one more rounding of o).
         A row that sees no key gets o = 0 and lse = z.
-    alibi_slopes : ALiBi slopes (Hq,) or (B, Hq) (semantics and math: ``flashcupy.reference.attention``).
-        NumPy inputs only (the twin, as the kernels will run them) so far; with CuPy inputs a ValueError
-        says so before any launch (issue 35).
+    alibi_slopes : ALiBi slopes (Hq,) or (B, Hq), float32 or float64 (semantics and math:
+        ``flashcupy.reference.attention``): S_ij - slope |i + Nk - Nq - j| on the scaled scores, after
+        the softcap. Every family but the fp8 forward runs them, compiled into the score hook
+        (``FC_ALIBI``; the slopes travel as slope / scale in float32, computed in float64).
 
     The algorithm, per tile of keys j, with running max m, sum l and output accumulator O:
     m' = max(m, rowmax(S_j)), P = exp(S_j - m'), l = e^(m - m') l + rowsum(P),
@@ -115,12 +117,12 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     _check_bool("return_lse", return_lse)
     problem = _forward_problem(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                               accum=accum, kernel=kernel, ablate=ablate, window_size=window_size,
-                              softcap=softcap)
+                              softcap=softcap, alibi=alibi_slopes is not None)
     variants = _score_variants(problem, sinks, alibi_slopes, q)
     if problem.backend == "numpy":
         o, lse = _twin.forward(q, k, v, problem, **variants)
     else:
-        o, lse = _launch.forward(q, k, v, problem)
+        o, lse = _launch.forward(q, k, v, problem, alibi=variants.get("alibi_slopes"))
         if "sinks" in variants:
             _sinks.apply(o, lse, variants["sinks"])
     return (o, lse) if return_lse else o
@@ -128,17 +130,15 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
 
 def _score_variants(problem, sinks, alibi_slopes, q) -> dict:
     """The array-valued score variants a call asks for (sinks, ALiBi slopes), as keyword arguments of
-    the twin or, for sinks, of ``_sinks``; checked before any launch. ALiBi runs on NumPy inputs only so
-    far: on CuPy inputs a ValueError says so. (The window and the softcap are part of the problem's
-    variant, which every family compiles.)"""
+    the twin or, for sinks, of ``_sinks`` and, for the slopes, of ``_launch``; checked before any launch
+    (the twin's: ``reference``'s checks). (The window, the softcap and whether ALiBi is on are part of
+    the problem's variant, which every family compiles.)"""
     asked = {}
     if sinks is not None:
         asked["sinks"] = _sinks.check(sinks, problem.heads_q, q)
     if alibi_slopes is not None:
-        if problem.backend != "numpy":
-            raise ValueError("alibi_slopes: ALiBi runs on NumPy inputs (the twin) only so far; no kernel "
-                             "family runs it yet")
-        asked["alibi_slopes"] = alibi_slopes
+        asked["alibi_slopes"] = (alibi_slopes if problem.backend == "numpy" else
+                                 _check_alibi_slopes(alibi_slopes, problem.batch, problem.heads_q, q))
     return asked
 
 
@@ -193,19 +193,20 @@ def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: A
     when its caller differentiates through the returned LSE.
 
     ``window_size``, ``softcap``: as in ``attention`` (every family; the softcap multiplies dS by its
-    derivative 1 - tanh^2); ``sinks``, ``alibi_slopes``: as in ``attention`` (ALiBi on NumPy inputs only
-    so far). With ``sinks``, ``o`` and ``lse`` are the sink forward's (lse includes the sinks): the
-    kernels recompute P from that lse, so they need nothing more, and the gradient of the sink logits,
-    d z_h = -sum_{b,i} e^(z_h - lse_i) delta_i (float32 (Hq,), ``flashcupy._sinks.grad``), is a fourth
-    output.
+    derivative 1 - tanh^2); ``sinks``, ``alibi_slopes``: as in ``attention`` (a bias: dS is unchanged).
+    With ``sinks``, ``o`` and ``lse`` are the sink forward's (lse includes the sinks): the kernels
+    recompute P from that lse, so they need nothing more, and the gradient of the sink logits, d z_h =
+    -sum_{b,i} e^(z_h - lse_i) delta_i (float32 (Hq,), ``flashcupy._sinks.grad``), is a fourth output.
     """
     problem = _backward_problem(do, q, k, v, o, lse, causal=causal, scale=scale, block_m=block_m,
                                block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic,
-                               dlse=dlse, window_size=window_size, softcap=softcap)
+                               dlse=dlse, window_size=window_size, softcap=softcap,
+                               alibi=alibi_slopes is not None)
     variants = _score_variants(problem, sinks, alibi_slopes, q)
     if problem.backend == "numpy":  # one fixed order: deterministic either way
         return _twin.backward(do, q, k, v, o, lse, problem, dlse=dlse, **variants)
-    grads = _launch.backward(do, q, k, v, o, lse, problem, deterministic=deterministic, dlse=dlse)
+    grads = _launch.backward(do, q, k, v, o, lse, problem, deterministic=deterministic, dlse=dlse,
+                             alibi=variants.get("alibi_slopes"))
     if "sinks" not in variants:
         return grads
     return (*grads, _sinks.grad(do, o, lse, variants["sinks"], dlse))

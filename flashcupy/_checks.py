@@ -176,7 +176,7 @@ def window_of(window_size, causal: bool, nq: int, nk: int) -> tuple[bool, tuple[
 
 
 def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate,
-                  window_size=None, softcap=0.0, direction: str = "fwd") -> Problem:
+                  window_size=None, softcap=0.0, alibi: bool = False, direction: str = "fwd") -> Problem:
     """Validate the arguments of ``flashcupy.attention`` (``direction="bwd"``: the q, k, v part of
     ``flashcupy.attention_backward``) and resolve defaults."""
     arrays = {"q": q, "k": k, "v": v}
@@ -230,7 +230,7 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     softcap = check_kernel_softcap(softcap)
 
     family = resolve_family(kernel, dname, accum, direction, head_dim=d, block_m=block_m, block_n=block_n,
-                            causal=causal, backend=backend, device=device, softcap=softcap)
+                            causal=causal, backend=backend, device=device, softcap=softcap, alibi=alibi)
     fam = FAMILIES[family]
     bm, bn = default_tile(family, dname, d, accum, causal, block_m, block_n, n=nq, softcap=softcap)
     for name, val, allowed in (("block_m", bm, fam.block_m), ("block_n", bn, fam.block_n)):
@@ -244,12 +244,38 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
     if twin_ablate and not softcap:
         raise ValueError(f"ablate={ablate!r} breaks the softcap: it needs softcap > 0")
     variant = Variant(family, dname, accum, int(bm), int(bn), d, causal, None if twin_ablate else ablate,
-                      schedule=schedule, window=window, softcap=softcap)
+                      schedule=schedule, window=window, softcap=softcap, alibi=alibi)
     if not variant.fits():
         raise ValueError(f"block_m={bm}, block_n={bn} with D={d} in {dname} needs "
                          f"{variant.smem_bytes} bytes of shared memory in {family}; the limit is "
                          f"{SMEM_LIMIT}. Choose smaller blocks.")
     return Problem(backend, b, hq, hkv, nq, nk, d, scale, variant, device, twin_ablate)
+
+
+def check_alibi_slopes(slopes, batch: int, heads_q: int, like):
+    """ALiBi slopes of a call on CuPy arrays (``like``: q): a float array of shape (Hq,) or (B, Hq), NumPy
+    (checked finite, then copied to q's GPU) or CuPy on q's GPU (its values are not read: that would
+    synchronize); returned as a CuPy array in its own float dtype, which ``_launch.alibi_raw`` divides
+    by the scale in float64. ValueError/TypeError name ``alibi_slopes`` before any launch."""
+    if isinstance(slopes, (list, tuple)):
+        slopes = np.asarray(slopes)
+    if not (isinstance(slopes, np.ndarray) or type(slopes).__module__.split(".")[0] == "cupy"):
+        raise TypeError(f"alibi_slopes must be a NumPy or CuPy array, got {type(slopes).__name__}")
+    if slopes.shape not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes must have shape (Hq,) = ({heads_q},) or (B, Hq) = ({batch}, "
+                         f"{heads_q}); got {tuple(slopes.shape)}")
+    if slopes.dtype.kind != "f" or slopes.dtype.itemsize < 4:
+        raise TypeError(f"alibi_slopes must be float32 or float64, got {slopes.dtype}")
+    if isinstance(slopes, np.ndarray):
+        if not np.isfinite(slopes).all():
+            raise ValueError("alibi_slopes must be finite")
+        import cupy
+
+        with cupy.cuda.Device(like.data.device_id):
+            return cupy.asarray(slopes)
+    if slopes.data.device_id != like.data.device_id:
+        raise ValueError(f"alibi_slopes is on GPU {slopes.data.device_id} but q on GPU {like.data.device_id}")
+    return slopes
 
 
 def _common_device(arrays: dict) -> int:
@@ -298,7 +324,8 @@ def _wgmma_problem(dname: str, accum: str, direction: str, head_dim: int | None)
 
 def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", *,
                    head_dim: int | None = None, block_m=None, block_n=None, causal: bool = False,
-                   backend: str = "numpy", device: int | None = None, softcap: float = 0.0) -> str:
+                   backend: str = "numpy", device: int | None = None, softcap: float = 0.0,
+                   alibi: bool = False) -> str:
     """Which family computes this call.
 
     kernel='auto' picks 'wgmma' on a Hopper GPU (compute capability 9.0) where that family has the
@@ -332,15 +359,15 @@ def resolve_family(kernel: str, dname: str, accum: str, direction: str = "fwd", 
     hopper = (backend == "cuda" and _wgmma_problem(dname, accum, direction, head_dim) is None
               and _device_capability(device) == 90)
     return auto_family(direction, dname, accum, head_dim, block_m, block_n, causal, hopper=hopper,
-                       softcap=softcap)
+                       softcap=softcap, alibi=alibi)
 
 
 def check_backward(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,
-                   deterministic, dlse=None, window_size=None, softcap=0.0) -> Problem:
+                   deterministic, dlse=None, window_size=None, softcap=0.0, alibi: bool = False) -> Problem:
     """Validate the arguments of ``flashcupy.attention_backward`` and resolve defaults."""
     p = check_forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                       accum=accum, kernel=kernel, ablate=None, window_size=window_size, softcap=softcap,
-                      direction="bwd")
+                      alibi=alibi, direction="bwd")
     _check_bool("deterministic", deterministic)
     for name, x in (("do", do), ("o", o), ("lse", lse)):
         if _backend_of(name, x) != p.backend:
@@ -417,18 +444,18 @@ def _knobs(kwargs: dict) -> tuple:
 
 
 def forward_problem(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ablate,
-                    window_size=None, softcap=0.0) -> Problem:
+                    window_size=None, softcap=0.0, alibi: bool = False) -> Problem:
     """``check_forward`` memoized (see ``_memoized``): what ``flashcupy.attention`` calls."""
     kwargs = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum, kernel=kernel,
-                  ablate=ablate, window_size=window_size, softcap=softcap)
+                  ablate=ablate, window_size=window_size, softcap=softcap, alibi=alibi)
     return _memoized(check_forward, (q, k, v), _knobs(kwargs), kwargs)
 
 
 def backward_problem(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, accum, kernel,
-                     deterministic, dlse=None, window_size=None, softcap=0.0) -> Problem:
+                     deterministic, dlse=None, window_size=None, softcap=0.0, alibi: bool = False) -> Problem:
     """``check_backward`` memoized (see ``_memoized``): what ``flashcupy.attention_backward`` calls."""
     kwargs = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n, accum=accum, kernel=kernel,
-                  deterministic=deterministic, window_size=window_size, softcap=softcap)
+                  deterministic=deterministic, window_size=window_size, softcap=softcap, alibi=alibi)
     if dlse is not None:  # rare: checked every time
         return check_backward(do, q, k, v, o, lse, dlse=dlse, **kwargs)
     return _memoized(check_backward, (do, q, k, v, o, lse), _knobs(kwargs), kwargs)

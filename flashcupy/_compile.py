@@ -362,8 +362,8 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
 
 def covering_variants(family: str) -> list[Variant]:
     """A covering set for the compile check: every value of every knob at least once, and the pairs
-    dtype x accum, block_m x block_n, causal x ablate, window x ablate and softcap x dtype x accum in full
-    (variants that do not fit in shared memory are left out)."""
+    dtype x accum, block_m x block_n, causal x ablate, window x ablate, softcap x dtype x accum and
+    alibi x dtype x accum in full (variants that do not fit in shared memory are left out)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
     fam = FAMILIES[family]
@@ -434,6 +434,17 @@ def covering_variants(family: str) -> list[Variant]:
     for ab in ABLATIONS[1:]:
         add(softcap=30.0, ablate=ab)
     add(window=(64, 64), softcap=30.0)
+    # ALiBi (FC_ALIBI): every dtype x accumulator, D = 128 causal (with the softcap too), a window, and
+    # the static and dynamic tile loops of fwd_wgmma (whose tiles change heads)
+    for dt in fam.dtypes:
+        for acc in fam.accums(dt):
+            add(dtype=dt, accum=acc, alibi=True)
+    add(head_dim=128, causal=True, alibi=True)
+    add(head_dim=128, causal=True, softcap=30.0, alibi=True)
+    add(window=(64, 64), alibi=True)
+    if family == "fwd_wgmma":
+        add(head_dim=128, causal=True, alibi=True, schedule="dynamic")
+        add(head_dim=128, alibi=True, schedule="static")
     # fp8 (fwd_wgmma): every accumulation x k-descale x causal on its default tile, the 64- and 128-row
     # tiles, and the breaks
     if family == "fwd_wgmma":

@@ -275,6 +275,11 @@ def _bwd_wgmma_limits(v: "Variant") -> str | None:
         # P hook'(t) in P's registers and P's A fragments beside them spill at 80 and 128 queries
         # (_policy.default_blocks), measured locally
         return f"kernel='wgmma' backward runs a softcap at block_m=64, not {v.block_m}"
+    if v.softcap and v.alibi and v.head_dim > 64:
+        # ALiBi's slope and offset beside the softcap's P hook'(t) spill 20 bytes at D=128 (ptxas,
+        # measured locally)
+        return (f"kernel='wgmma' backward runs the softcap with ALiBi at D=64 only, not D={v.head_dim}; "
+                "kernel='mma' runs both")
     if v.block_m == 80 and (v.head_dim != 128 or v.block_n != 128):
         # FlashAttention-3's tile at D=128: dQ formed transposed by m64n80k16 per 64 columns of D, which
         # the two consumer warpgroups of a 128-key tile split

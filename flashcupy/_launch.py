@@ -336,7 +336,8 @@ class _ForwardPlan:
     ``run`` then takes only addresses. ``readable``: whether the kernels read arrays of these strides in
     place (a plan that is not is never run: the call copies its inputs first)."""
 
-    __slots__ = ("tma", "readable", "kern", "o_shape", "lse_shape", "dynamic", "map_slots", "launcher")
+    __slots__ = ("tma", "readable", "kern", "o_shape", "lse_shape", "dynamic", "map_slots", "launcher",
+                 "alibi")
 
     def __init__(self, p: Problem, q_strides, k_strides, v_strides, itemsize: int):
         var = p.variant
@@ -351,6 +352,9 @@ class _ForwardPlan:
         scalars = (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
                    *_element_strides(q_strides, itemsize), *_element_strides(k_strides, itemsize),
                    *_element_strides(v_strides, itemsize), np.float32(p.scale * _LOG2E))
+        # ALiBi: the slopes in raw units, (B, Hq) float32 (alibi_raw), and their batch stride
+        self.alibi = var.alibi
+        scalars += (PTR, np.int32(p.heads_q)) if var.alibi else ()
         maps, tail, self.dynamic, self.map_slots = (), (), False, ()
         if self.tma:
             # The Hopper kernels load q, k, v by TMA from tensor maps over their real strides, passed
@@ -371,18 +375,23 @@ class _ForwardPlan:
                 grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
         self.launcher = _Launcher(self.kern, grid, maps + (PTR,) * 5 + scalars + tail)
 
-    def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int, scratch) -> None:
+    def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int, scratch, alibi: int = 0) -> None:
         """Launch on the stream with handle ``stream``, the arrays at these device addresses: q, k, v with
-        the plan's strides and 16-byte aligned, o and lse C-contiguous. ``scratch`` (``_Scratch``'s
-        interface) gives the dynamic scheduler's counter under stream capture."""
-        ptrs = (q, k, v, o, lse, _tile_counter(stream, scratch)) if self.dynamic else (q, k, v, o, lse)
+        the plan's strides and 16-byte aligned, o and lse C-contiguous (``alibi``: the (B, Hq) slopes in
+        raw units of an ALiBi variant, ``alibi_raw``). ``scratch`` (``_Scratch``'s interface) gives the
+        dynamic scheduler's counter under stream capture."""
+        ptrs = (q, k, v, o, lse) + ((alibi,) if self.alibi else ())
+        if self.dynamic:
+            ptrs += (_tile_counter(stream, scratch),)
         slots = self.map_slots
         self.launcher(stream, ptrs, (slots[0](q), slots[1](k), slots[2](v), slots[3](o)) if slots else ())
 
     def program(self) -> dict:
         """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``): the keyword
         arguments of its ``program``, addresses as slots of ``FORWARD_SLOTS``. Only for plans that read
-        their inputs in place."""
+        their inputs in place, without ALiBi (the torch bridge takes no slopes)."""
+        if self.alibi:
+            raise ValueError("an ALiBi plan has no program for the compiled torch node")
         mapped = _slots(FORWARD_SLOTS, "q k v o")
         maps = [(slot, *m.template.raw) for slot, m in zip(mapped, self.map_slots)]
         ptrs = _slots(FORWARD_SLOTS, "q k v o lse counter" if self.dynamic else "q k v o lse")
@@ -409,7 +418,7 @@ def _forward_plan(p: Problem, q, k, v) -> _ForwardPlan:
     return forward_plan(p, q.strides, k.strides, v.strides, q.itemsize)
 
 
-def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None):
+def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None):
     """Run the variant of ``p`` on the current CuPy stream of the GPU that holds q, k, v. Returns
     (o, lse).
 
@@ -419,12 +428,14 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None):
     contiguous buffers are read in place. ``o`` and ``lse`` may be given preallocated (contiguous, right
     shape and dtype): the tests pass NaN-poisoned buffers to check that the kernel writes every element.
     ``scratch``: where temporaries come from (``_Scratch`` of the current stream by default).
+    ``alibi``: the slopes of an ALiBi variant, (Hq,) or (B, Hq), on q's GPU (``alibi_raw`` divides them
+    by the scale into the kernels' (B, Hq) float32 array).
     """
     import cupy
 
     if p.device != cupy.cuda.runtime.getDevice():
         with cupy.cuda.Device(p.device):
-            return forward(q, k, v, p, o, lse, scratch)
+            return forward(q, k, v, p, o, lse, scratch, alibi)
     stream = cupy.cuda.get_current_stream()
     scratch = _Scratch(stream) if scratch is None else scratch
     plan = _forward_plan(p, q, k, v)
@@ -442,8 +453,37 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None):
         if not (lse.flags.c_contiguous and lse.shape == plan.lse_shape and lse.dtype == cupy.float32):
             raise ValueError(f"lse must be C-contiguous {plan.lse_shape} float32; got {lse.shape} "
                              f"{lse.dtype}")
-    plan.run(stream.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, scratch)
+    raw = _alibi_slopes(p, alibi, scratch)  # (held until the launch: its memory must not be reused first)
+    plan.run(stream.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, scratch,
+             0 if raw is None else raw.data.ptr)
     return o, lse
+
+
+_ALIBI_RAW = None
+
+
+def alibi_raw(slopes, p: Problem, scratch):
+    """ALiBi slopes as the kernels take them: a (B, Hq) float32 array (a new one from ``scratch``) of
+    slope / scale, divided in float64 and rounded once (the twin's ``_score_variants`` does the same), so
+    that the bias a |i' - j| is in the raw units of the scores, the scale staying in the exponent."""
+    import cupy
+
+    global _ALIBI_RAW
+    if _ALIBI_RAW is None:
+        _ALIBI_RAW = cupy.ElementwiseKernel("T a, float64 s", "float32 out", "out = (float)((double)a / s)",
+                                            "flashcupy_alibi_raw")
+    out = scratch.empty((p.batch, p.heads_q), np.float32)
+    _ALIBI_RAW(cupy.broadcast_to(slopes, out.shape), np.float64(p.scale), out)
+    return out
+
+
+def _alibi_slopes(p: Problem, slopes, scratch):
+    """The kernels' slopes of an ALiBi variant (``alibi_raw``); None for the others."""
+    if not p.variant.alibi:
+        return None
+    if slopes is None:
+        raise ValueError(f"{p.variant.key} is an ALiBi variant: alibi_slopes must be given")
+    return alibi_raw(slopes, p, scratch)
 
 
 class _BackwardPlan:
@@ -452,7 +492,7 @@ class _BackwardPlan:
     and, for the wgmma family, the TMA map templates. ``run`` then takes only addresses."""
 
     __slots__ = ("tma", "readable", "prep", "q_shape", "kv_shape", "atomic", "delta_size", "ld_size", "boxes",
-                 "sem_shape", "ordered_heads", "map_slots", "prep_launch", "kv_launch", "q_launch")
+                 "sem_shape", "ordered_heads", "map_slots", "prep_launch", "kv_launch", "q_launch", "alibi")
 
     def __init__(self, p: Problem, deterministic: bool, strides: tuple, itemsize: int):
         var = p.variant
@@ -486,6 +526,9 @@ class _BackwardPlan:
         main = (PTR,) * 9 + (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
                              *(x for st in (q_s, k_s, v_s, do_s) for x in _element_strides(st, itemsize)),
                              scale_log2)
+        # ALiBi: the slopes in raw units, (B, Hq) float32 (alibi_raw), and their batch stride
+        self.alibi = var.alibi
+        main += (PTR, np.int32(p.heads_q)) if var.alibi else ()
         kv_grid = ((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch)
         n4 = rows * p.head_dim // 4
         convert = (k_q, (min((n4 + 255) // 256, 65536),), (PTR, PTR, np.int64(n4), scale_log2))
@@ -524,7 +567,7 @@ class _BackwardPlan:
             self.q_launch = _Launcher(k_q, q_grid, main)
 
     def run(self, stream: int, do: int, q: int, k: int, v: int, o: int, lse: int, dlse: int, dq: int, dk: int,
-            dv: int, scratch) -> None:
+            dv: int, scratch, alibi: int = 0) -> None:
         """Launch on the stream with handle ``stream``, the arrays at these device addresses: do, q, k,
         v, o with the plan's strides and 16-byte aligned; lse, dlse (0: none) C-contiguous and 4-byte
         aligned; dq, dk, dv C-contiguous. The temporaries (the fp32 dQ buffer, delta, the ordered
@@ -535,7 +578,7 @@ class _BackwardPlan:
         dq_accum = delta - 4 * dq_floats if self.atomic else 0
         self.prep_launch(stream, (do, o, delta, dq_accum, lse, dlse) if self.ld_size else
                          (do, o, delta, dq_accum, dlse))
-        main = (q, k, v, do, lse, delta, dq, dk, dv)
+        main = (q, k, v, do, lse, delta, dq, dk, dv) + ((alibi,) if self.alibi else ())
         if self.tma:
             maps = tuple(slot(x) for slot, x in zip(self.map_slots, (q, k, v, do, dq_accum, dk, dv)))
             if self.sem_shape is not None:
@@ -552,7 +595,9 @@ class _BackwardPlan:
     def program(self) -> dict:
         """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``): the keyword
         arguments of its ``program``, addresses as slots of ``BACKWARD_SLOTS``. Only for plans that
-        read their inputs in place."""
+        read their inputs in place, without ALiBi (the torch bridge takes no slopes)."""
+        if self.alibi:
+            raise ValueError("an ALiBi plan has no program for the compiled torch node")
         def slots(names):
             return _slots(BACKWARD_SLOTS, names)
 
@@ -590,7 +635,8 @@ def backward_plan(p: Problem, deterministic: bool, strides: tuple, itemsize: int
     return plan
 
 
-def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None, dlse=None, scratch=None):
+def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None, dlse=None, scratch=None,
+             alibi=None):
     """dq, dk, dv of the variant of ``p`` on the current CuPy stream of the GPU that holds the arrays.
 
     First flash_bwd_prep computes delta_i = rowsum(dO_i * O_i) - dlse_i in fp32 (O(N) memory; dlse, the
@@ -609,14 +655,14 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
     ``grads`` may hold preallocated (dq, dk, dv) (poisoned by tests). Inputs the kernels cannot read in
     place are copied once, as in ``forward`` (o, read by the prep kernel alone, takes any step). The
     temporaries (the fp32 dQ buffer, delta, the ordered path's counters, copies) come from ``scratch``
-    (``_Scratch``: graph-safe under stream capture).
+    (``_Scratch``: graph-safe under stream capture). ``alibi``: as in ``forward``.
     """
     import cupy
 
     if p.device != cupy.cuda.runtime.getDevice():
         with cupy.cuda.Device(p.device):
             return backward(do, q, k, v, o, lse, p, deterministic=deterministic, grads=grads, dlse=dlse,
-                            scratch=scratch)
+                            scratch=scratch, alibi=alibi)
     stream = cupy.cuda.get_current_stream()
     scratch = _Scratch(stream) if scratch is None else scratch
     plan = backward_plan(p, deterministic, tuple(x.strides for x in (do, q, k, v, o)), q.itemsize)
@@ -630,8 +676,10 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
         grads = (cupy.empty(plan.q_shape, dtype=q.dtype), cupy.empty(plan.kv_shape, dtype=q.dtype),
                  cupy.empty(plan.kv_shape, dtype=q.dtype))
     dq, dk, dv = grads
+    raw = _alibi_slopes(p, alibi, scratch)  # (held until the launches)
     plan.run(stream.ptr, do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr,
-             0 if dlse is None else dlse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, scratch)
+             0 if dlse is None else dlse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, scratch,
+             0 if raw is None else raw.data.ptr)
     return dq, dk, dv
 
 

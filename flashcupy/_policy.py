@@ -37,7 +37,7 @@ __all__ = [
 
 
 def auto_family(direction: str, dname: str, accum: str, head_dim: int, block_m=None, block_n=None,
-                causal: bool = False, *, hopper: bool, softcap: float = 0.0) -> str:
+                causal: bool = False, *, hopper: bool, softcap: float = 0.0, alibi: bool = False) -> str:
     """The family of ``kernel='auto'``: the Hopper family where ``hopper`` (a Hopper GPU, and the wgmma
     family takes this dtype, accumulator and head dim: ``_checks`` asks) and the requested tile is one
     of its tiles at this head dim; else mma where tensor cores take the dtype and accumulator; else
@@ -48,7 +48,7 @@ def auto_family(direction: str, dname: str, accum: str, head_dim: int, block_m=N
         wgmma = f"{direction}_wgmma"
         bm, bn = default_tile(wgmma, dname, head_dim, accum, causal, block_m, block_n, softcap=softcap)
         try:
-            Variant(wgmma, dname, accum, bm, bn, head_dim, softcap=softcap)
+            Variant(wgmma, dname, accum, bm, bn, head_dim, softcap=softcap, alibi=alibi)
             return wgmma
         except ValueError:
             pass

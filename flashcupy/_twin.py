@@ -105,8 +105,8 @@ def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants, after_mask:
     the row does not see the key: causal, window, keys past nk); also the softcap's derivative
     1 - tanh^2 (None without one). ``after_mask`` (the break ``softcap_after_mask``): the mask first,
     then the softcap, so that a masked key scores tanh(-inf) = -1 times the cap instead of -inf. ``f16``
-    (fp16 accumulators): the capped score is rounded to fp16, as the kernels' tiles hold it (the
-    derivative comes from the unrounded tanh, as theirs does)."""
+    (fp16 accumulators): the capped score, and the biased one, are rounded to fp16, as the kernels'
+    tiles hold them (the derivative comes from the unrounded tanh, as theirs does)."""
     from .reference import visible_mask
 
     window, cap, _, slope = variants
@@ -122,6 +122,8 @@ def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants, after_mask:
             s = _round_to(s, np.float16)
     if slope is not None:
         s = s - slope * np.abs(rows + (nk - nq) - np.arange(j0, j1)[None, :]).astype(f32)
+        if f16:  # (the kernels' hook rounds its result to the accumulator type)
+            s = _round_to(s, np.float16)
     if masked and not after_mask:
         s = np.where(visible_mask(rows[:, 0], nq, nk, causal, window)[:, j0:j1], s, f32(-np.inf))
     return s, dcap

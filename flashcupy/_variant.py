@@ -138,6 +138,10 @@ class Variant:
     # the cap's float32 bits, FC_SOFTCAP_BITS): a float32 value > 0, or 0.0 for none (every family but
     # fp8; the kernels' hook and its tanh: kernels_cu/flash_common.cuh)
     softcap: float = 0.0
+    # ALiBi (FC_ALIBI): a per-head linear bias -a |i' - j| on the scores after the softcap, the slopes a
+    # given at launch (two more kernel parameters: the slopes in raw units and their batch stride); every
+    # family but fp8
+    alibi: bool = False
     # compiled otherwise than the package does (experiments on the kernels; see Build). None: the
     # Build of the enclosing kernel_build block, if any
     build: Build | None = None
@@ -191,6 +195,10 @@ class Variant:
             if self.fp8 is not None:
                 raise ValueError("softcap does not run with fp8 operands yet; the 16-bit kernels run it")
             object.__setattr__(self, "softcap", cap)
+        if not isinstance(self.alibi, bool):
+            raise TypeError(f"alibi must be a bool, got {type(self.alibi).__name__}")
+        if self.alibi and self.fp8 is not None:
+            raise ValueError("alibi_slopes do not run with fp8 operands yet; the 16-bit kernels run them")
         problem = fam.limits(self)
         if problem:
             raise ValueError(problem)
@@ -253,6 +261,8 @@ class Variant:
             # (the shortest decimal of the float32, its point written p: the key's parts are split by dots)
             cap = np.format_float_positional(np.float32(self.softcap), trim="-")
             parts.append("cap" + cap.replace(".", "p"))
+        if self.alibi:
+            parts.append("alibi")
         if self.ablate:
             parts.append("ablate_" + self.ablate)
         if self.fp8:
@@ -281,6 +291,7 @@ class Variant:
             "FC_WINDOW_LEFT": self.window[0] if self.window else -1,
             "FC_WINDOW_RIGHT": self.window[1] if self.window else -1,
             **({"FC_SCORE_HOOK": 2, "FC_SOFTCAP_BITS": _float32_bits(self.softcap)} if self.softcap else {}),
+            **({"FC_ALIBI": 1} if self.alibi else {}),
             "FC_ABLATE_MAX_SUBTRACTION": int(self.ablate == "max_subtraction"),
             "FC_ABLATE_RESCALING": int(self.ablate == "rescaling"),
             **{f"FC_SMEM_{role.upper()}": self.smem_for(role) for role in self.roles},

@@ -130,10 +130,11 @@ template <bool TRANSPOSED, int PASS>
 __device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const float* __restrict__ b_s,
                                            const float* __restrict__ lse_s, const float* __restrict__ delta_s,
                                            float* p_s, float* ds_s, int m0, int n0, int nq, int nk,
-                                           float scale_log2) {
+                                           float scale_log2 FC_HEAD_PARAMS) {
     const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
     const int r0 = rg * SR;  // first tile row of this row group
-    const FcScoreHook hook(scale_log2);
+    FcScoreHook hook(scale_log2);
+    FC_HOOK_SET_HEAD(hook, head_b, head_h);
     auto slot = [&](int t, int kcol) { return TRANSPOSED ? kcol * ST_PITCH + r0 + t : (r0 + t) * S_PITCH + kcol; };
 #pragma unroll 1
     for (int i0 = 0; i0 < KPT; i0 += GS) {
@@ -155,14 +156,14 @@ __device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const 
                     float gs;  // hook'(t)
                     const float ts = hook.apply(x[t][g], row, key, gs);
                     const float p = visible ? fc_softmax_p(ts, scale_log2, lse_log2) : 0.f;
-                    if constexpr (FcScoreHook::active && !TRANSPOSED) ds_s[slot(t, kcol)] = gs;
-                    p_s[slot(t, kcol)] = (FcScoreHook::active && TRANSPOSED) ? p * gs : p;
+                    if constexpr (FC_HOOK_SCALES_DS && !TRANSPOSED) ds_s[slot(t, kcol)] = gs;
+                    p_s[slot(t, kcol)] = (FC_HOOK_SCALES_DS && TRANSPOSED) ? p * gs : p;
                 } else {
                     const float p = p_s[slot(t, kcol)];  // (dq with a hook: P g)
                     // (4) dS = P * (dP - delta) (times the score hook's derivative); exactly 0 where P is
                     // (masked entries never see dP)
                     float ds = p == 0.f ? 0.f : p * (x[t][g] - delta_s[r0 + t]);
-                    if constexpr (FcScoreHook::active && !TRANSPOSED) ds *= ds_s[slot(t, kcol)];
+                    if constexpr (FC_HOOK_SCALES_DS && !TRANSPOSED) ds *= ds_s[slot(t, kcol)];
                     if (!TRANSPOSED) p_s[slot(t, kcol)] = fc_round_elem(p);
                     ds_s[slot(t, kcol)] = fc_round_elem(ds);
                 }
@@ -175,9 +176,11 @@ __device__ __forceinline__ void p_ds_tile(const float* __restrict__ q_s, const f
                                           const float* __restrict__ do_s, const float* __restrict__ v_s,
                                           const float* __restrict__ lse_s, const float* __restrict__ delta_s,
                                           float* p_s, float* ds_s, int m0, int n0, int nq, int nk,
-                                          float scale_log2) {
-    score_pass<TRANSPOSED, 1>(q_s, k_s, lse_s, delta_s, p_s, ds_s, m0, n0, nq, nk, scale_log2);
-    score_pass<TRANSPOSED, 2>(do_s, v_s, lse_s, delta_s, p_s, ds_s, m0, n0, nq, nk, scale_log2);
+                                          float scale_log2 FC_HEAD_PARAMS) {
+    score_pass<TRANSPOSED, 1>(q_s, k_s, lse_s, delta_s, p_s, ds_s, m0, n0, nq, nk,
+                              scale_log2 FC_HEAD_ARGS(head_b, head_h));
+    score_pass<TRANSPOSED, 2>(do_s, v_s, lse_s, delta_s, p_s, ds_s, m0, n0, nq, nk,
+                              scale_log2 FC_HEAD_ARGS(head_b, head_h));
 }
 
 // (5) acc[t][i] += sum_k A[k][r0 + t] * B[k][c + TN * i] over the first n_k rows k of A and B
@@ -249,7 +252,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
             __syncthreads();
 
             // 2. P and dS of this (query tile, key tile) pair.
-            p_ds_tile<false>(q_s, k_s, do_s, v_s, lse_s, delta_s, p_s, ds_s, m0, n0, nq, nk, scale_log2);
+            p_ds_tile<false>(q_s, k_s, do_s, v_s, lse_s, delta_s, p_s, ds_s, m0, n0, nq, nk,
+                             scale_log2 FC_HEAD_ARGS(b, (int)h));
             __syncthreads();
 
             // 3. (5) dV += P^T dO,  dK += dS^T Q  (reduced over this tile's query rows)
@@ -323,7 +327,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_sim
         __syncthreads();
 
         // 2. dS^T of this (query tile, key tile) pair.
-        p_ds_tile<true>(q_s, k_s, do_s, v_s, lse_s, delta_s, ds_s, ds_s, m0, n0, nq, nk, scale_log2);
+        p_ds_tile<true>(q_s, k_s, do_s, v_s, lse_s, delta_s, ds_s, ds_s, m0, n0, nq, nk,
+                        scale_log2 FC_HEAD_ARGS(b, h));
         __syncthreads();
 
         // 3. (5) dQ += dS K  (reduced over this tile's keys)

@@ -157,9 +157,10 @@ constexpr int BN = FC_BLOCK_N;
 constexpr int HD = FC_HEAD_DIM;
 constexpr int STAGES = FC_BWD_STAGES;
 constexpr bool EARLY_DV = FC_BWD_EARLY_DV;
-// P^T's A fragments are formed with P^T (for the early dV, or because a score hook leaves P hook'(t)
-// in P^T's registers for dS: flash_common.cuh), else from those registers when dS^T is formed
-constexpr bool P_FRAG_EARLY = EARLY_DV || FcScoreHook::active;
+// P^T's A fragments are formed with P^T (for the early dV, or because a score hook whose derivative is
+// not 1 leaves P hook'(t) in P^T's registers for dS: flash_common.cuh), else from those registers when
+// dS^T is formed
+constexpr bool P_FRAG_EARLY = EARLY_DV || FC_HOOK_SCALES_DS;
 constexpr int NCWG = BN / 64;            // consumer warpgroups, 64 keys each
 constexpr int NTHR = 128 * (1 + NCWG);
 constexpr int NCTHR = 128 * NCWG;        // consumer threads
@@ -472,7 +473,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         const u32 k_rows = sK + 64 * cw * 128, v_rows = sV + 64 * cw * 128;  // this warpgroup's 64 rows
         const int key_g = n0 + 64 * cw + 16 * wq + g;  // keys key_g and key_g + 8 (rows of S^T)
         const int dcol0 = dq_share_col(cw);            // this warpgroup's dQ columns
-        const FcScoreHook hook(scale_log2);
+        FcScoreHook hook(scale_log2);  // (its head: each iteration's, FC_HOOK_SET_HEAD)
         // query row r < nq sees key key_g + 8 hf iff q_first_vis[hf] <= r <= q_last_vis[hf] (keys past
         // nk: no row)
         const int q_first_vis[2] = {key_g < nk ? fc_first_query(key_g, nq, nk) : nq,
@@ -491,6 +492,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         for (int it = 0; it < n_it; ++it) {
             const int s = it % STAGES;
             const int hq = head_of(it), qt = tile_of(it), m0 = qt * BM;
+            FC_HOOK_SET_HEAD(hook, b, hq);
             // masking: the range hook's (queries past nq, keys past nk, the causal edge)
             const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk, n0 + BN > nk);
             const u32 sq = s_q(s), sdo = s_do(s);

@@ -13,6 +13,8 @@
 //                              around i + (nk - nq) (the visibility section below)
 //   FC_SCORE_HOOK, FC_SOFTCAP_BITS  a score variant (softcap) or the hook's test arm (the score hook
 //                              section below); FC_TANH_APPROX: the softcap's tanh
+//   FC_ALIBI                   1: ALiBi, a per-head linear bias on the scores (the score hook section);
+//                              the kernels then take two more parameters, the slopes and their batch stride
 //   FC_ABLATE_MAX_SUBTRACTION  1: exponentiate raw scores; sum and output on one fixed scale
 //   FC_ABLATE_RESCALING        1: subtract each tile's own max, never rescale the running state
 //                              (both act only inside fc_softmax_step below)
@@ -378,11 +380,34 @@ __device__ __forceinline__ void fc_mask_scores(int row, int key0, int nq, int nk
 //                    FC_SOFTCAP_BITS) on the scaled scores: scale t = cap tanh(scale s / cap), so in
 //                    raw units t = (cap / scale) tanh(scale s / cap) and hook'(t) = 1 - tanh^2.
 //                    tanh is fc_tanh (below).
-// ALiBi (issue 35) will be an arm too; it needs the head and batch, which the dK/dV loops change inside
-// a CTA (the GQA group): the hook then gains them. Sinks are no score hook: they add a term to the
-// softmax's denominator (the running max and sum start from the sink) and have their own gradient.
+// FC_ALIBI 1 adds ALiBi after the arm: t <- t - a |i' - j| with i' = i + nk - nq and a the head's slope in
+// raw units (slope / scale, computed by the host in float64 and rounded to float32, one per (batch,
+// head): FC_ALIBI_PARAMS), the product and the difference each rounded (no FMA: the twin's two
+// roundings), then rounded to the accumulator type. Its derivative is 1 (g unchanged; FC_HOOK_SCALES_DS says
+// whether g can differ from 1). The head and batch change inside a CTA (the persistent forward's
+// tiles, the dK/dV loops over the GQA group), so a kernel names them where they change:
+// FC_HOOK_SET_HEAD(hook, b, h), nothing without ALiBi. Sinks are no score hook: they are merged after
+// the key loop (flashcupy/_sinks.py).
 #ifndef FC_SCORE_HOOK
 #define FC_SCORE_HOOK 0
+#endif
+#ifndef FC_ALIBI
+#define FC_ALIBI 0
+#endif
+#if FC_ALIBI
+// the slopes in raw units, float32 (B or 1, Hq) with batch stride alibi_sb (0: one row for every batch)
+#define FC_ALIBI_PARAMS , const float *__restrict__ alibi, const int alibi_sb
+#define FC_ALIBI_ARGS , alibi, alibi_sb
+#define FC_HOOK_SET_HEAD(hook, b, h) (hook).set_head(alibi, alibi_sb, (b), (h), nq, nk)
+// a device function that makes the hook itself takes the slopes and its head through these
+#define FC_HEAD_PARAMS , const float *__restrict__ alibi, const int alibi_sb, const int head_b, const int head_h
+#define FC_HEAD_ARGS(b, h) , alibi, alibi_sb, (b), (h)
+#else
+#define FC_HEAD_PARAMS
+#define FC_HEAD_ARGS(b, h)
+#define FC_ALIBI_PARAMS
+#define FC_ALIBI_ARGS
+#define FC_HOOK_SET_HEAD(hook, b, h) ((void)0)
 #endif
 static_assert(FC_SCORE_HOOK >= 0 && FC_SCORE_HOOK <= 2, "FC_SCORE_HOOK: 0 (none), 1 (the test arm) or 2 (softcap)");
 #if FC_SCORE_HOOK == 2 && !defined(FC_SOFTCAP_BITS)
@@ -407,9 +432,20 @@ __device__ __forceinline__ float fc_tanh(float x) {
 #endif
 }
 
+// whether the hook's g = hook'(t) can differ from 1 (not for ALiBi alone: a bias has derivative 1)
+#define FC_HOOK_SCALES_DS (FC_SCORE_HOOK != 0)
+
 struct FcScoreHook {
-    static constexpr bool active = FC_SCORE_HOOK != 0;
+    static constexpr bool active = FC_SCORE_HOOK != 0 || FC_ALIBI;
     float pre, post;  // softcap: scale / cap and cap / scale (unused otherwise)
+#if FC_ALIBI
+    float slope = 0.f;  // the current head's slope, raw units
+    int offset = 0;     // nk - nq: query row i sits at i' = i + offset
+    __device__ __forceinline__ void set_head(const float *slopes, int sb, int b, int h, int nq, int nk) {
+        slope = slopes[(long long)b * sb + h];
+        offset = nk - nq;
+    }
+#endif
     __device__ __forceinline__ explicit FcScoreHook(float scale_log2) {
 #if FC_SCORE_HOOK == 2
         const float cap = __int_as_float(FC_SOFTCAP_BITS);
@@ -422,6 +458,16 @@ struct FcScoreHook {
     // t = hook(s) of query row and key, and g = hook'(t). (An active hook rounds t to the accumulator
     // type, as the forwards' tiles hold it, so that every kernel and direction sees the same t.)
     __device__ __forceinline__ float apply(float s, int row, int key, float &g) const {
+#if FC_ALIBI
+        const float t = arm(s, g);
+        const float dist = fabsf((float)(row + offset - key));
+        return fc_round_acc(__fsub_rn(t, __fmul_rn(slope, dist)));
+#else
+        return arm(s, g);
+#endif
+    }
+    // the FC_SCORE_HOOK arm alone
+    __device__ __forceinline__ float arm(float s, float &g) const {
         if constexpr (FC_SCORE_HOOK == 1) {
             g = 0.5f;
             return fc_round_acc(0.5f * s);
@@ -443,7 +489,7 @@ struct FcScoreHook {
 
 // A backward's dS times the hook's derivative g (dS itself without a hook).
 __device__ __forceinline__ float fc_hook_ds(float ds, float g) {
-    if constexpr (FcScoreHook::active) return ds * g;
+    if constexpr (FC_HOOK_SCALES_DS) return ds * g;
     return ds;
 }
 
@@ -552,7 +598,7 @@ __device__ __forceinline__ float fc_row_lse_log2(const float *lse, int row, int 
         elem_t *__restrict__ o, float *__restrict__ lse, const int nq, const int nk,              \
         const int group, const long long q_sb, const long long q_sh, const long long q_sn,        \
         const long long k_sb, const long long k_sh, const long long k_sn, const long long v_sb,   \
-        const long long v_sh, const long long v_sn, const float scale_log2
+        const long long v_sh, const long long v_sn, const float scale_log2 FC_ALIBI_PARAMS
 
 // ------------------------------------------------------------------------------------------------
 // Backward pass (kernels_cu/bwd_*.cu). Each backward family source holds two kernels:
@@ -577,8 +623,9 @@ __device__ __forceinline__ float fc_row_lse_log2(const float *lse, int row, int 
         elem_t *__restrict__ dv, const int nq, const int nk, const int group, const long long q_sb, \
         const long long q_sh, const long long q_sn, const long long k_sb, const long long k_sh,   \
         const long long k_sn, const long long v_sb, const long long v_sh, const long long v_sn,   \
-        const long long do_sb, const long long do_sh, const long long do_sn, const float scale_log2
+        const long long do_sb, const long long do_sh, const long long do_sn,                      \
+        const float scale_log2 FC_ALIBI_PARAMS
 // The same list as arguments (a kernel handing its parameters to a device function).
 #define FC_BWD_ARGS                                                                               \
     q, k, v, dout, lse, delta, dq, dk, dv, nq, nk, group, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, \
-        v_sh, v_sn, do_sb, do_sh, do_sn, scale_log2
+        v_sh, v_sn, do_sb, do_sh, do_sn, scale_log2 FC_ALIBI_ARGS

@@ -75,7 +75,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
     // The key tiles this CTA visits and masks (the range hook, flash_common.cuh): [j0, j_end).
     const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
     const int j0 = tiles.first, j_end = tiles.end;
-    const FcScoreHook hook(scale_log2);
+    FcScoreHook hook(scale_log2);
+    FC_HOOK_SET_HEAD(hook, b, h);
 
     // This thread's load chunk lc and first load row lr (see load_tile); K and V pointers start at key
     // tile j0 and advance by one tile per iteration.

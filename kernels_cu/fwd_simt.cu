@@ -133,7 +133,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
     // when every row sees nothing); every tile is masked key by key (fc_visible).
     const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
     const int n_keys = tiles.key_end;
-    const FcScoreHook hook(scale_log2);
+    FcScoreHook hook(scale_log2);
+    FC_HOOK_SET_HEAD(hook, b, h);
 
     // Running state of this thread's rows: m, l (identical in the 16 lanes of the row group) and
     // its DPT columns of O.

@@ -391,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
     } else {
         // ------------------------------------------------------------------ consumers ---------
         setmaxnreg_inc<CONSUMER_REGS>();
-        const FcScoreHook hook(scale_log2);
+        FcScoreHook hook(scale_log2);  // (its head: each tile's, FC_HOOK_SET_HEAD)
         const int cw = wg - 1;                       // consumer warpgroup: tile rows 64 cw ..
         const int lt = tid & 127, lane = tid & 31;
         const int g = lane >> 2, t = lane & 3;
@@ -413,6 +413,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         };
         for (int w = walk.first(); walk.has(w); w = next_tile(w)) {
             const FwdTile tl = walk.at(w);
+            FC_HOOK_SET_HEAD(hook, tl.b, tl.h);
             // iteration j (0 .. n_tiles - 1) of this tile runs key tile j0 + j, pipeline slot it0 + j
             const int j0 = tl.keys.first, n_tiles = tl.keys.count(), it0 = it;
             const int row_g = tl.m0 + 64 * cw + 16 * (lt >> 5) + g;  // query rows row_g and row_g + 8

@@ -125,10 +125,11 @@ def run_poisoned(q, k, v, **kw):
 
     from flashcupy._launch import forward
 
-    p = check_forward(q, k, v, **{**FORWARD_DEFAULTS, **kw})
+    slopes = kw.pop("alibi_slopes", None)  # (CuPy: the kernels take them at launch)
+    p = check_forward(q, k, v, **{**FORWARD_DEFAULTS, **kw}, alibi=slopes is not None)
     o = _poisoned((p.batch, p.heads_q, p.nq, p.head_dim), q.dtype)
     lse = _poisoned((p.batch, p.heads_q, p.nq), cupy.float32)
-    forward(q, k, v, p, o=o, lse=lse)
+    forward(q, k, v, p, o=o, lse=lse, alibi=slopes)
     cupy.cuda.get_current_stream().synchronize()
     if kw.get("ablate") is None:
         _assert_written(p.variant.key, o=o, lse=lse)
@@ -142,10 +143,11 @@ def run_backward_poisoned(do, q, k, v, o, lse, **kw):
 
     from flashcupy._launch import backward
 
+    slopes = kw.pop("alibi_slopes", None)
     kw = {**BACKWARD_DEFAULTS, **kw}
-    p = check_backward(do, q, k, v, o, lse, **kw)
+    p = check_backward(do, q, k, v, o, lse, **kw, alibi=slopes is not None)
     grads = tuple(_poisoned(x.shape, x.dtype) for x in (q, k, v))
-    backward(do, q, k, v, o, lse, p, deterministic=kw["deterministic"], grads=grads)
+    backward(do, q, k, v, o, lse, p, deterministic=kw["deterministic"], grads=grads, alibi=slopes)
     cupy.cuda.get_current_stream().synchronize()
     _assert_written(p.variant.key, **dict(zip(("dq", "dk", "dv"), grads)))
     return grads

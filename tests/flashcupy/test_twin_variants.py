@@ -107,10 +107,15 @@ def test_the_entry_points_run_the_variants_on_numpy_inputs(rng):
     assert len(grads) == 4 and grads[3].shape == (2,) and np.abs(grads[3]).max() > 0
     plain = flashcupy.attention(q, k, v, causal=True, window_size=[-1, -1], softcap=0)
     assert np.array_equal(plain, flashcupy.attention(q, k, v, causal=True))
-    gpu = types.SimpleNamespace(backend="cuda", heads_q=2)
+    gpu = types.SimpleNamespace(backend="cuda", heads_q=2, batch=1)
     assert flashcupy._score_variants(gpu, None, None, q) == {}
-    with pytest.raises(ValueError, match="alibi_slopes: ALiBi runs on NumPy inputs"):
-        flashcupy._score_variants(gpu, None, kw["alibi_slopes"], q)
+    # the kernels' slopes are checked before any launch (the shape, the dtype, finite where readable)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(Hq,\) = \(2,\) or \(B, Hq\)"):
+        flashcupy._score_variants(gpu, None, np.ones(3, np.float32), q)
+    with pytest.raises(TypeError, match="alibi_slopes must be float32 or float64"):
+        flashcupy._score_variants(gpu, None, np.ones(2, np.float16), q)
+    with pytest.raises(ValueError, match="alibi_slopes must be finite"):
+        flashcupy._score_variants(gpu, None, np.array([1.0, np.nan], np.float32), q)
     for bad in (None, True, "3"):
         with pytest.raises(TypeError, match="softcap must be a number"):
             flashcupy.attention(q, k, v, softcap=bad)
