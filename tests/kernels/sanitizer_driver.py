@@ -59,6 +59,19 @@ def main() -> None:
                 for det in (False, True):
                     flashcupy.attention_backward(do, q, k, k, o, lse, causal=causal, kernel=kernel,
                                                  deterministic=det, window_size=window, softcap=cap)
+    # ALiBi (its slopes read per head, set where the head changes: the dK/dV loops over the GQA group),
+    # per batch and head, with a causal mask and with a window, each family, forward and both dQ paths
+    for kernel, dt in (("wgmma", np.float16), ("mma", np.float16), ("simt", np.float32)):
+        for causal, window in ((True, (-1, -1)), (False, (20, 5))):
+            q = cupy.asarray(rng.standard_normal((2, 4, 77, 64)).astype(dt))
+            k = cupy.asarray(rng.standard_normal((2, 2, 130, 64)).astype(dt))
+            do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
+            slopes = cupy.asarray(rng.uniform(0.01, 0.5, (2, 4)).astype(np.float32))
+            o, lse = flashcupy.attention(q, k, k, causal=causal, kernel=kernel, window_size=window,
+                                         alibi_slopes=slopes, return_lse=True)
+            for det in (False, True):
+                flashcupy.attention_backward(do, q, k, k, o, lse, causal=causal, kernel=kernel,
+                                             deterministic=det, window_size=window, alibi_slopes=slopes)
     # the persistent wgmma forward (D=64) on 3 CTAs, so that each runs several tiles: the static split
     # (with a window too: tiles that see no key) and, with a causal mask, the dynamic scheduler's tile
     # slot and counter
@@ -73,6 +86,8 @@ def main() -> None:
                 k = cupy.asarray(rng.standard_normal((1, 2, nk, 64)).astype(np.float16))
                 flashcupy.attention(q, k, k, causal=causal, kernel="wgmma", block_m=128, block_n=64,
                                     window_size=window)
+                flashcupy.attention(q, k, k, causal=causal, kernel="wgmma", block_m=128, block_n=64,
+                                    window_size=window, alibi_slopes=cupy.full(4, 0.125, cupy.float32))
     finally:
         _launch._wgmma_ctas = ctas
     # fp8 (e4m3) forward: both accumulations, k descales per tile and per key, every tile, GQA, ragged
