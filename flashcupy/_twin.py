@@ -52,8 +52,8 @@ ALiBi t - (slope / scale) |i' - j|, then the mask (causal, window). A sink logit
 row's (o, lse) after the key loop, as on the kernels (``flashcupy._sinks``: lse includes it, a row that sees
 no key gets lse = z and o = 0); ``forward(sink_first=True)`` starts the online softmax from it instead
 (m = z / scale, l = 1). The backward multiplies dS by the softcap's 1 - tanh^2 and returns d sinks =
--sum P_sink delta. Every kernel family runs the window, the softcap and the sinks; ALiBi runs on the twin
-only so far.
+-sum P_sink delta. Every kernel family runs the window, the softcap, the sinks and ALiBi (the fp8 forward:
+the window and the sinks).
 """
 from __future__ import annotations
 
