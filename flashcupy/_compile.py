@@ -462,4 +462,11 @@ def covering_variants(family: str) -> list[Variant]:
                 add(head_dim=256, block_m=128, block_n=128, causal=causal, fp8="single", fp8_kscale=ks)
         for acc in FP8_ACCUMULATIONS:
             add(head_dim=128, block_m=fp8_block_m(acc, 128), block_n=128, fp8=acc, window=(200, 0))
+        # the softcap on fp8 operands: each accumulation x k-descale (the per-tile descale taken element by
+        # element there), and D = 256
+        for acc in FP8_ACCUMULATIONS:
+            for ks in FP8_KSCALES:
+                add(head_dim=128, block_m=fp8_block_m(acc, 128, True), block_n=128, causal=True, fp8=acc,
+                    fp8_kscale=ks, softcap=30.0)
+        add(head_dim=256, block_m=128, block_n=128, fp8="single", softcap=30.0)
     return list(out.values())

@@ -154,13 +154,15 @@ def default_tile(family: str, dtype: str, d: int, accum: str, causal: bool, bloc
     return next((bm for bm in (dm, *sorted(fam.block_m, reverse=True)) if runs(bm, block_n)), dm), block_n
 
 
-def fp8_block_m(accumulation: str, head_dim: int) -> int:
-    """The default fp8 tile (query rows per CTA): 192 for single-level accumulation at D=128, else 128.
+def fp8_block_m(accumulation: str, head_dim: int, softcap: bool = False) -> int:
+    """The default fp8 tile (query rows per CTA): 192 for single-level accumulation at D=128 without a
+    softcap, else 128. (With the softcap, the 192-row tile's three warpgroups at 128 registers spill 52
+    bytes where k's descale is constant over a key tile, ptxas sm_90a; the 128-row tile spills none.)
     Single-level accumulation at D=128 runs three consumer warpgroups, each with its own softmax and no
     pingpong: measured on the H200 833 / 926 / 896 TFLOP/s at N = 4096 / 16384 / 16384 causal against
     730 / 827 / 821 with two (128 rows, pingpong, overlap) and 582 / 653 / 602 with one. Two-level
     accumulation and D=256 take two (a second O accumulator, or D=256's O, does not fit three)."""
-    return 192 if accumulation == "single" and head_dim == 128 else 128
+    return 192 if accumulation == "single" and head_dim == 128 and not softcap else 128
 
 
 # --------------------------------------------------------------------------------------------------

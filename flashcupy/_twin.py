@@ -53,7 +53,7 @@ row's (o, lse) after the key loop, as on the kernels (``flashcupy._sinks``: lse 
 no key gets lse = z and o = 0); ``forward(sink_first=True)`` starts the online softmax from it instead
 (m = z / scale, l = 1). The backward multiplies dS by the softcap's 1 - tanh^2 and returns d sinks =
 -sum P_sink delta. Every kernel family runs the window, the softcap, the sinks and ALiBi (the fp8 forward:
-the window and the sinks).
+the window, the softcap and the sinks).
 """
 from __future__ import annotations
 
@@ -288,12 +288,15 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, softcap: float | Non
 
 
 def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: int, p_scale: float,
-                accumulation: str, model=None, ablate=None, window=(-1, -1), sink_first=None):
+                accumulation: str, model=None, ablate=None, window=(-1, -1), sink_first=None,
+                softcap: float = 0.0):
     """The twin of the fp8 (e4m3) forward: q8, k8, v8 float64 arrays of e4m3 values (B, H, N, D), sq, sk
     their float32 scales broadcastable to (B, H, N, 1), sv (B, Hkv, 1, 1) or (1, 1, 1, 1) (constant over
     keys). Returns (o float32, lse float32). Per tile of ``block_n`` keys, with c = scale * log2(e):
 
-        S     = mm(Q8, K8^T) * (sq sk)             (the raw e4m3 product, descaled per row and column)
+        S     = mm(Q8, K8^T) * (sq sk)             (the raw e4m3 product, descaled per row and column;
+                                                   with ``softcap`` c_s, then (c_s / scale) tanh(scale S /
+                                                   c_s) in float32, as ``forward``'s hook)
         m'    = max(m, rowmax S),  alpha = 2^(c (m - m')),  P = 2^(c (S - m'))      (fp32)
         l     = alpha l + rowsum(P)                (fp32, from P before its rounding)
         P8    = e4m3(P * p_scale)                  (round to nearest even; P * p_scale <= p_scale <= 448;
@@ -341,10 +344,7 @@ def forward_fp8(q8, k8, v8, sq, sk, sv, *, causal: bool, scale: float, block_n: 
             kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
             s_raw = matmul(qf, kt, None, "e4m3", "fp32", model).astype(f32)
             s = s_raw * (sqf * np.swapaxes(skf[..., j0:j1, :], -1, -2))
-            if causal or window != (-1, -1):
-                from .reference import visible_mask
-
-                s = np.where(visible_mask(rows[:, 0], nq, nk, causal, window)[:, j0:j1], s, f32(-np.inf))
+            s, _ = _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, (window, softcap, None, None))
             m_tile = s.max(axis=-1, keepdims=True)
             m_new = np.maximum(m, m_tile)
             if ablate == "max_subtraction":

@@ -135,8 +135,8 @@ class Variant:
     # with right = 0, and (-1, 0) is causal=True (one form per mask: _checks.window_of); None: no window
     window: tuple[int, int] | None = None
     # flash_attn_func's softcap on the scaled scores, cap tanh(S / cap), compiled in (FC_SCORE_HOOK 2 with
-    # the cap's float32 bits, FC_SOFTCAP_BITS): a float32 value > 0, or 0.0 for none (every family but
-    # fp8; the kernels' hook and its tanh: kernels_cu/flash_common.cuh)
+    # the cap's float32 bits, FC_SOFTCAP_BITS): a float32 value > 0, or 0.0 for none (every family,
+    # fp8 included; the kernels' hook and its tanh: kernels_cu/flash_common.cuh)
     softcap: float = 0.0
     # ALiBi (FC_ALIBI): a per-head linear bias -a |i' - j| on the scores after the softcap, the slopes a
     # given at launch (two more kernel parameters: the slopes in raw units and their batch stride); every
@@ -192,8 +192,6 @@ class Variant:
             object.__setattr__(self, "window", window)
         if self.softcap != 0.0:
             cap = _float32_cap(self.softcap)
-            if self.fp8 is not None:
-                raise ValueError("softcap does not run with fp8 operands yet; the 16-bit kernels run it")
             object.__setattr__(self, "softcap", cap)
         if not isinstance(self.alibi, bool):
             raise TypeError(f"alibi must be a bool, got {type(self.alibi).__name__}")

@@ -303,7 +303,7 @@ def _check_magnitudes(q: Quantized, k: Quantized, v: Quantized, scale: float, d:
 
 def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, scale=None, block_n=128,
                   p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False, block_m=None,
-                  ablate=None, window_size=(-1, -1), sinks=None):
+                  ablate=None, window_size=(-1, -1), sinks=None, softcap=0.0):
     """Attention on e4m3 inputs, FlashAttention-3's fp8 forward: ``o = softmax(scale * q k^T) v`` with
     q = q.data * q.scale and so on (the outputs of ``quantize``), o in ``out_dtype``.
 
@@ -329,35 +329,38 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
 
     Parameters: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) ``Quantized`` e4m3 (Hq % Hkv == 0; D 64, 128 or
     256); q and k at any granularity, v at "tensor" or "head" (its scale must be constant over keys, the
-    reduction axis of P V); ``causal`` bottom-right aligned, ``window_size`` and ``sinks`` as in
-    ``flashcupy.attention`` (sinks merged after the key loop, ``flashcupy._sinks``, on the twin and the
-    kernel alike: P keeps the keys' own max, so a dominant sink cannot underflow the e4m3 P); ``scale``
+    reduction axis of P V); ``causal`` bottom-right aligned, ``window_size``, ``softcap`` and ``sinks`` as
+    in ``flashcupy.attention`` (the softcap c tanh(S / c) on the descaled scaled scores S before the mask,
+    the kernel descaling S element by element then, in float32 with the 16-bit kernels' tanh; sinks merged
+    after the key loop, ``flashcupy._sinks``, on the twin and the kernel alike: P keeps the keys' own max,
+    so a dominant sink cannot underflow the e4m3 P); ``scale``
     default 1/sqrt(D); ``p_scale`` in (0, 448]; ``out_dtype`` "float16" or "bfloat16". Returns o (and
     lse, float32 (B, Hq, Nq), with ``return_lse``).
 
     Runs the NumPy twin on NumPy inputs and the fp8 wgmma kernel (``kernels_cu/fwd_wgmma.cu`` built with
-    FC_FP8, Hopper only) on CuPy inputs (uint8 bit patterns). The kernel runs D 128 and 256, ``block_n``
-    128 and ``block_m`` 64, 128 or 192 (query rows per CTA, one consumer warpgroup per 64: no effect on
-    the result; default 192 at D=128, the fastest measured on the H200, and 128 for two-level
-    accumulation, which does not run 192), accumulation "single" or "tile" (D=256: single-level with
+    FC_FP8, Hopper only) on CuPy inputs (uint8 bit patterns). The kernel runs D 128 and 256, ``block_n`` 128
+    and ``block_m`` 64, 128 or 192 (query rows per CTA, one consumer warpgroup per 64: no effect on the
+    result; default 192 at D=128, the fastest measured on the H200, and 128 for two-level accumulation,
+    which does not run 192, and with a softcap), accumulation "single" or "tile" (D=256: single-level with
     block_m 128 only); it reads V transposed (a second, small kernel writes V^T first: e4m3 wgmma takes
     K-major operands only). On the twin ``block_m`` is ignored. A call on CuPy inputs can be captured in a
     CUDA graph, as ``flashcupy.attention`` can: its temporaries (the flattened descales, V^T, the tile
-    counter) are then the capture's own, and a replay reads the inputs and scales at their addresses.
-    Its launches go through a plan remembered per variant, shapes, strides, scale and p_scale, as the
-    16-bit forward's do.
+    counter) are then the capture's own, and a replay reads the inputs and scales at their addresses. Its
+    launches go through a plan remembered per variant, shapes, strides, scale and p_scale, as the 16-bit
+    forward's do.
     """
     return _attention_fp8(q, k, v, causal=causal, scale=scale, block_n=block_n, p_scale=p_scale,
                           accumulation=accumulation, out_dtype=out_dtype, return_lse=return_lse,
-                          block_m=block_m, ablate=ablate, window_size=window_size, sinks=sinks)
+                          block_m=block_m, ablate=ablate, window_size=window_size, sinks=sinks,
+                          softcap=softcap)
 
 
 def _attention_fp8(q, k, v, *, causal, scale, block_n, p_scale, accumulation, out_dtype, return_lse, block_m,
-                   ablate, window_size, sinks, sink_first: bool = False):
+                   ablate, window_size, sinks, softcap=0.0, sink_first: bool = False):
     """``attention_fp8``'s body; ``sink_first`` (NumPy inputs with sinks, for
     ``inspect.sink_first_forward_fp8``): the twin starts its online softmax from the sinks instead of
     merging them after the key loop."""
-    from ._checks import _check_bool, check_scale, check_tile, window_of
+    from ._checks import _check_bool, check_kernel_softcap, check_scale, check_tile, window_of
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Quantized):
@@ -381,6 +384,7 @@ def _attention_fp8(q, k, v, *, causal, scale, block_n, p_scale, accumulation, ou
     _check_bool("return_lse", return_lse)
     causal, window = window_of(window_size, bool(causal), q.shape[2], k.shape[2])
     scale = check_scale(scale, d)
+    softcap = float(np.float32(check_kernel_softcap(softcap)))  # (the float32 cap the kernel compiles)
     block_n = check_tile("block_n", block_n, FP8_BLOCK_N)
     block_m = check_tile("block_m", block_m, (64, 128, 192))
     if isinstance(p_scale, (bool, np.bool_)) or not isinstance(p_scale, (int, float, np.number)):
@@ -403,7 +407,7 @@ def _attention_fp8(q, k, v, *, causal, scale, block_n, p_scale, accumulation, ou
     if block_m is None:
         from ._policy import fp8_block_m
 
-        block_m = fp8_block_m(accumulation, q.shape[3])
+        block_m = fp8_block_m(accumulation, q.shape[3], bool(softcap))
     sides = {_xp(x.data) is np for x in (q, k, v)} | {_xp(x.scale) is np for x in (q, k, v)}
     if len(sides) > 1:
         raise TypeError("q, k and v (data and scales) must all be NumPy arrays (the twin) or all CuPy "
@@ -413,7 +417,7 @@ def _attention_fp8(q, k, v, *, causal, scale, block_n, p_scale, accumulation, ou
     if _xp(q.data) is not np:
         o, lse = _attention_fp8_kernel(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
                                        p_scale=float(p_scale), accumulation=accumulation, out_dtype=out_dtype,
-                                       ablate=ablate, window=window)
+                                       ablate=ablate, window=window, softcap=softcap)
         if sinks is not None:
             _sinks.apply(o, lse, sinks)
         return (o, lse) if return_lse else o
@@ -425,7 +429,8 @@ def _attention_fp8(q, k, v, *, causal, scale, block_n, p_scale, accumulation, ou
                                expand_scale(k), v.scale, causal=causal, scale=scale, block_n=block_n,
                                p_scale=float(p_scale), accumulation="tile" if exact else accumulation,
                                model=(None, "rn", None) if exact else None, ablate=ablate,
-                               window=window or (-1, -1), sink_first=sinks if sink_first else None)
+                               window=window or (-1, -1), sink_first=sinks if sink_first else None,
+                               softcap=softcap)
     o = o.astype(numpy_dtype({"float16": "f16", "bfloat16": "bf16"}[out_dtype]))
     if sinks is not None and not sink_first:  # merged after the key loop, as on the kernel
         _sinks.apply(o, lse, sinks)
@@ -433,7 +438,7 @@ def _attention_fp8(q, k, v, *, causal, scale, block_n, p_scale, accumulation, ou
 
 
 def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, accumulation, out_dtype,
-                          ablate, window):
+                          ablate, window, softcap=0.0):
     """attention_fp8 on CuPy inputs (arguments checked): (o, lse) of this call's fp8 fwd_wgmma variant."""
     import cupy
 
@@ -463,7 +468,8 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
     # k's descale is constant over each key tile unless it varies by token or by blocks that split a tile
     per_tile = k.granularity in ("tensor", "head") or (k.granularity == "block" and k.block % block_n == 0)
     var = Variant("fwd_wgmma", {"float16": "f16", "bfloat16": "bf16"}[out_dtype], "fp32", block_m, block_n, d,
-                  causal, ablate, fp8=accumulation, fp8_kscale="tile" if per_tile else "key", window=window)
+                  causal, ablate, fp8=accumulation, fp8_kscale="tile" if per_tile else "key", window=window,
+                  softcap=softcap)
     blocks = tuple(x.block if x.granularity == "block" else None for x in (q, k))
     with cupy.cuda.Device(device):
         return forward_fp8(q.data, k.data, v.data, q.scale, k.scale, v.scale, var, scale=scale,

@@ -501,38 +501,41 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 // p_shift = log2(p_scale): P comes out multiplied by p_scale, ready for its e4m3 rounding,
                 // and l sums the multiplied P (the epilogue divides it out).
                 float c_p[2] = {scale_log2, scale_log2}, mx_f[2] = {1.f, 1.f};
-                constexpr bool FOLD_F = FC_FP8 && !FC_FP8_KSCALE_KEY;
+                // S_raw is descaled element by element where k's descale varies per key, and where a score
+                // hook (the softcap) needs S itself; otherwise f is folded into the exponent
+                constexpr bool FOLD_F = FC_FP8 && !FC_FP8_KSCALE_KEY && !FcScoreHook::active;
 #if FC_FP8
                 const float p_shift = p_scale_log2;
 #else
                 constexpr float p_shift = 0.f;
 #endif
 #if FC_FP8
-#if FC_FP8_KSCALE_KEY
+                if constexpr (!FOLD_F) {  // S = S_raw (sq sk), two roundings
 #pragma unroll
-                for (int i = 0; i < BN / 8; ++i)
+                    for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float ks = k_scales[min(j * BN + 8 * i + 2 * t + e, nk - 1)];
+                        for (int e = 0; e < 2; ++e) {
+                            const float ks = k_scales[FC_FP8_KSCALE_KEY ? min(j * BN + 8 * i + 2 * t + e, nk - 1)
+                                                                        : j * BN];
 #pragma unroll
-                        for (int hf = 0; hf < 2; ++hf)
-                            wg_tile(sacc, i)[2 * hf + e] =
-                                __fmul_rn(wg_tile(sacc, i)[2 * hf + e], __fmul_rn(q_scale[hf], ks));
+                            for (int hf = 0; hf < 2; ++hf)
+                                wg_tile(sacc, i)[2 * hf + e] =
+                                    __fmul_rn(wg_tile(sacc, i)[2 * hf + e], __fmul_rn(q_scale[hf], ks));
+                        }
+                } else {
+                    // f and f c are kept at least FLT_MIN: for tiny inputs (descales near 1e-33) they would
+                    // flush to zero, and a masked key's -inf times 0 is NaN. The exponents they then give
+                    // (at most 448^2 D FLT_MIN) round P to what the true ones do: 2^p_shift, a uniform row.
+                    const float ks = k_scales[j * BN];  // constant over the key tile
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        mx_f[hf] = fmaxf(__fmul_rn(q_scale[hf], ks), 1.17549435e-38f);
+                        c_p[hf] = fmaxf(__fmul_rn(mx_f[hf], scale_log2), 1.17549435e-38f);
                     }
-#else
-                // f and f c are kept at least FLT_MIN: for tiny inputs (descales near 1e-33) they would
-                // flush to zero, and a masked key's -inf times 0 is NaN. The exponents they then give
-                // (at most 448^2 D FLT_MIN) round P to what the true ones do: 2^p_shift, a uniform row.
-                const float ks = k_scales[j * BN];  // constant over the key tile
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    mx_f[hf] = fmaxf(__fmul_rn(q_scale[hf], ks), 1.17549435e-38f);
-                    c_p[hf] = fmaxf(__fmul_rn(mx_f[hf], scale_log2), 1.17549435e-38f);
                 }
 #endif
-#endif
-                // the score hook (flash_common.cuh; not with fp8), then the mask
-                static_assert(!(FC_FP8 && FcScoreHook::active), "fwd_wgmma: no score hook with fp8 operands");
+                // the score hook (flash_common.cuh; with fp8 operands the softcap, not ALiBi), then the mask
+                static_assert(!(FC_FP8 && FC_ALIBI), "fwd_wgmma: no ALiBi with fp8 operands");
                 fc_hook_scores<BN / 8>(hook, row_g, j * BN + 2 * t,
                                        [&](int i) -> acc_t(&)[ACC_REGS] { return wg_tile(sacc, i); });
                 if (tl.keys.masked(j))

@@ -442,8 +442,10 @@ def test_softcap_reaches_the_variant_as_float32_bits():
     assert plain.softcap == 0 and "FC_SCORE_HOOK" not in plain.defines() and "cap" not in plain.key
     same = check_forward(q, k, v, **{**FORWARD_DEFAULTS, "softcap": np.float32(0.1)}).variant
     assert same == p.variant
-    with pytest.raises(ValueError, match="softcap does not run with fp8"):
-        Variant("fwd_wgmma", "f16", "fp32", 128, 128, 128, fp8="single", softcap=30.0)
+    fp8cap = Variant("fwd_wgmma", "f16", "fp32", 128, 128, 128, fp8="single", softcap=30.0)
+    assert fp8cap.defines()["FC_SCORE_HOOK"] == 2 and fp8cap.key.endswith(".cap30.e4m3_single")
+    with pytest.raises(ValueError, match="alibi_slopes do not run with fp8"):
+        Variant("fwd_wgmma", "f16", "fp32", 128, 128, 128, fp8="single", alibi=True)
     with pytest.raises(ValueError, match="softcap at block_m=64, not 80"):
         Variant("bwd_wgmma", "f16", "fp32", 80, 128, 128, softcap=30.0)
     assert default_tile("bwd_wgmma", "f16", 128, "fp32", False, n=4096, softcap=30.0) == (64, 128)

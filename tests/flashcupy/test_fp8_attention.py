@@ -85,6 +85,28 @@ def test_fp8_attention_is_close_to_float64_on_its_dequantized_inputs(rng, accumu
     np.testing.assert_allclose(lse[seen], rl[seen], atol=0.05)
 
 
+@pytest.mark.parametrize("accumulation", fp8.ACCUMULATIONS)
+def test_fp8_softcap_is_close_to_float64_and_bites(rng, accumulation):
+    """The softcap on the fp8 twin (S descaled, then (c / scale) tanh(scale S / c) in float32, the kernel's
+    model): within the e4m3 bound of float64 softcapped attention on the dequantized inputs, with a window
+    and Nq > Nk; the cap moves o by many times that error; the LSE within 1e-3 (the e4m3 products' 14-bit
+    accumulation moves each score by about 2^-14 of the sum's size)."""
+    q = _quantized(rng, (1, 4, 70, 64), "token")
+    k = _quantized(rng, (1, 2, 45, 64), "block", 16)
+    v = _quantized(rng, (1, 2, 45, 64), "head")
+    kw = dict(window_size=(20, 3), softcap=1.5)
+    o, lse = flashcupy.attention_fp8(q, k, v, block_n=64, accumulation=accumulation, return_lse=True, **kw)
+    deq = [fp8.dequantize(x).astype(np.float64) for x in (q, k, v)]
+    ro, rl = reference.attention(*deq, return_lse=True, **kw)
+    seen = np.isfinite(rl)
+    assert not seen.all() and np.all(np.isneginf(lse[~seen])) and np.all(o[~seen] == 0)
+    err = np.sqrt(np.mean((o.astype(np.float64) - ro)[seen] ** 2))
+    assert err <= 0.05 * np.sqrt(np.mean(ro[seen] ** 2))
+    uncapped = reference.attention(*deq, window_size=(20, 3))
+    assert np.sqrt(np.mean((uncapped - ro)[seen] ** 2)) > 5 * err
+    np.testing.assert_allclose(lse[seen], rl[seen], rtol=0, atol=1e-3)
+
+
 def test_single_level_accumulation_loses_bits_that_two_level_keeps(rng):
     """Over 2048 keys the tensor core's 14-bit accumulator, carried across tiles, truncates every new
     product against a running sum hundreds of times larger: a bias toward zero of about 2% (measured
@@ -117,6 +139,9 @@ def test_single_level_accumulation_loses_bits_that_two_level_keeps(rng):
     ({"block_n": 64.0}, TypeError, ["block_n", "int"]),
     ({"out_dtype": np.float16}, ValueError, ["out_dtype", "names"]),
     ({"scale": 1e38}, ValueError, ["scale", "2^12"]),
+    ({"softcap": -1.0}, ValueError, ["softcap", ">= 0"]),
+    ({"softcap": True}, TypeError, ["softcap"]),
+    ({"softcap": 1e-9}, ValueError, ["softcap", "2^-16"]),
 ])
 def test_bad_arguments_are_refused(rng, kwargs, exc, words):
     q, k, v = (_quantized(rng, (1, 1, 8, 64)) for _ in range(3))

@@ -154,6 +154,68 @@ def test_fp8_kernel_with_a_window(rng, poisoned, causal, window, accumulation):
     np.testing.assert_allclose(lse[seen], lt[seen], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("accumulation", ["single", "tile"])
+@pytest.mark.parametrize("kg", [("head",), ("token",)], ids=["k-per-tile", "k-per-key"])
+def test_fp8_kernel_with_a_softcap(rng, poisoned, kg, accumulation):
+    """The softcap (issue 35) on the fp8 kernel, causal, on both of k's descale paths (per tile, which
+    descales S element by element only with a hook, and per key). With the accurate tanh the kernel follows
+    the twin as closely as without a cap; with its default tanh.approx it answers to float64 as the twin
+    does (the approximation's 2^-17 is far below e4m3's rounding). The cap bites: without it o moves by
+    many times the error."""
+    import cupy
+
+    from flashcupy.inspect import kernel_build
+
+    qh, qd = _pair(rng, (1, 4, 300, 128), "token")
+    kh, kd = _pair(rng, (1, 2, 520, 128), *kg)
+    vh, vd = _pair(rng, (1, 2, 520, 128), "head", shift=0.5)
+    kw = dict(causal=True, softcap=2.0, accumulation=accumulation, return_lse=True)
+    ot, lt = flashcupy.attention_fp8(qh, kh, vh, **kw)
+    ot = ot.astype(np.float64)
+    deq = [fp8.dequantize(x).astype(np.float64) for x in (qh, kh, vh)]
+    ro, rl = reference.attention(*deq, causal=True, softcap=2.0, return_lse=True)
+    seen = np.isfinite(lt)
+    errs = {}
+    for arm in ("accurate", "approx"):
+        with kernel_build(defines={"FC_TANH_APPROX": int(arm == "approx")}):
+            o, lse = flashcupy.attention_fp8(qd, kd, vd, **kw)
+        assert poisoned[-1].endswith(f"cap2.e4m3_{accumulation}" + ("_kkey" if kg == ("token",) else ""))
+        assert ".bm128." in poisoned[-1]  # (the softcap's default tile)
+        o, lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse)
+        np.testing.assert_array_equal(np.isfinite(lse), seen)
+        if arm == "accurate":
+            errs[arm] = _agree(o, ot, ro, seen)[0]
+            np.testing.assert_allclose(lse[seen], lt[seen], rtol=0, atol=1e-4)
+        else:
+            errs[arm] = np.sqrt(np.mean((o - ro)[seen] ** 2))
+            np.testing.assert_allclose(lse[seen], rl[seen], rtol=0, atol=1e-3)
+    err_twin = np.sqrt(np.mean((ot - ro)[seen] ** 2))
+    assert errs["accurate"] <= 1.05 * err_twin and errs["approx"] <= 1.1 * err_twin, (errs, err_twin)
+    uncapped = reference.attention(*deq, causal=True)
+    assert np.sqrt(np.mean((uncapped - ro)[seen] ** 2)) > 5 * err_twin
+
+
+def test_fp8_kernel_with_a_softcap_at_d256_with_a_window_and_sinks(rng, poisoned):
+    """The softcap with every other fp8 variant at once, at D = 256: a window, sinks, GQA, Nq > Nk."""
+    import cupy
+
+    qh, qd = _pair(rng, (1, 4, 203, 256), "tensor")
+    kh, kd = _pair(rng, (1, 2, 150, 256), "head")
+    vh, vd = _pair(rng, (1, 2, 150, 256), "head", shift=0.5)
+    z = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    kw = dict(window_size=(40, 0), softcap=2.0, return_lse=True)
+    o, lse = flashcupy.attention_fp8(qd, kd, vd, sinks=cupy.asarray(z), **kw)
+    assert ".cap2." in poisoned[-1] and ".win" in poisoned[-1]
+    o, lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse)
+    ot, lt = flashcupy.attention_fp8(qh, kh, vh, sinks=z, **kw)
+    ro = reference.attention(*(fp8.dequantize(x).astype(np.float64) for x in (qh, kh, vh)), sinks=z, **kw)[0]
+    seen = np.isfinite(lt)
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+    err_kern, err_twin = np.sqrt(np.mean((o - ro)[seen] ** 2)), np.sqrt(np.mean((ot - ro)[seen] ** 2))
+    assert err_kern <= 1.1 * err_twin, (err_kern, err_twin)
+    assert err_twin <= 0.05 * np.sqrt(np.mean(ro[seen] ** 2))
+
+
 @pytest.mark.parametrize("strength", [0.0, 8.0], ids=["sink-even", "sink-dominant"])
 def test_fp8_kernel_with_sinks(rng, poisoned, strength):
     """Sinks (issue 35) on the fp8 kernel, merged after the key loop: the kernel agrees with the twin

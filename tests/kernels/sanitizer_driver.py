@@ -106,6 +106,12 @@ def main() -> None:
         q, k = e4m3((1, 2, 77, 256), "tensor"), e4m3((1, 1, 203, 256), "token")
         v = e4m3((1, 1, 203, 256), "head")
         flashcupy.attention_fp8(q, k, v, causal=causal)  # D=256
+    # the softcap on fp8 operands: k's descale per tile and per key, and D = 256 with a window
+    for kg in (("head",), ("token",)):
+        q, k, v = e4m3((1, 4, 203, 128), "token"), e4m3((1, 2, 77, 128), *kg), e4m3((1, 2, 77, 128), "head")
+        flashcupy.attention_fp8(q, k, v, causal=False, softcap=2.0)
+    q, k, v = e4m3((1, 2, 77, 256), "tensor"), e4m3((1, 1, 203, 256), "head"), e4m3((1, 1, 203, 256), "head")
+    flashcupy.attention_fp8(q, k, v, window_size=(40, 0), softcap=2.0)
     # layouts the kernels copy or read in place (issue 33): a misaligned q, a broadcast k, a reversed v,
     # a misaligned o and a stride-0 do, every family, both directions; the fp8 forward on misaligned and
     # reversed data
