@@ -1,5 +1,5 @@
 """``softcap``: flash_attn_func's softcap, S <- c tanh(S / c) on the scaled scores, the error against
-float64 against the cap c, and which tanh the kernels take.
+float64 against the cap c, and which tanh the kernels take; the fp8 forward with a cap.
 
 Error: per (dtype, accumulator) and cap, the forward's max |o - o_ref| and each gradient's, as multiples of
 the naive same-precision attention's error on the same call (the accuracy rule's measure: at most 2x
@@ -77,6 +77,35 @@ def _error_rows(ctx: Context, b, h, n, d, caps):
                 + ", ".join(f"{x:.2f}x" for x in r[1:])
                 + ("" if math.isnan(accurate[0]) else f"; accurate tanh o {accurate[0]:.2f}x, gradients "
                    + ", ".join(f"{x:.2f}x" for x in accurate[1:])))
+    return rows
+
+
+def _fp8_rows(ctx: Context, b, h, n, d, caps):
+    """The fp8 (e4m3) forward with each cap, against float64 softcapped attention of what its quantized
+    inputs stand for: the relative RMS and the max abs error of o, per accumulation; beside it the fp16
+    kernel (fp32 accumulators) on the same dequantized values rounded to fp16, for scale. q, k per token,
+    v per head, the scale as in the 16-bit sweep."""
+    from flashcupy import fp8
+
+    rng = ctx.rng("softcap.fp8")
+    scale = SCORE_STD / math.sqrt(d)
+    x = [rng.standard_normal((b, h, n, d)).astype(np.float32) for _ in range(3)]
+    qd = [fp8.quantize(a, "e4m3", g) for a, g in zip(x, ("token", "token", "head"))]
+    deq = [fp8.dequantize(a).astype(np.float64) for a in qd]
+    dev = [fp8.quantize(a, "e4m3", g) for a, g in zip(ctx.dev(*x), ("token", "token", "head"))]
+    f16 = ctx.dev(*(a.astype(np.float16) for a in deq))
+    rows = []
+    for cap in caps:
+        ref = reference.attention(*deq, causal=True, scale=scale, softcap=cap)
+        rms = float(np.sqrt(np.mean(ref ** 2)))
+        o16 = flashcupy.attention(*f16, causal=True, scale=scale, softcap=cap)
+        e16 = errors(o16, ref)
+        for acc in ("single", "tile"):
+            o = flashcupy.attention_fp8(*dev, causal=True, scale=scale, softcap=cap, accumulation=acc)
+            e = errors(o, ref)
+            rows.append([acc, cap, e["rmse"] / rms, e["max_abs"], e16["rmse"] / rms])
+            log(f"[softcap] fp8 {acc} cap={cap}: o relative RMS error {e['rmse'] / rms:.2e} "
+                f"(fp16 {e16['rmse'] / rms:.2e}), max abs {e['max_abs']:.2e}")
     return rows
 
 
@@ -163,6 +192,18 @@ def run_softcap(ctx: Context) -> Report:
                     "max error",
                     ["dtype", "accum", "cap", "o", "dQ", "dK", "dV", "within the rule", "o (accurate tanh)",
                      "dQ (accurate)", "dK (accurate)", "dV (accurate)", "within the rule (accurate)"], rows)]
+    fb, fh, fn, fd = ctx.sizes((1, 2, 128, 64), (1, 4, 2048, 128))
+    f8 = _fp8_rows(ctx, fb, fh, fn, fd, caps)
+    ctl = max(r[2] for r in f8 if not r[1])
+    worst8 = max(r[2] for r in f8 if r[1])
+    finding += (f"; the fp8 forward's relative RMS error over the caps is at most {worst8:.2e}, against "
+                f"{ctl:.2e} without a cap (fp16 inputs of the same values: "
+                f"{max(r[4] for r in f8):.2e})")
+    tables.append(Table(f"The fp8 (e4m3) forward by cap (causal, B x H = {fb} x {fh}, N = {fn}, D = {fd}; "
+                        f"q, k per token, v per head; scaled scores of standard deviation {SCORE_STD:g}), "
+                        "against float64 on the dequantized inputs",
+                        ["accumulation", "cap", "o relative RMS error", "o max abs error",
+                         "fp16 kernel, same values: relative RMS error"], f8))
     bn = ctx.sizes(256, 1024)
     brk = _break_rows(ctx, bn, 64, caps[1:])
     worst_gap = max(r[4] for r in brk)

@@ -377,6 +377,14 @@ def test_softcap_error_within_the_rule_at_every_cap(reports):
         assert r["|measured - predicted|, worst"] < 1e-4, r
     assert brk[0]["leaked, median of the first half of the rows (most masked keys)"] > \
         brk[0]["leaked, median of the second half"]
+    # the fp8 forward at every cap, both accumulations: within e4m3's bound of float64, behind fp16 inputs
+    # of the same values, and moved by the cap (a deep cap flattens P, and the error grows)
+    f8 = table(reports[1]["softcap"], "The fp8 (e4m3) forward by cap")
+    assert len(f8) == 2 * 5 and {r["accumulation"] for r in f8} == {"single", "tile"}
+    for r in f8:
+        assert 0 < r["fp16 kernel, same values: relative RMS error"] < r["o relative RMS error"] < 0.05, r
+    ctl = [r["o relative RMS error"] for r in f8 if r["cap"] == 0.0]
+    assert max(r["o relative RMS error"] for r in f8 if r["cap"] == 5.0) > 1.5 * max(ctl)
 
 
 def test_sinks_collapse_p_only_when_they_start_the_softmax(reports):
