@@ -194,49 +194,64 @@ def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t) if t.is_contiguous() else t.new_empty(t.shape)
 
 
-def _forward_entry(q, k, v, knobs) -> _Entry:
+def _forward_entry(q, k, v, knobs, alibi: bool = False) -> _Entry:
     """The remembered entry of a forward call (``knobs``: causal, scale, block_m, block_n, accum, kernel,
-    ablate, window, softcap)."""
+    ablate, window, softcap; ``alibi``: whether the call has ALiBi slopes, which the compiled node does not
+    take: no program then)."""
 
     def make() -> _Entry:
         causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap = knobs
         views = tuple(map(_cp, (q, k, v)))
         p = forward_problem(*views, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                            accum=accum, kernel=kernel, ablate=ablate, window_size=window, softcap=softcap)
+                            accum=accum, kernel=kernel, ablate=ablate, window_size=window, softcap=softcap,
+                            alibi=alibi)
         copies, strides = _copies(views, (p.variant.fam.kind == "wgmma",) * 3)
         with cupy.cuda.Device(p.device):
             plan = _launch.forward_plan(p, *strides, views[0].itemsize)
-            node = None if any(copies) else _torch_node.module()
+            node = None if any(copies) or alibi else _torch_node.module()
             return _Entry(p, plan, copies, None if node is None else node.program(**plan.program()))
 
-    return _entry(_FORWARD_SIGNATURES, _signature((q, k, v), knobs), make)
+    return _entry(_FORWARD_SIGNATURES, _signature((q, k, v), (*knobs, alibi)), make)
 
 
-def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap, sinks=None):
+def _alibi_raw(slopes, p, scratch):
+    """The kernels' slopes (``_launch.alibi_raw``: slope / scale, (B, Hq) float32) of a checked slopes
+    tensor, made on torch's current stream from ``scratch``; None without slopes."""
+    if slopes is None:
+        return None
+    with cupy.cuda.Device(slopes.get_device()), _stream(slopes.device):
+        return _launch.alibi_raw(_cp(slopes.detach()), p, scratch)
+
+
+def _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap, sinks=None,
+             slopes=None):
     """(o, lse) of ``flashcupy.attention`` on tensors (the custom op's and the eager path's body;
     ``window``: a checked (left, right) pair; ``softcap``: a float; ``sinks``: a checked (Hq,) tensor or
-    None, merged by ``flashcupy._sinks.apply`` as on CuPy)."""
+    None, merged by ``flashcupy._sinks.apply`` as on CuPy; ``slopes``: checked ALiBi slopes (Hq,) or
+    (B, Hq), or None)."""
     knobs = (causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap)
-    entry = _forward_entry(q, k, v, knobs)
+    entry = _forward_entry(q, k, v, knobs, slopes is not None)
     if entry.program is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         o, lse = _torch_node.module().forward(q, k, v, entry.program)  # on q's device, from C++
         return (o, lse) if sinks is None else _merge_sinks(o, lse, sinks)
     device = q.get_device()
     if torch._C._cuda_getDevice() != device:  # the driver launches on the current device's context
         with torch.cuda.device(device):
-            return _forward(q, k, v, *knobs, sinks)
+            return _forward(q, k, v, *knobs, sinks, slopes)
     if entry.copies:
         q, k, v = (t.contiguous() if c else t for t, c in zip((q, k, v), entry.copies))
     o = _contiguous_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    scratch = _TorchScratch(q.device)
     if (qp | kp | vp) & 15:  # off the 16-byte grid: the general path, which copies
         with _stream(q.device):
-            _launch.forward(_cp(q), _cp(k), _cp(v), entry.problem, o=_cp(o), lse=_cp(lse),
-                            scratch=_TorchScratch(q.device))
+            _launch.forward(_cp(q), _cp(k), _cp(v), entry.problem, o=_cp(o), lse=_cp(lse), scratch=scratch,
+                            alibi=None if slopes is None else _cp(slopes.detach()))
     else:
+        raw = _alibi_raw(slopes, entry.problem, scratch)  # (held until the launch)
         entry.plan.run(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, o.data_ptr(), lse.data_ptr(),
-                       _TorchScratch(q.device))
+                       scratch, 0 if raw is None else raw.data.ptr)
     return (o, lse) if sinks is None else _merge_sinks(o, lse, sinks)
 
 
@@ -253,10 +268,10 @@ def _merge_sinks(o, lse, sinks):
 
 
 def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window, softcap,
-              sinks=None):
+              sinks=None, slopes=None):
     """(dq, dk, dv) of ``flashcupy.attention_backward`` on tensors (``dlse`` may be None), and d sinks
     (float32 (Hq,), ``flashcupy._sinks.grad``) after them where ``sinks`` is given (o, lse: the sink
-    forward's, as on CuPy)."""
+    forward's, as on CuPy); ``slopes``: the forward's ALiBi slopes or None (no gradient of theirs)."""
     tensors = (do, q, k, v, o, lse) if dlse is None else (do, q, k, v, o, lse, dlse)
 
     def make() -> _Entry:
@@ -264,7 +279,7 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
         dlse_view = views[6] if dlse is not None else None
         p = backward_problem(*views[:6], causal=causal, scale=scale, block_m=None, block_n=None,
                              accum=accum, kernel=kernel, deterministic=deterministic, dlse=dlse_view,
-                             window_size=window, softcap=softcap)
+                             window_size=window, softcap=softcap, alibi=slopes is not None)
         tma = p.variant.fam.kind == "wgmma"
         copies, strides = _copies(views[:5], (tma,) * 4 + (False,))  # o: read by the prep kernel alone
         # lse and dlse: read as rows, C-contiguous
@@ -273,26 +288,28 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
             return _Entry(p, _launch.backward_plan(p, deterministic, strides, views[1].itemsize), copies)
 
     knobs = (causal, scale, accum, kernel, deterministic, window, softcap)
-    entry = _entry(_BACKWARD_SIGNATURES, _signature(tensors, knobs), make)
+    entry = _entry(_BACKWARD_SIGNATURES, _signature(tensors, (*knobs, slopes is not None)), make)
     device = q.get_device()
     if torch._C._cuda_getDevice() != device:
         with torch.cuda.device(device):
-            return _backward(do, q, k, v, o, lse, dlse, *knobs, sinks)
+            return _backward(do, q, k, v, o, lse, dlse, *knobs, sinks, slopes)
     if entry.copies:
         do, q, k, v, o, lse, *dlse_ = (t.contiguous() if c else t for t, c in zip(tensors, entry.copies))
         dlse = dlse_[0] if dlse_ else None
     grads = (_contiguous_like(q), _contiguous_like(k), _contiguous_like(v))
     ptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
     rows = (lse.data_ptr(), 0 if dlse is None else dlse.data_ptr())
+    scratch = _TorchScratch(q.device)
     if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or (rows[0] | rows[1]) & 3:
         # off the 16-byte grid: the general path, which copies
         with _stream(q.device):
             _launch.backward(*map(_cp, (do, q, k, v, o, lse)), entry.problem, deterministic=deterministic,
                              grads=tuple(map(_cp, grads)), dlse=None if dlse is None else _cp(dlse),
-                             scratch=_TorchScratch(q.device))
+                             scratch=scratch, alibi=None if slopes is None else _cp(slopes.detach()))
     else:
+        raw = _alibi_raw(slopes, entry.problem, scratch)  # (held until the launches)
         entry.plan.run(torch._C._cuda_getCurrentRawStream(device), *ptrs, *rows, grads[0].data_ptr(),
-                       grads[1].data_ptr(), grads[2].data_ptr(), _TorchScratch(q.device))
+                       grads[1].data_ptr(), grads[2].data_ptr(), scratch, 0 if raw is None else raw.data.ptr)
     if sinks is None:
         return grads
     dz = q.new_empty(sinks.shape, dtype=torch.float32)
@@ -310,16 +327,16 @@ def _backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, determini
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
                   block_m: Optional[int], block_n: Optional[int], accum: str, kernel: str,
                   ablate: Optional[str], deterministic: bool, window_left: int = -1,
-                  window_right: int = -1, softcap: float = 0.0,
-                  sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  window_right: int = -1, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                  alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     # ``deterministic`` is the backward's knob, kept by the forward for its autograd context
     return _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate,
-                    (window_left, window_right), softcap, sinks)
+                    (window_left, window_right), softcap, sinks, alibi_slopes)
 
 
 @_attention_op.register_fake
 def _(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, deterministic, window_left=-1,
-      window_right=-1, softcap=0.0, sinks=None):
+      window_right=-1, softcap=0.0, sinks=None, alibi_slopes=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -328,33 +345,35 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                            o: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
                            scale: Optional[float], accum: str, kernel: str, deterministic: bool,
                            window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                           sinks: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                           sinks: Optional[torch.Tensor] = None,
+                           alibi_slopes: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     # do may come with any strides (autograd hands o.mean()'s a stride-0 one): what the kernels cannot
     # read is copied. [dq, dk, dv], and d sinks (float32) after them where sinks is given
     return list(_backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic,
-                          (window_left, window_right), softcap, sinks))
+                          (window_left, window_right), softcap, sinks, alibi_slopes))
 
 
 @_attention_backward_op.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window_left=-1,
-      window_right=-1, softcap=0.0, sinks=None):
+      window_right=-1, softcap=0.0, sinks=None, alibi_slopes=None):
     grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
     return grads if sinks is None else [*grads, q.new_empty(sinks.shape, dtype=torch.float32)]
 
 
 def _backward_op(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic, window, softcap,
-                 sinks=None):
+                 sinks=None, slopes=None):
     """``_backward``'s arguments through the backward operator (whose schema takes the window's sides as
     two ints)."""
     return _attention_backward_op(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic,
-                                  *window, softcap, sinks)
+                                  *window, softcap, sinks, slopes)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, _, _, accum, kernel, ablate, deterministic, *rest = inputs
     o, lse = output
     sinks = rest[3] if len(rest) > 3 else None
-    ctx.save_for_backward(q, k, v, o, lse, sinks)
+    slopes = rest[4] if len(rest) > 4 else None
+    ctx.save_for_backward(q, k, v, o, lse, sinks, slopes)
     window = tuple(rest[:2]) if len(rest) >= 2 else (-1, -1)
     ctx.knobs = (causal, scale, accum, kernel, deterministic, window, rest[2] if len(rest) > 2 else 0.0)
     ctx.ablate = ablate
@@ -369,14 +388,15 @@ def _no_backward(ablate) -> str:
 def _backward_of_op(ctx, do, dlse):
     if ctx.ablate is not None:
         raise RuntimeError(_no_backward(ctx.ablate))
-    q, k, v, o, lse, sinks = ctx.saved_tensors
+    q, k, v, o, lse, sinks, slopes = ctx.saved_tensors
     # the backward kernels need o and lse alone, not the sinks (needs_input_grad stops at the last
     # argument passed that is not its default, so it reaches the sinks where they are given)
     if sinks is not None and not ctx.needs_input_grad[14]:
         sinks = None
-    dq, dk, dv, *dz = _backward_op(do, q, k, v, o, lse, dlse, *ctx.knobs, sinks)
+    dq, dk, dv, *dz = _backward_op(do, q, k, v, o, lse, dlse, *ctx.knobs, sinks, slopes)
     dz = dz[0].to(sinks.dtype) if dz else None
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, dz
+    # (the slopes have no gradient here: ``attention`` refuses slopes that require one)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, dz, None
 
 
 torch.library.register_autograd("flashcupy::attention", _backward_of_op, setup_context=_setup_context)
@@ -389,16 +409,17 @@ torch.library.register_autograd("flashcupy::attention", _backward_of_op, setup_c
 
 
 class _EagerAttention(torch.autograd.Function):
-    """``apply(q, k, v, sinks, knobs)``, knobs = (causal, scale, block_m, block_n, accum, kernel, ablate,
-    window, softcap, deterministic): one argument for the ten, since ``apply`` inspects each argument it
-    is given; ``sinks``: a checked (Hq,) tensor or None."""
+    """``apply(q, k, v, sinks, knobs, slopes)``, knobs = (causal, scale, block_m, block_n, accum, kernel,
+    ablate, window, softcap, deterministic): one argument for the ten, since ``apply`` inspects each
+    argument it is given; ``sinks``: a checked (Hq,) tensor or None; ``slopes``: checked ALiBi slopes
+    (no gradient) or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, knobs):
+    def forward(ctx, q, k, v, sinks, knobs, slopes=None):
         causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap, deterministic = knobs
         o, lse = _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, window, softcap,
-                          sinks)
-        ctx.save_for_backward(q, k, v, o, lse, sinks)
+                          sinks, slopes)
+        ctx.save_for_backward(q, k, v, o, lse, sinks, slopes)
         ctx.knobs = (causal, scale, accum, kernel, deterministic, window, softcap)
         ctx.ablate = ablate
         ctx.set_materialize_grads(False)
@@ -418,16 +439,17 @@ def _eager_grads(ctx, do, dlse):
     if ctx.ablate is not None:
         raise RuntimeError(_no_backward(ctx.ablate))
     if do is None and dlse is None:
-        return None, None, None, None, None
-    q, k, v, o, lse, *sinks = ctx.saved_tensors
+        return None, None, None, None, None, None
+    q, k, v, o, lse, *extra = ctx.saved_tensors  # (+ sinks and slopes, each maybe None: the Python node)
+    sinks, slopes = (extra + [None, None])[:2]
     # d sinks where the sinks need it (the backward kernels read o and lse alone, sinks merged)
-    sinks = sinks[0] if sinks and ctx.needs_input_grad[3] else None
+    sinks = sinks if sinks is not None and ctx.needs_input_grad[3] else None
     if do is None:
         do = torch.zeros_like(o)
     # a backward run under a mode or compiled autograd goes through the operator those can see
     backward = _backward if _plain_torch() else _backward_op
-    dq, dk, dv, *dz = backward(do, q, k, v, o, lse, dlse, *ctx.knobs, sinks)
-    return dq, dk, dv, dz[0].to(sinks.dtype) if dz else None, None
+    dq, dk, dv, *dz = backward(do, q, k, v, o, lse, dlse, *ctx.knobs, sinks, slopes)
+    return dq, dk, dv, dz[0].to(sinks.dtype) if dz else None, None, None
 
 
 _eager_grads_once = torch.autograd.function.once_differentiable(_eager_grads)
@@ -448,12 +470,12 @@ def _compiled_autograd() -> bool:
                 or (config is not None and getattr(config, "compiled_autograd", False)))
 
 
-def _autograd(q, k, v, knobs, sinks=None):
+def _autograd(q, k, v, knobs, sinks=None, slopes=None):
     """(o, lse) of an eager call with gradients: the compiled node where the forward's entry has a
-    program, q, k, v start on the 16-byte grid, there are no sinks and compiled autograd is off;
-    ``_EagerAttention`` otherwise (the same bits)."""
-    if sinks is not None:
-        return _EagerAttention.apply(q, k, v, sinks, knobs)
+    program, q, k, v start on the 16-byte grid, there are no sinks or ALiBi slopes and compiled autograd
+    is off; ``_EagerAttention`` otherwise (the same bits)."""
+    if sinks is not None or slopes is not None:
+        return _EagerAttention.apply(q, k, v, sinks, knobs, slopes)
     entry = _forward_entry(q, k, v, knobs[:-1])
     if entry.program is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or _compiled_autograd():
         return _EagerAttention.apply(q, k, v, None, knobs)
@@ -541,7 +563,7 @@ def _eager(q, k, v) -> bool:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None, *, layout: str = "bhnd", return_lse: bool = False,
               deterministic: bool = False, window_size: tuple[int, int] = _NO_WINDOW, softcap: float = 0.0,
-              sinks: torch.Tensor | None = None, **knobs):
+              sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None, **knobs):
     """Differentiable flashcupy attention on CUDA tensors.
 
     ``layout="bhnd"`` (default): q is (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), as in
@@ -561,6 +583,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     written in torch ops on purpose: torch 2.11's inductor, with comprehensive padding, compiled that
     merge's backward into a reduction that read a buffer with padded strides it had written dense,
     docs/design/torch_bridge.md.)
+
+    ``alibi_slopes``: ALiBi slopes (Hq,) or (B, Hq), a float32 or float64 CUDA tensor on q's device, as in
+    ``flashcupy.attention`` (S_ij - slope |i + Nk - Nq - j| on the scaled scores), forward and backward,
+    in every 16-bit family. They are constants here, as in flash_attn_func: slopes that require grad are
+    refused (detach them); their values are not checked (finite), which would synchronize. Eager calls
+    with slopes run ``_EagerAttention``.
 
     ``knobs`` are ``flashcupy.attention``'s block_m, block_n, accum, kernel and ablate; the backward uses
     the same accum and kernel with its own default tiles, and ``deterministic`` as in
@@ -602,21 +630,40 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     window = _NO_WINDOW if window_size is _NO_WINDOW or window_size is None else check_window(window_size)
     if not (type(softcap) is float and softcap == 0.0) and not torch.compiler.is_compiling():
         softcap = check_kernel_softcap(softcap)  # (traced, a float may be symbolic: the operator checks it)
+    heads = q.shape[2] if layout == "bnhd" else q.shape[1]
     if sinks is not None:
-        _check_sinks(sinks, q.shape[2] if layout == "bnhd" else q.shape[1], q.device)
+        _check_sinks(sinks, heads, q.device)
+    if alibi_slopes is not None:
+        _check_alibi_slopes(alibi_slopes, q.shape[0], heads, q.device)
     if layout == "bnhd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     fwd = (causal, scale, knobs.get("block_m"), knobs.get("block_n"), knobs.get("accum", "fp32"),
            knobs.get("kernel", "auto"), ablate)
     if not _eager(q, k, v):
-        o, lse = _attention_op(q, k, v, *fwd, deterministic, *window, softcap, sinks)
+        o, lse = _attention_op(q, k, v, *fwd, deterministic, *window, softcap, sinks, alibi_slopes)
     elif grad:
-        o, lse = _autograd(q, k, v, (*fwd, window, softcap, deterministic), sinks)
+        o, lse = _autograd(q, k, v, (*fwd, window, softcap, deterministic), sinks, alibi_slopes)
     else:
-        o, lse = _forward(q, k, v, *fwd, window, softcap, sinks)
+        o, lse = _forward(q, k, v, *fwd, window, softcap, sinks, alibi_slopes)
     if layout == "bnhd":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
+
+
+def _check_alibi_slopes(slopes, batch: int, heads: int, device) -> None:
+    """alibi_slopes: a float32 or float64 (Hq,) or (B, Hq) tensor on the inputs' device that does not
+    require grad; else TypeError/ValueError naming it."""
+    if not isinstance(slopes, torch.Tensor) or slopes.device != device:
+        raise TypeError(f"alibi_slopes must be a torch.Tensor on {device}, got "
+                        f"{slopes.device if isinstance(slopes, torch.Tensor) else type(slopes).__name__}")
+    if slopes.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"alibi_slopes must be float32 or float64, got {slopes.dtype}")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}); "
+                         f"got {tuple(slopes.shape)}")
+    if slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError("alibi_slopes has no gradient in flashcupy (constants, as in flash_attn_func): "
+                         "pass alibi_slopes.detach()")
 
 
 def _check_sinks(sinks, heads: int, device) -> None:

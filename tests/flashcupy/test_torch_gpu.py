@@ -199,6 +199,83 @@ def test_a_window_runs_on_every_torch_path(rng, kernel, cap):
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+def test_alibi_through_torch_matches_cupy_and_compiles(rng, kernel, layout):
+    """``alibi_slopes`` through flashcupy.torch, (B, Hq) float32 slopes with GQA, a causal mask and rows
+    that see no key: o, lse and the gradients of q, k, v are flashcupy.attention / attention_backward's
+    bits with the same slopes (one place for ALiBi: the kernels' score hook), and within the accuracy
+    rule of float64; torch.compile (fullgraph) gives the eager bits, the LSE in the loss or not; opcheck
+    passes with slopes (Hq,); slopes that require grad, or of a wrong shape, dtype or device, are refused
+    by name."""
+    import cupy
+
+    import flashcupy.torch as fct
+    from flashcupy import naive
+    from flashcupy.accuracy import assert_accurate, backward_reduction
+
+    b, hq, nq, nk = 2, 4, 300, 170
+    q, k, v = _tensors(rng, [(b, hq, nq, 64), (b, 2, nk, 64), (b, 2, nk, 64)])
+    base = 2.0 ** (-8.0 * np.arange(1, hq + 1) / hq)
+    sl_h = np.stack([rng.permutation(base) for _ in range(b)]).astype(np.float32)
+    sl = torch.from_numpy(sl_h).to("cuda")
+    do = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    dl = torch.randn(q.shape[:3], device="cuda", dtype=torch.float32)
+    kw = dict(causal=True, kernel=kernel, deterministic=True, alibi_slopes=sl, return_lse=True)
+
+    def run(fn, *xs, with_lse=False):
+        leaves = [x.detach().clone().requires_grad_(True) for x in xs]
+        args = [t.transpose(1, 2) for t in leaves] if layout == "bnhd" else leaves
+        o, lse = fn(*args)
+        if layout == "bnhd":
+            o = o.transpose(1, 2)
+        torch.autograd.backward((o, lse) if with_lse else o, (do, dl) if with_lse else do)
+        return [o.detach(), lse.detach(), *(t.grad for t in leaves)]
+
+    def call(a, b_, c):
+        return fct.attention(a, b_, c, layout=layout, **kw)
+
+    eager = run(call, q, k, v)
+    dev = [cupy.asarray(x.detach()) for x in (do, q, k, v)]
+    oc, lc = flashcupy.attention(*dev[1:], causal=True, kernel=kernel, alibi_slopes=cupy.asarray(sl_h),
+                                 return_lse=True)
+    gc = flashcupy.attention_backward(dev[0], *dev[1:], oc, lc, causal=True, kernel=kernel,
+                                      deterministic=True, alibi_slopes=cupy.asarray(sl_h))
+    for name, a, c in zip(("o", "lse", "dq", "dk", "dv"), eager, (oc, lc, *gc)):
+        assert bool((cupy.asarray(a) == c).all()), name
+    host = [x.detach().float().cpu().numpy().astype(np.float64) for x in (do, q, k, v)]
+    o_ref = reference.attention(*host[1:], causal=True, alibi_slopes=sl_h)
+    refs = reference.attention_backward(*host, causal=True, alibi_slopes=sl_h)
+    assert_accurate(cupy.asarray(eager[0]), o_ref, naive.attention(*dev[1:], causal=True, alibi_slopes=sl_h),
+                    "f16", "fp32", what=f"{kernel} o")
+    nvs = naive.attention_backward(*dev, causal=True, alibi_slopes=sl_h)
+    red = backward_reduction(*host[1:3])
+    for name, g, r, n in zip(("dq", "dk", "dv"), eager[2:], refs, nvs):
+        assert_accurate(cupy.asarray(g), r, n, "f16", "fp32", kind="bwd", reduction=red,
+                        what=f"{kernel} {layout} {name}")
+    compiled = torch.compile(call, fullgraph=True)
+    for with_lse in (False, True):
+        want = eager if not with_lse else run(call, q, k, v, with_lse=True)
+        got = run(compiled, q, k, v, with_lse=with_lse)
+        for name, a, c in zip(("o", "lse", "dq", "dk", "dv"), want, got):
+            assert torch.equal(a, c), (name, with_lse, (a.float() - c.float()).abs().max().item())
+    if layout == "bhnd":
+        args = (q.detach(), k.detach(), v.detach(), True, None, None, None, "fp32", kernel, None, True,
+                -1, -1, 0.0, None, sl[0].contiguous())
+        torch.library.opcheck(torch.ops.flashcupy.attention.default, args)
+        o2, lse2 = torch.ops.flashcupy.attention(*args)
+        bwd = (do, *args[:3], o2, lse2, dl, True, None, "fp32", kernel, True, -1, -1, 0.0, None, args[-1])
+        torch.library.opcheck(torch.ops.flashcupy.attention_backward.default, bwd)
+    with pytest.raises(ValueError, match="alibi_slopes has no gradient"):
+        fct.attention(q, k, v, alibi_slopes=sl.clone().requires_grad_(True))
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(Hq,\) = \(4,\)"):
+        fct.attention(q, k, v, alibi_slopes=sl[:, :3])
+    with pytest.raises(TypeError, match="alibi_slopes must be float32 or float64"):
+        fct.attention(q, k, v, alibi_slopes=sl.half())
+    with pytest.raises(TypeError, match="alibi_slopes must be a torch.Tensor on cuda"):
+        fct.attention(q, k, v, alibi_slopes=sl.cpu())
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
 def test_sinks_through_torch_match_the_reference_and_compile(rng, kernel, layout):
     """``sinks`` through flashcupy.torch, with GQA, a causal mask and rows that see no key: o, lse and the
     gradients of q, k, v and the sinks against float64 by the accuracy rule (the naive baseline on the
