@@ -286,8 +286,9 @@ def _check_magnitudes(q: Quantized, k: Quantized, v: Quantized, scale: float, d:
     """ValueError when the inputs' magnitudes leave what the fp8 forward computes in float32: the scores
     S = (Q8 K8^T) sq sk scale log2(e), at most 448^2 D max(sq) max(sk) scale log2(e), must stay finite
     (the twin and the kernel hold them in float32), and o, at most 448 max(sv), must fit ``out_dtype``.
-    Tiny magnitudes need no check: the kernel keeps its folded descale at least FLT_MIN (fwd_wgmma.cu),
-    and scores that small give P = 1, as the true ones do."""
+    Tiny magnitudes need no check: the kernel keeps its folded descale at least FLT_MIN (fwd_wgmma.cu;
+    where it descales element by element instead, per key or with a softcap, a flushed descale gives
+    S = 0 before the mask, never -inf times 0), and scores that small give P = 1, as the true ones do."""
     f32_max = _F32_MAX
     score_max = 448.0 ** 2 * d * q.scale_max * k.scale_max * scale / np.log(2.0)
     if not score_max < f32_max:
@@ -356,7 +357,7 @@ def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, sca
 
 
 def _attention_fp8(q, k, v, *, causal, scale, block_n, p_scale, accumulation, out_dtype, return_lse, block_m,
-                   ablate, window_size, sinks, softcap=0.0, sink_first: bool = False):
+                   ablate, window_size, sinks, softcap, sink_first: bool = False):
     """``attention_fp8``'s body; ``sink_first`` (NumPy inputs with sinks, for
     ``inspect.sink_first_forward_fp8``): the twin starts its online softmax from the sinks instead of
     merging them after the key loop."""

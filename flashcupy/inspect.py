@@ -88,4 +88,4 @@ def sink_first_forward_fp8(q, k, v, sinks, *, causal=False, scale=None, p_scale=
 
     return _attention_fp8(q, k, v, causal=causal, scale=scale, block_n=128, p_scale=p_scale,
                           accumulation=accumulation, out_dtype=out_dtype, return_lse=True, block_m=None,
-                          ablate=None, window_size=(-1, -1), sinks=sinks, sink_first=True)
+                          ablate=None, window_size=(-1, -1), sinks=sinks, softcap=0.0, sink_first=True)

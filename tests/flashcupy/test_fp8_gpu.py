@@ -179,7 +179,9 @@ def test_fp8_kernel_with_a_softcap(rng, poisoned, kg, accumulation):
     for arm in ("accurate", "approx"):
         with kernel_build(defines={"FC_TANH_APPROX": int(arm == "approx")}):
             o, lse = flashcupy.attention_fp8(qd, kd, vd, **kw)
-        assert poisoned[-1].endswith(f"cap2.e4m3_{accumulation}" + ("_kkey" if kg == ("token",) else ""))
+        # (the variant's key ends with the build's label: each arm ran its own tanh)
+        assert poisoned[-1].endswith(f"cap2.e4m3_{accumulation}" + ("_kkey" if kg == ("token",) else "")
+                                     + f"+FC_TANH_APPROX={int(arm == 'approx')}"), poisoned[-1]
         assert ".bm128." in poisoned[-1]  # (the softcap's default tile)
         o, lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse)
         np.testing.assert_array_equal(np.isfinite(lse), seen)
