@@ -27,6 +27,7 @@ EXPERIMENTS = {
     "fp8": ("fp8", "run_fp8", "e4m3 attention: scales, outlier treatments, one- and two-level sums"),
     "window": ("window", "run_window", "sliding windows: error and cost against the width"),
     "softcap": ("softcap", "run_softcap", "the softcap: error against the cap, tanh.approx or tanhf, cost"),
+    "alibi": ("alibi", "run_alibi", "ALiBi: the rule near the diagonal, rows far from their keys, cost"),
     "sinks": ("sinks", "run_sinks", "attention sinks: the P-collapse against the sink's strength"),
     "merge": ("merge", "run_merge", "merged partial softmaxes: error against the number of parts"),
     "ring": ("ring", "run_ring", "ring attention simulated: error against the number of ranks"),

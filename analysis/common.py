@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 
 import flashcupy
+from flashcupy import naive, reference
+from flashcupy.accuracy import backward_reduction, tolerance
 from flashcupy.inspect import numpy_dtype
 from flashcupy.reference import to_float64
 
@@ -271,6 +273,26 @@ def new_figure(ncols: int = 1, width: float = 7.0, height: float = 4.5):
     fig, axes = plt.subplots(1, ncols, figsize=(width * ncols if ncols > 1 else width, height),
                              squeeze=False)
     return fig, list(axes[0])
+
+
+def rule_ratios(dev, host, kw, dname, accum):
+    """The accuracy rule's measure of one call (``kw``: attention's knobs; ``dev``: q, k, v, do as the
+    backend's arrays, ``host``: the same as NumPy arrays): max error over the naive same-precision max
+    error of o, dq, dk, dv against float64; and whether all four lie within the accuracy rule's bound
+    (``flashcupy.accuracy.tolerance``: the factor times the naive error plus the rule's noise floor, which
+    is what float32 inputs, their naive error at float32 roundoff too, meet)."""
+    q, k, v, do = dev
+    o, lse = flashcupy.attention(q, k, v, accum=accum, return_lse=True, **kw)
+    grads = flashcupy.attention_backward(do, q, k, v, o, lse, accum=accum, **kw)
+    o_ref = reference.attention(*host[:3], **kw)
+    refs = reference.attention_backward(host[3], *host[:3], **kw)
+    naives = (naive.attention(q, k, v, **kw), *naive.attention_backward(do, q, k, v, **kw))
+    outs, truths = (o, *grads), (o_ref, *refs)
+    errs = [(errors(x, r)["max_abs"], errors(nv, r)["max_abs"]) for x, r, nv in zip(outs, truths, naives)]
+    red = backward_reduction(*host[:2])
+    within = all(e <= tolerance(dname, accum, ne, "fwd" if i == 0 else "bwd", float(np.abs(r).max()), red)
+                 for i, ((e, ne), r) in enumerate(zip(errs, truths)))
+    return [e / max(ne, 1e-300) for e, ne in errs], within
 
 
 def plot_rule_ratios(ax, series) -> None:

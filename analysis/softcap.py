@@ -29,32 +29,13 @@ import math
 import numpy as np
 
 import flashcupy
-from flashcupy import naive, reference
-from flashcupy.accuracy import backward_reduction, tolerance
+from flashcupy import reference
 from flashcupy.inspect import kernel_build, numpy_dtype
 
-from .common import Context, Report, Table, errors, log, new_figure, plot_rule_ratios
+from .common import Context, Report, Table, errors, log, new_figure, plot_rule_ratios, rule_ratios
 
 COMBOS = [("f16", "fp32"), ("bf16", "fp32"), ("f16", "fp16"), ("f32", "fp32")]
 SCORE_STD = 8.0  # standard deviation of the scaled scores
-
-
-def _ratios(dev, host, kw, dname, accum):
-    """max error over the naive same-precision max error: o, dq, dk, dv; and whether all four lie within
-    the accuracy rule's bound (``flashcupy.accuracy.tolerance``: the factor times the naive error plus the
-    rule's noise floor, which is what float32 inputs, their naive error at float32 roundoff too, meet)."""
-    q, k, v, do = dev
-    o, lse = flashcupy.attention(q, k, v, accum=accum, return_lse=True, **kw)
-    grads = flashcupy.attention_backward(do, q, k, v, o, lse, accum=accum, **kw)
-    o_ref = reference.attention(*host[:3], **kw)
-    refs = reference.attention_backward(host[3], *host[:3], **kw)
-    naives = (naive.attention(q, k, v, **kw), *naive.attention_backward(do, q, k, v, **kw))
-    outs, truths = (o, *grads), (o_ref, *refs)
-    errs = [(errors(x, r)["max_abs"], errors(nv, r)["max_abs"]) for x, r, nv in zip(outs, truths, naives)]
-    red = backward_reduction(*host[:2])
-    within = all(e <= tolerance(dname, accum, ne, "fwd" if i == 0 else "bwd", float(np.abs(r).max()), red)
-                 for i, ((e, ne), r) in enumerate(zip(errs, truths)))
-    return [e / max(ne, 1e-300) for e, ne in errs], within
 
 
 def _error_rows(ctx: Context, b, h, n, d, caps):
@@ -67,11 +48,11 @@ def _error_rows(ctx: Context, b, h, n, d, caps):
         dev = ctx.dev(*host)
         for cap in caps:
             kw = dict(causal=True, scale=scale, softcap=cap)
-            r, within = _ratios(dev, host, kw, dname, accum)
+            r, within = rule_ratios(dev, host, kw, dname, accum)
             accurate, within_accurate = [math.nan] * 4, None
             if ctx.backend == "cuda" and dname != "f32" and cap:
                 with kernel_build(defines={"FC_TANH_APPROX": 0}):
-                    accurate, within_accurate = _ratios(dev, host, kw, dname, accum)
+                    accurate, within_accurate = rule_ratios(dev, host, kw, dname, accum)
             rows.append([dname, accum, cap, *r, within, *accurate, within_accurate])
             log(f"[softcap] {dname} acc{accum[2:]} cap={cap}: o {r[0]:.2f}x naive, gradients "
                 + ", ".join(f"{x:.2f}x" for x in r[1:])

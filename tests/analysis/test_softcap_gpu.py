@@ -17,7 +17,7 @@ def test_softcap_experiment_on_the_kernels(tmp_path):
     rep = softcap.run_softcap(ctx)
     write_report(ctx, rep, 0.0)
     assert (tmp_path / "softcap.png").exists()
-    err, _, cost = ([dict(zip(t.columns, map(from_json_number, r))) for r in t.rows] for t in rep.tables)
+    err, f8, _, cost = ([dict(zip(t.columns, map(from_json_number, r))) for r in t.rows] for t in rep.tables)
     for r in err:
         assert all(r[c] > 0 for c in ("o", "dQ", "dK", "dV"))
         if r["dtype"] == "f32" or r["cap"] == 0:  # (no second tanh to run)
@@ -28,6 +28,10 @@ def test_softcap_experiment_on_the_kernels(tmp_path):
             assert r["within the rule"] is True, r
             if r["cap"]:
                 assert r["within the rule (accurate)"] is True, r
+    # the fp8 kernel at every cap, both accumulations: within e4m3's bound, behind fp16 inputs
+    assert len(f8) == 2 * 5
+    for r in f8:
+        assert 0 < r["fp16 kernel, same values: relative RMS error"] < r["o relative RMS error"] < 0.05, r
     assert len(cost) == 2
     # The cap costs something, within reason. (No lower bound: the GPU suite runs its tests in parallel
     # workers on one GPU, so a plain kernel timed beside another worker's launches can come out slower
