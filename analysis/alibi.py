@@ -8,14 +8,15 @@ the bias in float32 to its rounded scores. The cases: a causal square, a square 
 (64, 64) window, and Nq > Nk without a mask, where the first Nq - Nk rows see only keys ahead of their
 diagonal, far from it. The slopes are ALiBi's 2^(-8 h / H), h = 1 .. H.
 
-Far rows: row i of that last case sits at d0 = Nq - Nk - i from its nearest key. The kernels hold
-t = s - (a / scale) |i' - j| in the accumulator type. With fp16 accumulators every logit of such a row
-then carries a rounding of up to scale * spacing_fp16(|t|) / 2, with |t| of about (a / scale) d0: a
-limit that grows with the distance and that the naive, adding the bias in float32, does not have.
-The table bins the rows by d0 and gives each bin's worst error of o for fp16 and fp32 accumulators,
-beside that rounding for the steepest head (a = 2^(-8/H)). Softmax is shift-invariant: subtracting
-a d0 from every biased score of the row (and adding it back into the LSE) would remove the limit;
-no kernel does that yet.
+Far rows: row i of that last case sits at d0 = Nq - Nk - i from its nearest key. The kernels hold the
+biased score in the accumulator type. Measured from i' itself, t = s - (a / scale) |i' - j| is about
+-(a / scale) d0 in such a row, and with fp16 accumulators every logit then carries a rounding of up to
+scale * spacing_fp16(|t|) / 2: a limit that grows with the distance and that the naive, adding the
+bias in float32, does not have. The kernels measure from max(i', 0) instead: softmax is shift-invariant,
+so taking a d0 off every score of the row (and giving it back to the LSE) changes nothing but the
+rounding. The table bins the rows by d0 and gives each bin's worst error of o for the kernels with fp16
+and fp32 accumulators, for fp16 accumulators measured from i' (``ablate="alibi_unshifted"``, on the
+twin), and the predicted rounding of the unshifted score for the steepest head (a = 2^(-8/H)).
 
 Cost (the CUDA backend): the wgmma forward and backward with ALiBi against the same kernels without, fp16.
 """
@@ -76,10 +77,12 @@ def _far_rows(ctx: Context, h, nk, far, d):
     ref = reference.attention(q, k, v, alibi_slopes=sl)
     d0 = np.maximum(nq - nk - np.arange(nq), 0)  # distance of each row from its nearest key
     err = {}
-    for accum in ("fp16", "fp32"):
-        o = flashcupy.attention(*ctx.dev(q, k, v), accum=accum, alibi_slopes=sl)
-        diff = np.abs(np.asarray(errors_rows(o, ref)))
-        err[accum] = diff.max(axis=(0, 1, 3))  # per row, over batch, heads and columns
+    for arm, accum, inputs, ablate in (("fp16", "fp16", ctx.dev(q, k, v), None),
+                                       ("fp32", "fp32", ctx.dev(q, k, v), None),
+                                       ("unshifted", "fp16", (q, k, v), "alibi_unshifted")):  # (the twin)
+        o = flashcupy.attention(*inputs, accum=accum, alibi_slopes=sl, ablate=ablate,
+                                kernel="auto" if ablate is None else "mma")
+        err[arm] = errors_rows(o, ref).max(axis=(0, 1, 3))  # per row, over batch, heads and columns
     rows = []
     edges = [0, 1] + [4 ** e for e in range(1, 12) if 4 ** (e - 1) < far + 1]
     for lo, hi in zip(edges[:-1], edges[1:]):
@@ -89,9 +92,10 @@ def _far_rows(ctx: Context, h, nk, far, d):
         top = int(d0[sel].max())
         rounding = _logit_rounding(top, float(sl[0]), scale) if top else 0.0
         rows.append([f"[{lo}, {hi})", int(sel.sum()), float(err["fp16"][sel].max()),
-                     float(err["fp32"][sel].max()), rounding])
+                     float(err["fp32"][sel].max()), float(err["unshifted"][sel].max()), rounding])
         log(f"[alibi] far rows d0 in [{lo}, {hi}): o error {rows[-1][2]:.2e} (fp16 accumulators), "
-            f"{rows[-1][3]:.2e} (fp32); logit rounding {rows[-1][4]:.1e}")
+            f"{rows[-1][3]:.2e} (fp32), {rows[-1][4]:.2e} (fp16 measured from i'); logit rounding "
+            f"{rows[-1][5]:.1e}")
     return rows, d0, err
 
 
@@ -134,19 +138,20 @@ def run_alibi(ctx: Context) -> Report:
              ("Nq > Nk, no mask", n + n // 2, n // 2, {})]
     rule = _rule_rows(ctx, b, h, d, cases)
     what = "the kernels" if ctx.backend == "cuda" else "the NumPy twin"
-    near = [r for r in rule if r[2] != "Nq > Nk, no mask"]
     outside = sorted({f"{r[0]} acc {r[1]} ({r[2]})" for r in rule if not r[9]})
-    finding = (f"Near the diagonal, {sum(bool(r[9]) for r in near)} of {len(near)} cells of {what} lie "
-               f"within the accuracy rule (worst {max(r[5] for r in near):.2f}x forward, "
-               f"{max(max(r[6:9]) for r in near):.2f}x backward, noise floor included); outside it: "
+    finding = (f"{sum(bool(r[9]) for r in rule)} of {len(rule)} cells of {what} lie within the accuracy rule "
+               f"(worst {max(r[5] for r in rule):.2f}x forward, {max(max(r[6:9]) for r in rule):.2f}x "
+               "backward, noise floor included; Nq > Nk included); outside it: "
                + (", ".join(outside) if outside else "none"))
     fh, fnk, far = ctx.sizes((4, 32, 256), (8, 256, 4096))
     far_rows, d0, ferr = _far_rows(ctx, fh, fnk, far, 64)
-    last = far_rows[-1]
-    finding += (f"; rows far from their keys (d0 up to {far}) lose precision with fp16 accumulators: "
-                f"{last[2]:.2e} in the farthest bin against {far_rows[0][2]:.2e} on the diagonal "
-                f"(fp32 accumulators {last[3]:.2e}), in step with the rounding of the biased score "
-                f"({last[4]:.1e} per logit there)")
+    worst = max(far_rows, key=lambda r: r[4])
+    finding += (f"; rows up to {far} places from their keys keep fp16 accumulators at "
+                f"{max(r[2] for r in far_rows):.2e} at worst (fp32 accumulators "
+                f"{max(r[3] for r in far_rows):.2e}) because the kernels measure them from key 0; measured "
+                f"from i' they reach {worst[4]:.2e} "
+                f"(d0 in {worst[0]}), in step with the fp16 rounding of the biased score there "
+                f"({worst[5]:.1e} per logit)")
     tables = [
         Table(f"The accuracy rule with ALiBi (B x H = {b} x {h}, D = {d}; slopes 2^(-8h/{h})): max error "
               "over the naive same-precision max error",
@@ -154,7 +159,8 @@ def run_alibi(ctx: Context) -> Report:
         Table(f"Rows far from their keys (fp16 inputs, H = {fh}, Nk = {fnk}, Nq = Nk + {far}, D = 64, no "
               "mask): worst max |o - o_ref| per bin of d0, the distance to the nearest key",
               ["d0", "rows", "fp16 accumulators", "fp32 accumulators",
-               "fp16 rounding of the biased score, steepest head (logit units)"], far_rows)]
+               "fp16 accumulators, measured from i' (twin)",
+               "fp16 rounding of the score measured from i', steepest head (logit units)"], far_rows)]
     cost = []
     if ctx.backend == "cuda":
         cb, ch = 1, 16
@@ -175,11 +181,13 @@ def run_alibi(ctx: Context) -> Report:
     fig, axes = new_figure(ncols=2 if cost else 1, width=6.5)
     ax = axes[0]
     keep = d0 > 0
-    for accum, marker in (("fp16", "o"), ("fp32", "x")):
-        ax.scatter(d0[keep], ferr[accum][keep], s=6, marker=marker, label=f"{accum} accumulators")
+    for arm, marker, label in (("unshifted", "^", "fp16 accumulators, measured from i' (twin)"),
+                               ("fp16", "o", "fp16 accumulators (the kernels: from max(i', 0))"),
+                               ("fp32", "x", "fp32 accumulators")):
+        ax.scatter(d0[keep], ferr[arm][keep], s=6, marker=marker, label=label)
     xs = np.unique(d0[keep])
     ax.plot(xs, [_logit_rounding(x, float(slopes(fh)[0]), 1.0 / math.sqrt(64)) for x in xs], color="k", lw=1,
-            label="fp16 rounding of the biased score (logit units)")
+            label="fp16 rounding of the score measured from i' (logit units)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("d0: distance from the row's nearest key")

@@ -38,7 +38,8 @@ _NO_WINDOW, _NO_CAP = (-1, -1), 0.0  # the score variants' defaults
 def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
               block_m: int | None = None, block_n: int | None = None, accum: Literal["fp32", "fp16"] = "fp32",
               kernel: Literal["auto", "wgmma", "mma", "simt"] = "auto",
-              ablate: Literal["max_subtraction", "rescaling", "softcap_after_mask"] | None = None,
+              ablate: Literal["max_subtraction", "rescaling", "softcap_after_mask", "alibi_unshifted"]
+              | None = None,
               return_lse: bool = False, window_size: tuple[int, int] = _NO_WINDOW, softcap: float = _NO_CAP,
               sinks: Array | None = None, alibi_slopes: Array | None = None) -> Array | tuple[Array, Array]:
     """FlashAttention forward: ``o = softmax(scale * q k^T) v`` computed tile by tile.
@@ -79,7 +80,10 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
         "rescaling" (subtract each tile's own max, never rescale the running sum and output); on NumPy
         inputs only (the twin), "softcap_after_mask" (with a softcap and a mask: the mask before the
         softcap, so every masked key scores -c, tanh(-inf) = -1, instead of -inf, and leaks e^-c of weight;
-        with ALiBi, e^(-c - slope |i' - j|)).
+        with ALiBi, e^(-c - slope |i' - j|)), "alibi_unshifted" (with ALiBi: the bias measured from i'
+        itself in rows with i' < 0, as the kernels did before they measured from max(i', 0): exact in
+        exact arithmetic, it holds those rows' scores near -slope d0 where fp16 accumulators round them;
+        ``python -m analysis alibi``).
     return_lse : also return lse, float32 (B, Hq, Nq), the natural log of the softmax denominator.
     window_size : (left, right), a sliding window (flash_attn_func's): key j is visible to query i iff
         i' - left <= j <= i' + right, i' = i + Nk - Nq, a side of -1 unbounded; with ``causal`` the

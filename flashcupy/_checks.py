@@ -241,8 +241,10 @@ def check_forward(q, k, v, *, causal, scale, block_m, block_n, accum, kernel, ab
                              f"supported: {allowed}")
     schedule = wgmma_schedule(d, bool(causal), nq, (bm, bn)) if family == "fwd_wgmma" else None
     twin_ablate = ablate if ablate in TWIN_ABLATIONS else None
-    if twin_ablate and not softcap:
+    if twin_ablate == "softcap_after_mask" and not softcap:
         raise ValueError(f"ablate={ablate!r} breaks the softcap: it needs softcap > 0")
+    if twin_ablate == "alibi_unshifted" and not alibi:
+        raise ValueError(f"ablate={ablate!r} measures ALiBi from i' itself: it needs alibi_slopes")
     variant = Variant(family, dname, accum, int(bm), int(bn), d, causal, None if twin_ablate else ablate,
                       schedule=schedule, window=window, softcap=softcap, alibi=alibi)
     if not variant.fits():

@@ -19,7 +19,7 @@ ACCUMS = ("fp32", "fp16")
 ABLATIONS = (None, "max_subtraction", "rescaling")
 # breaks that run on the NumPy twin only (no kernel compiles them): the softcap applied after the mask
 # (tanh(-inf) = -1: every masked key scores -cap instead of -inf)
-TWIN_ABLATIONS = ("softcap_after_mask",)
+TWIN_ABLATIONS = ("softcap_after_mask", "alibi_unshifted")
 
 # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB); the kernels see it as FC_SMEM_LIMIT
 SMEM_LIMIT = 227 * 1024

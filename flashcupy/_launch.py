@@ -389,7 +389,7 @@ class _ForwardPlan:
     def program(self) -> dict:
         """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``): the keyword
         arguments of its ``program``, addresses as slots of ``FORWARD_SLOTS``. Only for plans that read
-        their inputs in place, without ALiBi (the torch bridge takes no slopes)."""
+        their inputs in place, without ALiBi (the compiled node has no slot for slopes)."""
         if self.alibi:
             raise ValueError("an ALiBi plan has no program for the compiled torch node")
         mapped = _slots(FORWARD_SLOTS, "q k v o")
@@ -595,7 +595,7 @@ class _BackwardPlan:
     def program(self) -> dict:
         """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``): the keyword
         arguments of its ``program``, addresses as slots of ``BACKWARD_SLOTS``. Only for plans that
-        read their inputs in place, without ALiBi (the torch bridge takes no slopes)."""
+        read their inputs in place, without ALiBi (the compiled node has no slot for slopes)."""
         if self.alibi:
             raise ValueError("an ALiBi plan has no program for the compiled torch node")
         def slots(names):

@@ -100,13 +100,15 @@ def _score_variants(p: Problem, softcap, sinks, alibi_slopes):
 
 
 def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants, after_mask: bool = False,
-                   f16: bool = False):
+                   f16: bool = False, unshifted: bool = False):
     """Raw scores of key tile [j0, j1) through the softcap and the ALiBi bias, then masked (-inf where
     the row does not see the key: causal, window, keys past nk); also the softcap's derivative
     1 - tanh^2 (None without one). ``after_mask`` (the break ``softcap_after_mask``): the mask first,
     then the softcap, so that a masked key scores tanh(-inf) = -1 times the cap instead of -inf. ``f16``
     (fp16 accumulators): the capped score, and the biased one, are rounded to fp16, as the kernels'
-    tiles hold them (the derivative comes from the unrounded tanh, as theirs does)."""
+    tiles hold them (the derivative comes from the unrounded tanh, as theirs does). ALiBi measures from
+    max(i', 0), as the kernels do (``_row_shift``: a row with i' < 0 loses a d0 from every score and its
+    LSE gets it back); ``unshifted`` (the twin-only ``ablate="alibi_unshifted"``) from i' itself."""
     from .reference import visible_mask
 
     window, cap, _, slope = variants
@@ -121,7 +123,8 @@ def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants, after_mask:
         if f16:
             s = _round_to(s, np.float16)
     if slope is not None:
-        s = s - slope * np.abs(rows + (nk - nq) - np.arange(j0, j1)[None, :]).astype(f32)
+        pos = rows + (nk - nq) if unshifted else np.maximum(rows + (nk - nq), 0)
+        s = s - slope * np.abs(pos - np.arange(j0, j1)[None, :]).astype(f32)
         if f16:  # (the kernels' hook rounds its result to the accumulator type)
             s = _round_to(s, np.float16)
     if masked and not after_mask:
@@ -130,6 +133,17 @@ def _hooked_scores(s, rows, j0, j1, nq, nk, scale, causal, variants, after_mask:
 
 
 _NO_VARIANTS = ((-1, -1), 0.0, None, None)
+
+
+def _row_shift(variants, nq: int, nk: int, unshifted: bool = False):
+    """What the ALiBi hook takes off every score of each query row, in raw units: a d0 with
+    d0 = max(nq - nk - i, 0), float32 (B?, Hkv, G, Nq, 1), the kernels' one rounding of the product; None
+    without ALiBi or with ``unshifted``."""
+    slope = variants[3]
+    if slope is None or unshifted:
+        return None
+    d0 = np.maximum(nq - nk - np.arange(nq), 0).astype(np.float32)[:, None]
+    return (slope * d0).astype(np.float32)
 
 
 def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap: float | None = None,
@@ -170,7 +184,8 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap:
             kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
             s = _fp16_accumulate(None, qf, kt) if f16 else np.matmul(qf, kt)   # raw scores (.., Nq, bn)
             s, _ = _hooked_scores(s, rows, j0, j1, nq, nk, p.scale, var.causal, variants,
-                                  after_mask=p.twin_ablate == "softcap_after_mask", f16=f16)
+                                  after_mask=p.twin_ablate == "softcap_after_mask", f16=f16,
+                                  unshifted=p.twin_ablate == "alibi_unshifted")
             m_tile = s.max(axis=-1, keepdims=True)
             m_new = np.maximum(m, m_tile)
             if ablate == "max_subtraction":
@@ -197,6 +212,9 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap:
             lse = np.log(l.astype(np.float64))
         else:
             lse = m.astype(np.float64) * p.scale + np.log(l.astype(np.float64))
+        shift = _row_shift(variants, nq, nk, p.twin_ablate == "alibi_unshifted")
+        if shift is not None:  # (what the ALiBi hook took off the row, given back, as fc_hook_lse does)
+            lse = lse - shift.astype(np.float64) * p.scale
         lse = np.where(empty, -np.inf, lse)
     o, lse = o.reshape(b, hq, nq, d).astype(elem), lse.reshape(b, hq, nq).astype(np.float32)
     if sink is not None and not sink_first:
@@ -252,6 +270,9 @@ def backward(do, q, k, v, o, lse, p: Problem, dlse=None, *, softcap: float | Non
     row_empty = np.isneginf(lse2)
     lse2 = np.where(row_empty, np.float32(0), lse2)
     c = np.float32(p.scale * _LOG2E)
+    shift = _row_shift(variants, nq, nk)
+    if shift is not None:  # the exponent offset of the hook's shifted scores (fc_hook_lq)
+        lse2 = (lse2 + (shift * c).astype(np.float32)).astype(np.float32)
 
     dq = np.zeros(shape_q, dtype=np.float32)
     dk = np.zeros((b, hkv, nk, d), dtype=np.float32)

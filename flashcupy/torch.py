@@ -330,6 +330,8 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   window_right: int = -1, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
                   alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     # ``deterministic`` is the backward's knob, kept by the forward for its autograd context
+    if alibi_slopes is not None:  # (the operator called directly: ``attention`` checked them already)
+        _check_op_slopes(alibi_slopes, q)
     return _forward(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate,
                     (window_left, window_right), softcap, sinks, alibi_slopes)
 
@@ -337,6 +339,8 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 @_attention_op.register_fake
 def _(q, k, v, causal, scale, block_m, block_n, accum, kernel, ablate, deterministic, window_left=-1,
       window_right=-1, softcap=0.0, sinks=None, alibi_slopes=None):
+    if alibi_slopes is not None:
+        _check_op_slopes(alibi_slopes, q)
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -349,6 +353,8 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                            alibi_slopes: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     # do may come with any strides (autograd hands o.mean()'s a stride-0 one): what the kernels cannot
     # read is copied. [dq, dk, dv], and d sinks (float32) after them where sinks is given
+    if alibi_slopes is not None:
+        _check_op_slopes(alibi_slopes, q)
     return list(_backward(do, q, k, v, o, lse, dlse, causal, scale, accum, kernel, deterministic,
                           (window_left, window_right), softcap, sinks, alibi_slopes))
 
@@ -395,7 +401,8 @@ def _backward_of_op(ctx, do, dlse):
         sinks = None
     dq, dk, dv, *dz = _backward_op(do, q, k, v, o, lse, dlse, *ctx.knobs, sinks, slopes)
     dz = dz[0].to(sinks.dtype) if dz else None
-    # (the slopes have no gradient here: ``attention`` refuses slopes that require one)
+    if len(ctx.needs_input_grad) > 15 and ctx.needs_input_grad[15]:  # (``attention`` refuses them earlier)
+        raise ValueError(_NO_SLOPE_GRAD)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, dz, None
 
 
@@ -630,11 +637,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     window = _NO_WINDOW if window_size is _NO_WINDOW or window_size is None else check_window(window_size)
     if not (type(softcap) is float and softcap == 0.0) and not torch.compiler.is_compiling():
         softcap = check_kernel_softcap(softcap)  # (traced, a float may be symbolic: the operator checks it)
-    heads = q.shape[2] if layout == "bnhd" else q.shape[1]
-    if sinks is not None:
-        _check_sinks(sinks, heads, q.device)
-    if alibi_slopes is not None:
-        _check_alibi_slopes(alibi_slopes, q.shape[0], heads, q.device)
+    if q.dim() == 4:  # (other ranks: the problem's checks name q)
+        heads = q.shape[2] if layout == "bnhd" else q.shape[1]
+        if sinks is not None:
+            _check_sinks(sinks, heads, q.device)
+        if alibi_slopes is not None:
+            _check_alibi_slopes(alibi_slopes, q.shape[0], heads, q.device)
     if layout == "bnhd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     fwd = (causal, scale, knobs.get("block_m"), knobs.get("block_n"), knobs.get("accum", "fp32"),
@@ -650,9 +658,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     return (o, lse) if return_lse else o
 
 
-def _check_alibi_slopes(slopes, batch: int, heads: int, device) -> None:
-    """alibi_slopes: a float32 or float64 (Hq,) or (B, Hq) tensor on the inputs' device that does not
-    require grad; else TypeError/ValueError naming it."""
+_NO_SLOPE_GRAD = ("alibi_slopes has no gradient in flashcupy (constants, as in flash_attn_func): pass "
+                  "alibi_slopes.detach()")
+
+
+def _check_op_slopes(slopes, q) -> None:
+    """The custom operators' check of their slopes (q in (B, Hq, N, D); another rank is the problem
+    checks' to name)."""
+    if q.dim() == 4:
+        _check_alibi_slopes(slopes, q.shape[0], q.shape[1], q.device, grad=False)
+
+
+def _check_alibi_slopes(slopes, batch: int, heads: int, device, grad: bool = True) -> None:
+    """alibi_slopes: a float32 or float64 (Hq,) or (B, Hq) tensor on the inputs' device (that does not
+    require grad, with ``grad``: the autograd entry's check); else TypeError/ValueError naming it."""
     if not isinstance(slopes, torch.Tensor) or slopes.device != device:
         raise TypeError(f"alibi_slopes must be a torch.Tensor on {device}, got "
                         f"{slopes.device if isinstance(slopes, torch.Tensor) else type(slopes).__name__}")
@@ -661,9 +680,8 @@ def _check_alibi_slopes(slopes, batch: int, heads: int, device) -> None:
     if tuple(slopes.shape) not in ((heads,), (batch, heads)):
         raise ValueError(f"alibi_slopes must have shape (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}); "
                          f"got {tuple(slopes.shape)}")
-    if slopes.requires_grad and torch.is_grad_enabled():
-        raise ValueError("alibi_slopes has no gradient in flashcupy (constants, as in flash_attn_func): "
-                         "pass alibi_slopes.detach()")
+    if grad and slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError(_NO_SLOPE_GRAD)
 
 
 def _check_sinks(sinks, heads: int, device) -> None:

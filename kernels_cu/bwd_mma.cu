@@ -302,7 +302,8 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
                 const int qcol = qr0 + n * 8 + 2 * t;  // query (in the tile) of elements 0, 2; +1: 1, 3
                 const float2 l2 = *reinterpret_cast<const float2 *>(s_lse + qcol);
                 const float2 d2 = *reinterpret_cast<const float2 *>(s_del + qcol);
-                const float lq[2] = {fc_lse_log2(l2.x), fc_lse_log2(l2.y)};
+                const float lq[2] = {fc_hook_lq(hook, fc_lse_log2(l2.x), m0 + qcol, scale_log2),
+                                     fc_hook_lq(hook, fc_lse_log2(l2.y), m0 + qcol + 1, scale_log2)};
                 const float dq2[2] = {d2.x, d2.y};
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
@@ -444,7 +445,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const int row = row_g + 8 * hf;
-        lrow[hf] = fc_row_lse_log2(lse + row_base, row, nq);
+        lrow[hf] = fc_hook_lq(hook, fc_row_lse_log2(lse + row_base, row, nq), row, scale_log2);
         drow[hf] = row < nq ? delta[row_base + row] : 0.f;
     }
 

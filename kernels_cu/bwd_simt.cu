@@ -147,7 +147,7 @@ __device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const 
                 const int kcol = c + TN * (i0 + g);
                 if constexpr (PASS == 1) {
                     const int row = m0 + r0 + t, key = n0 + kcol;
-                    const float lse_log2 = lse_s[r0 + t];
+                    const float lse_log2 = fc_hook_lq(hook, lse_s[r0 + t], row, scale_log2);
                     // (P would be exp2(-inf) = 0 for rows past nq and rows that saw no key anyway;
                     // testing it costs fewer registers than computing it)
                     const bool visible = row < nq && fc_visible(row, key, nq, nk) && lse_log2 != INFINITY;

@@ -533,7 +533,8 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 for (int i = 0; i < BM / 8; ++i) {
                     const int qc = 8 * i + 2 * t;  // queries qc, qc + 1 of the tile (columns of S^T)
                     const float2 l2 = *reinterpret_cast<const float2 *>(ld + qc);
-                    const float lq[2] = {l2.x, l2.y};
+                    const float lq[2] = {fc_hook_lq(hook, l2.x, m0 + qc, scale_log2),
+                                         fc_hook_lq(hook, l2.y, m0 + qc + 1, scale_log2)};
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
                         float p[2], pg[2];

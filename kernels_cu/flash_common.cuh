@@ -380,10 +380,14 @@ __device__ __forceinline__ void fc_mask_scores(int row, int key0, int nq, int nk
 //                    FC_SOFTCAP_BITS) on the scaled scores: scale t = cap tanh(scale s / cap), so in
 //                    raw units t = (cap / scale) tanh(scale s / cap) and hook'(t) = 1 - tanh^2.
 //                    tanh is fc_tanh (below).
-// FC_ALIBI 1 adds ALiBi after the arm: t <- t - a |i' - j| with i' = i + nk - nq and a the head's slope in
-// raw units (slope / scale, computed by the host in float64 and rounded to float32, one per (batch,
-// head): FC_ALIBI_PARAMS), the product and the difference each rounded (no FMA: the twin's two
-// roundings), then rounded to the accumulator type. Its derivative is 1 (g unchanged; FC_HOOK_SCALES_DS says
+// FC_ALIBI 1 adds ALiBi after the arm: t <- t - a |max(i', 0) - j| with i' = i + nk - nq and a the head's
+// slope in raw units (slope / scale, computed by the host in float64 and rounded to float32, one per
+// (batch, head): FC_ALIBI_PARAMS), the product and the difference each rounded (no FMA: the twin's two
+// roundings), then rounded to the accumulator type. A row with i' < 0 (Nq > Nk) sees only keys ahead of
+// i', all at |i' - j| = j + d0 with d0 = -i': measuring from key 0 instead takes a d0 off every score of
+// the row, which the softmax does not see and which keeps the scores small where the accumulator type
+// holds them (fp16 rounds a score near 1000 to 0.5; analysis alibi measures it). The LSE gets a d0 back:
+// fc_hook_lse in the forwards, fc_hook_lq in the backwards (FcScoreHook::row_shift). Its derivative is 1 (g unchanged; FC_HOOK_SCALES_DS says
 // whether g can differ from 1). The head and batch change inside a CTA (the persistent forward's
 // tiles, the dK/dV loops over the GQA group), so a kernel names them where they change:
 // FC_HOOK_SET_HEAD(hook, b, h), nothing without ALiBi. Sinks are no score hook: they are merged after
@@ -460,12 +464,18 @@ struct FcScoreHook {
     __device__ __forceinline__ float apply(float s, int row, int key, float &g) const {
 #if FC_ALIBI
         const float t = arm(s, g);
-        const float dist = fabsf((float)(row + offset - key));
+        const float dist = fabsf((float)(max(row + offset, 0) - key));
         return fc_round_acc(__fsub_rn(t, __fmul_rn(slope, dist)));
 #else
         return arm(s, g);
 #endif
     }
+#if FC_ALIBI
+    // a d0 in raw units: what apply took off every score of query row `row` (d0 = max(-i', 0))
+    __device__ __forceinline__ float row_shift(int row) const {
+        return __fmul_rn(slope, (float)max(-(row + offset), 0));
+    }
+#endif
     // the FC_SCORE_HOOK arm alone
     __device__ __forceinline__ float arm(float s, float &g) const {
         if constexpr (FC_SCORE_HOOK == 1) {
@@ -588,6 +598,27 @@ __device__ __forceinline__ float fc_lse_log2(float lse) { return lse == -INFINIT
 // The same for query row `row` of a row of LSEs, +inf for rows past nq as well.
 __device__ __forceinline__ float fc_row_lse_log2(const float *lse, int row, int nq) {
     return (row < nq && lse[row] != -INFINITY) ? lse[row] * FC_LOG2E : INFINITY;
+}
+
+// The LSE of query row `row` from the forward's m and l (fc_softmax_lse), with what the score hook took
+// off the row given back (ALiBi's a d0, FcScoreHook::row_shift, times the scale c ln 2). -inf stays.
+__device__ __forceinline__ float fc_hook_lse(const FcScoreHook &hook, float m, float l, float c, int row) {
+    const float lse = fc_softmax_lse(m, l, c);
+#if FC_ALIBI
+    return __fsub_rn(lse, __fmul_rn(hook.row_shift(row), c * FC_LN2));
+#else
+    return lse;
+#endif
+}
+
+// The backward's exponent offset lq = lse log2 e of query row `row` (fc_lse_log2) for the hook's scores:
+// lq + a d0 c with ALiBi (+inf stays), so that P = exp2(t c - lq) with the forward's shifted t.
+__device__ __forceinline__ float fc_hook_lq(const FcScoreHook &hook, float lq, int row, float c) {
+#if FC_ALIBI
+    return __fadd_rn(lq, __fmul_rn(hook.row_shift(row), c));
+#else
+    return lq;
+#endif
 }
 
 // The one parameter list of every forward kernel. Strides are in elements; the last axis of

@@ -252,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
             pre[hf] = (l > 0x1p126f) ? 0x1p-64f : 1.f;
             inv[hf] = (l == 0.f) ? 0.f : __frcp_rn(l * pre[hf]);
             const int row = row_g + mt * 16 + 8 * hf;
-            if (t == 0 && row < nq) lse[row_base + row] = fc_softmax_lse(m_run[mt][hf], l, scale_log2);
+            if (t == 0 && row < nq) lse[row_base + row] = fc_hook_lse(hook, m_run[mt][hf], l, scale_log2, row);
         }
 #pragma unroll
         for (int on = 0; on < ON; ++on) {

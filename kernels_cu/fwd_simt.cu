@@ -215,6 +215,6 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
             const int d = c + TN * i;
             if (d < D) o[row_id * D + d] = fc_from_float<elem_t>(empty ? 0.f : o_acc[t][i] / l[t]);
         }
-        if (c == 0) lse[row_id] = fc_softmax_lse(m[t], l[t], scale_log2);
+        if (c == 0) lse[row_id] = fc_hook_lse(hook, m[t], l[t], scale_log2, row);
     }
 }

@@ -1,6 +1,6 @@
-"""The alibi experiment on the GPU (quick sizes): the kernels within the accuracy rule near the diagonal
-with fp32 accumulators, fp16 accumulators losing the rows far from their keys as the twin predicts, and
-the cost table measured on the wgmma kernels."""
+"""The alibi experiment on the GPU (quick sizes): the kernels within the accuracy rule in every case with
+16-bit inputs, fp16 accumulators keeping the rows far from their keys (measured from key 0) where the
+twin measured from i' loses them, and the cost table measured on the wgmma kernels."""
 from __future__ import annotations
 
 import pytest
@@ -21,8 +21,12 @@ def test_alibi_experiment_on_the_kernels(tmp_path):
     for r in rule:
         if r["accum"] == "fp32" and r["dtype"] != "f32":
             assert r["within the rule"] is True, r
-    assert far[-1]["fp16 accumulators"] > 5 * far[0]["fp16 accumulators"]
-    assert max(r["fp32 accumulators"] for r in far) < far[-1]["fp16 accumulators"] / 10
+    for r in rule:  # fp16 accumulators too, far rows included (measured from key 0)
+        if r["dtype"] == "f16":
+            assert r["within the rule"] is True, r
+    shifted = [r["fp16 accumulators"] for r in far]
+    assert max(shifted) < 4 * shifted[0]
+    assert max(r["fp16 accumulators, measured from i' (twin)"] for r in far) > 3 * max(shifted)
     assert len(cost) == 2
     for r in cost:  # (no tight bounds: the GPU suite shares the GPU between workers)
         assert 0 < r["fwd / plain"] < 3 and 0 < r["bwd / plain"] < 3, r

@@ -387,29 +387,31 @@ def test_softcap_error_within_the_rule_at_every_cap(reports):
     assert max(r["o relative RMS error"] for r in f8 if r["cap"] == 5.0) > 1.5 * max(ctl)
 
 
-def test_alibi_within_the_rule_near_the_diagonal_and_fp16_accumulators_lose_far_rows(reports):
+def test_alibi_within_the_rule_and_far_rows_kept_by_measuring_from_key_0(reports):
     """The alibi experiment: every (dtype, accumulator) x case; 16-bit inputs with fp32 accumulators lie
-    within the accuracy rule in every case, fp16 accumulators near the diagonal but not with rows far
-    from their keys, where their error grows with the distance, in step with the fp16 rounding of the
-    biased score (within 5x either way from d0 = 16), while fp32 accumulators stay flat."""
+    within the accuracy rule in every case, and fp16 accumulators too, rows far from their keys included,
+    because the kernels measure those rows from key 0. Measured from i' (the twin's ``alibi_unshifted``)
+    the far rows' error grows with the distance, in step with the fp16 rounding of the biased score
+    (within 5x either way from d0 = 16); measured from key 0 it stays near the diagonal's."""
     doc = reports[1]["alibi"]
     rows = table(doc, "The accuracy rule with ALiBi")
     assert len(rows) == 4 * 4 and len({r["case"] for r in rows}) == 4
     for r in rows:
         assert all(r[c] > 0 for c in ("o", "dQ", "dK", "dV"))
-        if r["accum"] == "fp32" and r["dtype"] != "f32":
+        if r["dtype"] != "f32":
             assert r["within the rule"] is True, r
-        if (r["dtype"], r["accum"]) == ("f16", "fp16"):
-            assert r["within the rule"] is (r["case"] != "Nq > Nk, no mask"), r
     far = table(doc, "Rows far from their keys")
     assert far[0]["d0"] == "[0, 1)" and len(far) >= 5
-    assert far[-1]["fp16 accumulators"] > 5 * far[0]["fp16 accumulators"]
+    unshifted = "fp16 accumulators, measured from i' (twin)"
+    shifted = [r["fp16 accumulators"] for r in far]
+    assert max(shifted) < 4 * shifted[0]
+    assert max(r[unshifted] for r in far) > 3 * max(shifted) and far[-1][unshifted] > 5 * far[0][unshifted]
     f32 = [r["fp32 accumulators"] for r in far]
-    assert max(f32) < 3 * min(f32) and max(f32) < far[-1]["fp16 accumulators"] / 10
-    rounding = "fp16 rounding of the biased score, steepest head (logit units)"
+    assert max(f32) < 3 * min(f32)
+    rounding = "fp16 rounding of the score measured from i', steepest head (logit units)"
     for r in far:
         if int(r["d0"].split(",")[0][1:]) >= 16:
-            assert 0.2 < r["fp16 accumulators"] / r[rounding] < 5, r
+            assert 0.2 < r[unshifted] / r[rounding] < 5, r
 
 
 def test_sinks_collapse_p_only_when_they_start_the_softmax(reports):

@@ -205,7 +205,7 @@ def test_alibi_through_torch_matches_cupy_and_compiles(rng, kernel, layout):
     bits with the same slopes (one place for ALiBi: the kernels' score hook), and within the accuracy
     rule of float64; torch.compile (fullgraph) gives the eager bits, the LSE in the loss or not; opcheck
     passes with slopes (Hq,); slopes that require grad, or of a wrong shape, dtype or device, are refused
-    by name."""
+    by name; float64 (Hq,) slopes from an offset view, with sinks, give the CuPy bits too."""
     import cupy
 
     import flashcupy.torch as fct
@@ -272,6 +272,21 @@ def test_alibi_through_torch_matches_cupy_and_compiles(rng, kernel, layout):
         fct.attention(q, k, v, alibi_slopes=sl.half())
     with pytest.raises(TypeError, match="alibi_slopes must be a torch.Tensor on cuda"):
         fct.attention(q, k, v, alibi_slopes=sl.cpu())
+    if layout == "bnhd":
+        return
+    # float64 (Hq,) slopes read from a view with a storage offset, with sinks: the CuPy entry points' bits
+    sl64 = torch.from_numpy(np.concatenate([[7.0], base])).to("cuda", torch.float64)[1:]
+    z = torch.from_numpy(rng.standard_normal(hq)).to("cuda", torch.float32)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    o3, l3 = fct.attention(*leaves, causal=True, kernel=kernel, deterministic=True, alibi_slopes=sl64,
+                           sinks=z, return_lse=True)
+    o3.backward(do)
+    ck = dict(causal=True, kernel=kernel, alibi_slopes=cupy.asarray(sl64), sinks=cupy.asarray(z))
+    oc3, lc3 = flashcupy.attention(*dev[1:], return_lse=True, **ck)
+    gc3 = flashcupy.attention_backward(dev[0], *dev[1:], oc3, lc3, deterministic=True, **ck)
+    for name, a, c in zip(("o", "lse", "dq", "dk", "dv"), (o3, l3, *(t.grad for t in leaves)),
+                          (oc3, lc3, *gc3[:3])):
+        assert bool((cupy.asarray(a.detach()) == c).all()), ("float64 slopes with sinks", name)
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])

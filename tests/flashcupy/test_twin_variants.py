@@ -155,26 +155,34 @@ def test_the_softcap_after_the_mask_leaks_e_to_the_minus_cap_per_masked_key(rng)
         inspect.Variant("fwd_simt", "f32", "fp32", 64, 64, 16, softcap=2.0, ablate="softcap_after_mask")
 
 
-def test_alibi_far_from_the_diagonal_outgrows_fp16_accumulators(rng):
-    """The kernels round each biased score to the accumulator type (the twin models it). With fp16
-    accumulators and every visible key far from the row's diagonal (517 queries on 113 keys, no mask:
-    distances 404 to 517, raw scores near -1000 whose fp16 spacing is 0.5), the forward's error is
-    tens of times the fp32 accumulators'; near the diagonal (300 x 300, causal) it is the usual 2-3x.
-    A limit of fp16 accumulators with ALiBi, measured here so the GPU tests can leave that shape out
-    for them."""
+def test_alibi_rows_above_the_diagonal_measured_from_key_0(rng):
+    """517 queries on 113 keys without a mask: the first 404 rows sit 1 to 404 places before key 0. The
+    kernels (and the twin) measure their bias from max(i', 0) and give the LSE the difference back, so
+    their biased scores stay small: with fp16 accumulators the far rows stay near the fp32 accumulators'
+    error, as near the diagonal (300 x 300 causal). ``ablate="alibi_unshifted"`` (the twin only) measures
+    from i' itself, which puts those raw scores near -1000, whose fp16 spacing is 0.5: tens of times the
+    error. In fp32 the two agree to float32 roundings, and rows at or below the diagonal's start give the
+    same bits; the LSE is the reference's either way."""
     import flashcupy
 
     q, k, v = do_qkv(rng, (2, 4, 2, 517, 113, 64), "f16")[1:]
     slopes = (2.0 ** (-8.0 * np.arange(1, 5) / 4)).astype(np.float32)
+    ref, ref_lse = reference.attention(q, k, v, alibi_slopes=slopes, return_lse=True)
 
-    def err(q, k, v, accum, causal):
-        o = flashcupy.attention(q, k, v, causal=causal, accum=accum, kernel="mma", alibi_slopes=slopes)
-        ref = reference.attention(q, k, v, causal=causal, alibi_slopes=slopes)
-        return float(np.abs(o.astype(np.float64) - ref).max() / np.abs(ref).max())
+    def run(accum, ablate=None):
+        o, lse = flashcupy.attention(q, k, v, accum=accum, kernel="mma", alibi_slopes=slopes, ablate=ablate,
+                                     return_lse=True)
+        return o, lse, float(np.abs(o.astype(np.float64) - ref).max() / np.abs(ref).max())
 
-    far16, far32 = err(q, k, v, "fp16", False), err(q, k, v, "fp32", False)
-    assert far16 > 5 * far32, (far16, far32)
-    q, k, v = do_qkv(rng, (2, 4, 2, 300, 300, 64), "f16")[1:]
-    near16, near32 = err(q, k, v, "fp16", True), err(q, k, v, "fp32", True)
-    # (measured over seeds 0-2: far 33-53x, near 1.7-2.9x, fp16 over fp32 accumulators)
-    assert near16 / near32 < far16 / far32 / 5, (near16, near32, far16, far32)
+    (_, lse16, e16), (_, _, u16) = run("fp16"), run("fp16", "alibi_unshifted")
+    (o32, lse32, e32), (u_o32, u_lse32, _) = run("fp32"), run("fp32", "alibi_unshifted")
+    # (measured over seeds 0-2: shifted 2.3-3.1x the fp32 accumulators', unshifted 44-54x)
+    assert e16 < 5 * e32 and u16 > 10 * e16, (e16, u16, e32)
+    below = np.arange(517) >= 404  # i' >= 0: no shift
+    np.testing.assert_array_equal(o32[:, :, below], u_o32[:, :, below])
+    np.testing.assert_array_equal(lse32[:, :, below], u_lse32[:, :, below])
+    np.testing.assert_allclose(o32.astype(np.float64), u_o32.astype(np.float64), rtol=0, atol=2e-3)
+    assert_lse_accurate(lse32, ref_lse, "fp32")
+    assert_lse_accurate(lse16, ref_lse, "fp16")
+    with pytest.raises(ValueError, match="alibi_unshifted.*needs alibi_slopes"):
+        flashcupy.attention(q, k, v, ablate="alibi_unshifted")
