@@ -62,9 +62,11 @@ def main() -> None:
     # ALiBi (its slopes read per head, set where the head changes: the dK/dV loops over the GQA group),
     # per batch and head, with a causal mask and with a window, each family, forward and both dQ paths
     for kernel, dt in (("wgmma", np.float16), ("mma", np.float16), ("simt", np.float32)):
-        for causal, window in ((True, (-1, -1)), (False, (20, 5))):
-            q = cupy.asarray(rng.standard_normal((2, 4, 77, 64)).astype(dt))
-            k = cupy.asarray(rng.standard_normal((2, 2, 130, 64)).astype(dt))
+        # (130 queries on 77 keys without a mask: rows above the diagonal's start, measured from key 0)
+        for causal, window, nq, nk in ((True, (-1, -1), 77, 130), (False, (20, 5), 77, 130),
+                                       (False, (-1, -1), 130, 77)):
+            q = cupy.asarray(rng.standard_normal((2, 4, nq, 64)).astype(dt))
+            k = cupy.asarray(rng.standard_normal((2, 2, nk, 64)).astype(dt))
             do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
             slopes = cupy.asarray(rng.uniform(0.01, 0.5, (2, 4)).astype(np.float32))
             o, lse = flashcupy.attention(q, k, k, causal=causal, kernel=kernel, window_size=window,
