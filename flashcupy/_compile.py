@@ -468,5 +468,5 @@ def covering_variants(family: str) -> list[Variant]:
             for ks in FP8_KSCALES:
                 add(head_dim=128, block_m=fp8_block_m(acc, 128, True), block_n=128, causal=True, fp8=acc,
                     fp8_kscale=ks, softcap=30.0)
-        add(head_dim=256, block_m=128, block_n=128, fp8="single", softcap=30.0)
+        add(head_dim=256, block_m=128, block_n=128, fp8="single", fp8_kscale="key", softcap=30.0)
     return list(out.values())

@@ -466,8 +466,11 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
     if _device_capability(device) != 90:
         raise ValueError("the fp8 wgmma kernel needs a Hopper GPU (compute capability 9.0, sm_90a); "
                          "NumPy inputs run the twin anywhere")
-    # k's descale is constant over each key tile unless it varies by token or by blocks that split a tile
-    per_tile = k.granularity in ("tensor", "head") or (k.granularity == "block" and k.block % block_n == 0)
+    # k's descale is constant over each key tile unless it varies by token or by blocks that split a tile;
+    # with a softcap at D = 256 the per-key path runs anyway (the descales are flattened per key): the
+    # per-tile one spills 8 bytes there (ptxas sm_90a), the per-key one none
+    per_tile = ((k.granularity in ("tensor", "head") or (k.granularity == "block" and k.block % block_n == 0))
+                and not (softcap and d == 256))
     var = Variant("fwd_wgmma", {"float16": "f16", "bfloat16": "bf16"}[out_dtype], "fp32", block_m, block_n, d,
                   causal, ablate, fp8=accumulation, fp8_kscale="tile" if per_tile else "key", window=window,
                   softcap=softcap)

@@ -731,7 +731,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 };
                 if (row < nq) {
 #if FC_FP8
-                    if (t == 0) lse[row_base + row] = fc_softmax_lse(m_run[hf], l / p_scale, scale_log2);
+                    if (t == 0) lse[row_base + row] = fc_hook_lse(hook, m_run[hf], l / p_scale, scale_log2, row);
 #else
                     if (t == 0) lse[row_base + row] = fc_hook_lse(hook, m_run[hf], l, scale_log2, row);
 #endif

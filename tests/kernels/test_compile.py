@@ -91,7 +91,8 @@ def test_wgmma_under_the_toolkit_ptxas(variant, tmp_path):
 
 def test_softmax_step_and_its_breaks_exist_once():
     """The online-softmax step, with the two #if branches that break it, is written in flash_common.cuh
-    only; every forward family calls it and none restates a break."""
+    only; every forward family calls it and none restates a break; every forward writes its LSE through
+    fc_hook_lse (fc_softmax_lse, with what the score hook took off a row given back)."""
     common = source_text("flash_common.cuh")
     for switch in ("FC_ABLATE_MAX_SUBTRACTION", "FC_ABLATE_RESCALING"):
         assert re.search(rf"^#\s*(if|elif)\b.*\b{switch}\b", common, re.M), switch
@@ -101,7 +102,8 @@ def test_softmax_step_and_its_breaks_exist_once():
         assert digest.startswith("// headers ") and rest.startswith(f'#line 1 "kernels_cu/{family.source}"')
         assert not re.search(r"^#\s*(if|elif)\b.*\bFC_ABLATE_", src, re.M), family.name
         if family.direction == "fwd":
-            assert "fc_softmax_step(" in src and "fc_softmax_lse(" in src, family.name
+            assert "fc_softmax_step(" in src and "fc_hook_lse(" in src, family.name
+            assert "fc_softmax_lse(" not in src, family.name
 
 
 def test_compile_error_names_file_and_line(tmp_path, monkeypatch):
