@@ -30,7 +30,7 @@ import flashcupy
 from flashcupy import reference
 from flashcupy.inspect import numpy_dtype
 
-from .common import Context, Report, Table, log, new_figure, rule_ratios
+from .common import Context, Report, Table, log, new_figure, plot_cost_ratios, rule_ratios
 
 COMBOS = [("f16", "fp32"), ("bf16", "fp32"), ("f16", "fp16"), ("f32", "fp32")]
 
@@ -195,16 +195,9 @@ def run_alibi(ctx: Context) -> Report:
     ax.set_title("ALiBi far from the diagonal (fp16 inputs)", fontsize=10)
     ax.legend(fontsize=7)
     if cost:
-        ax = axes[1]
-        labels = [f"N={r[0]} D={r[1]} {r[2]}" for r in cost]
-        x = np.arange(len(cost))
-        ax.bar(x - 0.2, [r[5] for r in cost], width=0.4, label="forward / plain")
-        ax.bar(x + 0.2, [r[8] for r in cost], width=0.4, label="backward / plain")
-        ax.set_xticks(x, labels, rotation=30, fontsize=6, ha="right")
-        ax.set_ylim(0.9, max(1.5, max(max(r[5], r[8]) for r in cost) * 1.05))
-        ax.set_ylabel("time with ALiBi / time without")
-        ax.set_title("The cost of ALiBi (wgmma, fp16)", fontsize=10)
-        ax.legend(fontsize=7)
+        plot_cost_ratios(axes[1], [f"N={r[0]} D={r[1]} {r[2]}" for r in cost], [r[5] for r in cost],
+                         [r[8] for r in cost], "time with ALiBi / time without",
+                         "The cost of ALiBi (wgmma, fp16)")
     setup = {"rule shapes": f"B={b}, H={h}, D={d}; q, k, v, dO ~ N(0, 1) rounded to the dtype; default "
                             f"scale; cases {[c[:3] for c in cases]}",
              "slopes": f"2^(-8 h / H), h = 1 .. H (the steepest {float(slopes(h)[0]):g})",

@@ -295,6 +295,25 @@ def rule_ratios(dev, host, kw, dname, accum):
     return [e / max(ne, 1e-300) for e, ne in errs], within
 
 
+def plot_cost_ratios(ax, labels, fwd, bwd, ylabel: str, title: str, targets=None) -> None:
+    """A variant's cost panel: per shape (``labels``), the forward's and the backward's time over the plain
+    kernel's as paired bars, with the issue's targets (forward, backward) as dashed lines when given."""
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, fwd, width=0.4, label="forward / plain")
+    ax.bar(x + 0.2, bwd, width=0.4, label="backward / plain")
+    top = 1.3
+    if targets:
+        for value, colour, which in zip(targets, ("C0", "C1"), ("forward", "backward")):
+            ax.axhline(value, color=colour, lw=1, ls="--", label=f"{which} target ({value:g})")
+    else:
+        top = 1.5
+    ax.set_xticks(x, labels, rotation=30, fontsize=6, ha="right")
+    ax.set_ylim(0.9, max(top, max(max(fwd), max(bwd)) * 1.05))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+
+
 def plot_rule_ratios(ax, series) -> None:
     """The accuracy rule's panel: per (label, x values, o ratios, worst-gradient ratios), the forward's
     and the gradients' error over the naive same-precision error, against the rule's 2x and 3x lines, on

@@ -32,7 +32,17 @@ import flashcupy
 from flashcupy import reference
 from flashcupy.inspect import kernel_build, numpy_dtype
 
-from .common import Context, Report, Table, errors, log, new_figure, plot_rule_ratios, rule_ratios
+from .common import (
+    Context,
+    Report,
+    Table,
+    errors,
+    log,
+    new_figure,
+    plot_cost_ratios,
+    plot_rule_ratios,
+    rule_ratios,
+)
 
 COMBOS = [("f16", "fp32"), ("bf16", "fp32"), ("f16", "fp16"), ("f32", "fp32")]
 SCORE_STD = 8.0  # standard deviation of the scaled scores
@@ -238,18 +248,9 @@ def run_softcap(ctx: Context) -> Report:
     ax.set_title("The softcap after the mask (twin)", fontsize=10)
     ax.legend(fontsize=7)
     if cost:
-        ax = axes[2]
-        labels = [f"N={r[0]} D={r[1]} {r[2]}" for r in cost]
-        x = np.arange(len(cost))
-        ax.bar(x - 0.2, [r[5] for r in cost], width=0.4, label="forward / plain")
-        ax.bar(x + 0.2, [r[9] for r in cost], width=0.4, label="backward / plain")
-        ax.axhline(1.08, color="C0", lw=1, ls="--", label="forward target (1.08)")
-        ax.axhline(1.10, color="C1", lw=1, ls="--", label="backward target (1.10)")
-        ax.set_xticks(x, labels, rotation=30, fontsize=6, ha="right")
-        ax.set_ylim(0.9, max(1.3, max(max(r[5], r[9]) for r in cost) * 1.05))
-        ax.set_ylabel("time with a cap of 30 / time without")
-        ax.set_title("The softcap's cost (wgmma, fp16)", fontsize=10)
-        ax.legend(fontsize=7)
+        plot_cost_ratios(axes[2], [f"N={r[0]} D={r[1]} {r[2]}" for r in cost], [r[5] for r in cost],
+                         [r[9] for r in cost], "time with a cap of 30 / time without",
+                         "The softcap's cost (wgmma, fp16)", targets=(1.08, 1.10))
     setup = {"error shapes": f"B={b}, H={h}, Nq=Nk={n}, D={d}, causal; q, k, v, dO ~ N(0, 1) rounded to the "
                              f"dtype; scale {SCORE_STD:g} / sqrt(D)",
              "caps": str(caps),
