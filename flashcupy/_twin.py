@@ -172,9 +172,13 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap:
 
     m = np.full((b, hkv, g, nq, 1), -np.inf, dtype=np.float32)
     l = np.zeros((b, hkv, g, nq, 1), dtype=np.float32)
+    row_shift = _row_shift(variants, nq, nk, p.twin_ablate == "alibi_unshifted")
     if sink is not None and sink_first:  # the sink's term first: m = z / scale, l = exp2(0)
-        # (with the max-subtraction break: l = exp2(z c))
+        # (with the max-subtraction break: l = exp2(z c); with ALiBi, in the units of the row's scores,
+        # which the hook raised by a d0: z / scale + a d0)
         m = np.broadcast_to(sink, m.shape).astype(np.float32)
+        if row_shift is not None:
+            m = (m + row_shift).astype(np.float32)
         l = np.exp2(m * c) if ablate == "max_subtraction" else np.ones_like(l)
     acc = np.zeros((b, hkv, g, nq, d), dtype=np.float32)
     rows = np.arange(nq)[:, None]
@@ -212,9 +216,8 @@ def forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, p: Problem, *, softcap:
             lse = np.log(l.astype(np.float64))
         else:
             lse = m.astype(np.float64) * p.scale + np.log(l.astype(np.float64))
-        shift = _row_shift(variants, nq, nk, p.twin_ablate == "alibi_unshifted")
-        if shift is not None:  # (what the ALiBi hook took off the row, given back, as fc_hook_lse does)
-            lse = lse - shift.astype(np.float64) * p.scale
+        if row_shift is not None:  # (what the ALiBi hook took off the row, given back, as fc_hook_lse does)
+            lse = lse - row_shift.astype(np.float64) * p.scale
         lse = np.where(empty, -np.inf, lse)
     o, lse = o.reshape(b, hq, nq, d).astype(elem), lse.reshape(b, hq, nq).astype(np.float32)
     if sink is not None and not sink_first:

@@ -88,13 +88,15 @@ static_assert(4 * (2 * BM * ROW_PITCH + 2 * BN * KV_PITCH + BN * ST_PITCH + 2 * 
 
 
 // Stage the row statistics of query rows m0 .. m0+BM-1: the exponent offset fc_lse_log2(lse) (+inf
-// for rows that saw no key and rows past nq: their P is exp2(-inf) = 0) and delta (0 past nq).
+// for rows that saw no key and rows past nq: their P is exp2(-inf) = 0), for the score hook's scores of
+// the head `hook` holds (fc_hook_lq), and delta (0 past nq).
 __device__ __forceinline__ void stage_row_stats(float* __restrict__ lse_s, float* __restrict__ delta_s,
                                                 const float* __restrict__ lse_head,
-                                                const float* __restrict__ delta_head, int m0, int nq) {
+                                                const float* __restrict__ delta_head, int m0, int nq,
+                                                const FcScoreHook &hook, float scale_log2) {
     for (int r = threadIdx.x; r < BM; r += FC_NUM_THREADS) {
         const int row = m0 + r;
-        lse_s[r] = fc_row_lse_log2(lse_head, row, nq);
+        lse_s[r] = fc_hook_lq(hook, fc_row_lse_log2(lse_head, row, nq), row, scale_log2);
         delta_s[r] = row < nq ? delta_head[row] : 0.f;
     }
 }
@@ -147,7 +149,7 @@ __device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const 
                 const int kcol = c + TN * (i0 + g);
                 if constexpr (PASS == 1) {
                     const int row = m0 + r0 + t, key = n0 + kcol;
-                    const float lse_log2 = fc_hook_lq(hook, lse_s[r0 + t], row, scale_log2);
+                    const float lse_log2 = lse_s[r0 + t];
                     // (P would be exp2(-inf) = 0 for rows past nq and rows that saw no key anyway;
                     // testing it costs fewer registers than computing it)
                     const bool visible = row < nq && fc_visible(row, key, nq, nk) && lse_log2 != INFINITY;
@@ -248,7 +250,9 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
             //    publishes K_j and V_j).
             stage_tile<BM, ROW_PITCH>(q_s, q_head + m0 * q_sn, q_sn, nq - m0);
             stage_tile<BM, ROW_PITCH>(do_s, do_head + m0 * do_sn, do_sn, nq - m0);
-            stage_row_stats(lse_s, delta_s, lse_head, delta_head, m0, nq);
+            FcScoreHook rows_hook(scale_log2);  // (the row statistics of this head: fc_hook_lq)
+            FC_HOOK_SET_HEAD(rows_hook, b, (int)h);
+            stage_row_stats(lse_s, delta_s, lse_head, delta_head, m0, nq, rows_hook, scale_log2);
             __syncthreads();
 
             // 2. P and dS of this (query tile, key tile) pair.
@@ -305,7 +309,10 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_sim
 
     stage_tile<BM, ROW_PITCH>(q_s, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, nq - m0);
     stage_tile<BM, ROW_PITCH>(do_s, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, nq - m0);
-    stage_row_stats(lse_s, delta_s, lse + (b * hq + h) * nq, delta + (b * hq + h) * nq, m0, nq);
+    FcScoreHook rows_hook(scale_log2);  // (the row statistics of this head: fc_hook_lq)
+    FC_HOOK_SET_HEAD(rows_hook, b, h);
+    stage_row_stats(lse_s, delta_s, lse + (b * hq + h) * nq, delta + (b * hq + h) * nq, m0, nq, rows_hook,
+                    scale_log2);
 
     float dq_acc[TR][DPT];
 #pragma unroll

@@ -462,11 +462,25 @@ struct FcScoreHook {
     // t = hook(s) of query row and key, and g = hook'(t). (An active hook rounds t to the accumulator
     // type, as the forwards' tiles hold it, so that every kernel and direction sees the same t.)
     __device__ __forceinline__ float apply(float s, int row, int key, float &g) const {
+        return apply_at(s, pos(row), key, g);
+    }
+    // query row `row`'s position for the bias, max(i', 0) (the row itself without ALiBi): a tile works
+    // it out once per row and calls apply_at
+    __device__ __forceinline__ int pos(int row) const {
+#if FC_ALIBI
+        return max(row + offset, 0);
+#else
+        return row;
+#endif
+    }
+    // apply for the row at position `p` (pos)
+    __device__ __forceinline__ float apply_at(float s, int p, int key, float &g) const {
 #if FC_ALIBI
         const float t = arm(s, g);
-        const float dist = fabsf((float)(max(row + offset, 0) - key));
+        const float dist = fabsf((float)(p - key));
         return fc_round_acc(__fsub_rn(t, __fmul_rn(slope, dist)));
 #else
+        (void)p, (void)key;
         return arm(s, g);
 #endif
     }
@@ -509,13 +523,16 @@ template <int NT, typename Tile>
 __device__ __forceinline__ void fc_hook_scores(const FcScoreHook &hook, int row, int key0, Tile tile) {
     if constexpr (FcScoreHook::active) {
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
+        for (int hf = 0; hf < 2; ++hf) {
+            const int p = hook.pos(row + 8 * hf);  // (once per row)
 #pragma unroll
             for (int i = 0; i < NT; ++i)
 #pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    acc_set(tile(i), 2 * hf + e,
-                            hook.apply(acc_get(tile(i), 2 * hf + e), row + 8 * hf, key0 + 8 * i + e));
+                for (int e = 0; e < 2; ++e) {
+                    float g;
+                    acc_set(tile(i), 2 * hf + e, hook.apply_at(acc_get(tile(i), 2 * hf + e), p, key0 + 8 * i + e, g));
+                }
+        }
     }
 }
 

@@ -406,7 +406,7 @@ def test_alibi_within_the_rule_and_far_rows_kept_by_measuring_from_key_0(reports
     shifted = [r["fp16 accumulators"] for r in far]
     assert max(shifted) < 4 * shifted[0]
     assert max(r[unshifted] for r in far) > 3 * max(shifted) and far[-1][unshifted] > 5 * far[0][unshifted]
-    f32 = [r["fp32 accumulators"] for r in far]
+    f32 = [r["fp32 accumulators"] for r in far if r["rows"] >= 4]  # (a one-row bin can sit low by chance)
     assert max(f32) < 3 * min(f32)
     rounding = "fp16 rounding of the score measured from i', steepest head (logit units)"
     for r in far:

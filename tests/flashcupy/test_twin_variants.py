@@ -186,3 +186,20 @@ def test_alibi_rows_above_the_diagonal_measured_from_key_0(rng):
     assert_lse_accurate(lse16, ref_lse, "fp16")
     with pytest.raises(ValueError, match="alibi_unshifted.*needs alibi_slopes"):
         flashcupy.attention(q, k, v, ablate="alibi_unshifted")
+
+
+def test_sink_first_with_alibi_rows_above_the_diagonal(rng):
+    """The twin's sink-first order (the sink's term starts the online softmax) with ALiBi: a row measured
+    from key 0 starts from the sink in its own raised units, z / scale + a d0, so o and the LSE are the
+    reference's, the break that exponentiates raw scores included."""
+    shapes = ((2, 4, 130, 32), (2, 2, 77, 32), (2, 2, 77, 32))
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    slopes = rng.uniform(0.05, 0.5, (2, 4)).astype(np.float32)
+    z = (3 * rng.standard_normal(4)).astype(np.float32)
+    for ablate, x in ((None, q), ("max_subtraction", 0.2 * q)):
+        p = forward_problem(x, k, v, causal=False, scale=None, block_m=None, block_n=None, accum="fp32",
+                            kernel="auto", ablate=ablate, alibi=True)
+        o, lse = _twin.forward(x, k, v, p, sinks=z, alibi_slopes=slopes, sink_first=True)
+        ro, rl = reference.attention(x, k, v, sinks=z, alibi_slopes=slopes, return_lse=True)
+        np.testing.assert_allclose(o, ro, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(lse, rl, rtol=0, atol=1e-5)
