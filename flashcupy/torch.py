@@ -677,7 +677,10 @@ def _check_alibi_slopes(slopes, batch: int, heads: int, device, grad: bool = Tru
                         f"{slopes.device if isinstance(slopes, torch.Tensor) else type(slopes).__name__}")
     if slopes.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"alibi_slopes must be float32 or float64, got {slopes.dtype}")
-    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+    # one comparison per dimension: torch 2.11's Dynamo misjudged ``tuple(shape) in (...)`` (a (2, 4)
+    # refused against (B, Hq) = (2, 4) under fullgraph compile)
+    if not ((slopes.dim() == 1 and slopes.shape[0] == heads)
+            or (slopes.dim() == 2 and slopes.shape[0] == batch and slopes.shape[1] == heads)):
         raise ValueError(f"alibi_slopes must have shape (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}); "
                          f"got {tuple(slopes.shape)}")
     if grad and slopes.requires_grad and torch.is_grad_enabled():
