@@ -66,6 +66,10 @@ class Problem:
     # a break the twin runs and no kernel compiles (_families.TWIN_ABLATIONS; NumPy inputs only): the
     # variant, which names a kernel, stays intact
     twin_ablate: str | None = None
+    # packed sequences (the variant's varlen: flashcupy.attention_varlen): the packed lengths of q and of
+    # k, v; batch is then the number of sequences and nq, nk the longest one's lengths (0: not packed)
+    total_q: int = 0
+    total_k: int = 0
 
     @property
     def group(self) -> int:

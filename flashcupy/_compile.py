@@ -362,8 +362,9 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
 
 def covering_variants(family: str) -> list[Variant]:
     """A covering set for the compile check: every value of every knob at least once, and the pairs
-    dtype x accum, block_m x block_n, causal x ablate, window x ablate, softcap x dtype x accum and
-    alibi x dtype x accum in full (variants that do not fit in shared memory are left out)."""
+    dtype x accum, block_m x block_n, causal x ablate, window x ablate, softcap x dtype x accum,
+    alibi x dtype x accum and varlen x dtype x accum in full (variants that do not fit in shared memory
+    are left out)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
     fam = FAMILIES[family]
@@ -445,6 +446,17 @@ def covering_variants(family: str) -> list[Variant]:
     if family == "fwd_wgmma":
         add(head_dim=128, causal=True, alibi=True, schedule="dynamic")
         add(head_dim=128, alibi=True, schedule="static")
+    # packed sequences (FC_VARLEN, the 16-bit forwards): every dtype x accumulator, causal at D = 128, a
+    # window with the softcap and ALiBi, and fwd_wgmma's tile loops (whose tiles change sequences)
+    if family.startswith("fwd_"):
+        for dt in fam.dtypes:
+            for acc in fam.accums(dt):
+                add(dtype=dt, accum=acc, varlen=True)
+        add(head_dim=128, causal=True, varlen=True)
+        add(window=(64, 64), softcap=30.0, alibi=True, varlen=True)
+        if family == "fwd_wgmma":
+            add(head_dim=128, causal=True, schedule="dynamic", varlen=True)
+            add(head_dim=128, block_m=128, block_n=128, schedule="static", varlen=True)
     # fp8 (fwd_wgmma): every accumulation x k-descale x causal on its default tile, the 64- and 128-row
     # tiles, and the breaks
     if family == "fwd_wgmma":

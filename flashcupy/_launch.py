@@ -337,24 +337,31 @@ class _ForwardPlan:
     place (a plan that is not is never run: the call copies its inputs first)."""
 
     __slots__ = ("tma", "readable", "kern", "o_shape", "lse_shape", "dynamic", "map_slots", "launcher",
-                 "alibi")
+                 "alibi", "varlen")
 
     def __init__(self, p: Problem, q_strides, k_strides, v_strides, itemsize: int):
         var = p.variant
-        q_shape = (p.batch, p.heads_q, p.nq, p.head_dim)
-        kv_shape = (p.batch, p.heads_kv, p.nk, p.head_dim)
+        # the kernels' (B, H, N, D) arrays: packed sequences are one batch of every token
+        self.varlen = var.varlen
+        nq, nk, batch = (p.total_q, p.total_k, 1) if var.varlen else (p.nq, p.nk, p.batch)
+        q_shape = (batch, p.heads_q, nq, p.head_dim)
+        kv_shape = (batch, p.heads_kv, nk, p.head_dim)
         self.tma = var.fam.kind == "wgmma"
         self.readable = all(_strides_readable(shape, st, itemsize, self.tma) for shape, st in (
             (q_shape, q_strides), (kv_shape, k_strides), (kv_shape, v_strides)))
         self.kern = get_kernel(var, "fwd")  # compiled (and checked against the device) before any allocation
-        self.o_shape, self.lse_shape = q_shape, q_shape[:3]
+        # o and lse: (B, Hq, N, D) and (B, Hq, N); packed, flash_attn's (total_q, Hq, D) and (Hq, total_q)
+        self.o_shape, self.lse_shape = ((nq, p.heads_q, p.head_dim), q_shape[1:3]) if var.varlen else \
+            (q_shape, q_shape[:3])
         grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
-        scalars = (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
+        scalars = (np.int32(nq), np.int32(nk), np.int32(p.group),
                    *_element_strides(q_strides, itemsize), *_element_strides(k_strides, itemsize),
                    *_element_strides(v_strides, itemsize), np.float32(p.scale * _LOG2E))
         # ALiBi: the slopes in raw units, (B, Hq) float32 (alibi_raw), and their batch stride
         self.alibi = var.alibi
         scalars += (PTR, np.int32(p.heads_q)) if var.alibi else ()
+        # packed sequences: the cumulative lengths (int32, B + 1) of q and of k, v, and the longest lengths
+        scalars += (PTR, PTR, np.int32(p.nq), np.int32(p.nk)) if var.varlen else ()
         maps, tail, self.dynamic, self.map_slots = (), (), False, ()
         if self.tma:
             # The Hopper kernels load q, k, v by TMA from tensor maps over their real strides, passed
@@ -375,12 +382,14 @@ class _ForwardPlan:
                 grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
         self.launcher = _Launcher(self.kern, grid, maps + (PTR,) * 5 + scalars + tail)
 
-    def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int, scratch, alibi: int = 0) -> None:
+    def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int, scratch, alibi: int = 0,
+            cu: tuple = ()) -> None:
         """Launch on the stream with handle ``stream``, the arrays at these device addresses: q, k, v with
         the plan's strides and 16-byte aligned, o and lse C-contiguous (``alibi``: the (B, Hq) slopes in
-        raw units of an ALiBi variant, ``alibi_raw``). ``scratch`` (``_Scratch``'s interface) gives the
-        dynamic scheduler's counter under stream capture."""
-        ptrs = (q, k, v, o, lse) + ((alibi,) if self.alibi else ())
+        raw units of an ALiBi variant, ``alibi_raw``; ``cu``: a varlen variant's checked cumulative
+        lengths of q and of k, v, int32). ``scratch`` (``_Scratch``'s interface) gives the dynamic
+        scheduler's counter under stream capture."""
+        ptrs = (q, k, v, o, lse) + ((alibi,) if self.alibi else ()) + (tuple(cu) if self.varlen else ())
         if self.dynamic:
             ptrs += (_tile_counter(stream, scratch),)
         slots = self.map_slots
@@ -389,9 +398,10 @@ class _ForwardPlan:
     def program(self) -> dict:
         """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``): the keyword
         arguments of its ``program``, addresses as slots of ``FORWARD_SLOTS``. Only for plans that read
-        their inputs in place, without ALiBi (the compiled node has no slot for slopes)."""
-        if self.alibi:
-            raise ValueError("an ALiBi plan has no program for the compiled torch node")
+        their inputs in place, without ALiBi (the compiled node has no slot for slopes) or packed
+        sequences."""
+        if self.alibi or self.varlen:
+            raise ValueError("an ALiBi or varlen plan has no program for the compiled torch node")
         mapped = _slots(FORWARD_SLOTS, "q k v o")
         maps = [(slot, *m.template.raw) for slot, m in zip(mapped, self.map_slots)]
         ptrs = _slots(FORWARD_SLOTS, "q k v o lse counter" if self.dynamic else "q k v o lse")
@@ -418,7 +428,7 @@ def _forward_plan(p: Problem, q, k, v) -> _ForwardPlan:
     return forward_plan(p, q.strides, k.strides, v.strides, q.itemsize)
 
 
-def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None):
+def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=None):
     """Run the variant of ``p`` on the current CuPy stream of the GPU that holds q, k, v. Returns
     (o, lse).
 
@@ -430,14 +440,20 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None):
     ``scratch``: where temporaries come from (``_Scratch`` of the current stream by default).
     ``alibi``: the slopes of an ALiBi variant, (Hq,) or (B, Hq), on q's GPU (``alibi_raw`` divides them
     by the scale into the kernels' (B, Hq) float32 array).
+    Packed sequences (a varlen variant, ``flashcupy.attention_varlen``): q, k, v are flash_attn's packed
+    (total, H, D), ``cu`` the two checked cumulative lengths (int32 (B + 1,) C-contiguous CuPy arrays on
+    q's GPU: the kernels trust them), and o, lse are (total_q, Hq, D) and (Hq, total_q).
     """
     import cupy
 
     if p.device != cupy.cuda.runtime.getDevice():
         with cupy.cuda.Device(p.device):
-            return forward(q, k, v, p, o, lse, scratch, alibi)
+            return forward(q, k, v, p, o, lse, scratch, alibi, cu)
     stream = cupy.cuda.get_current_stream()
     scratch = _Scratch(stream) if scratch is None else scratch
+    if p.variant.varlen:  # (total, H, D) as the kernels' one batch (1, H, total, D)
+        q, k, v = (x.transpose(1, 0, 2)[None] for x in (q, k, v))
+        cu = tuple(c.data.ptr for c in cu)
     plan = _forward_plan(p, q, k, v)
     if not plan.readable or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
         q, k, v = (_as_readable(x, plan.tma, scratch) for x in (q, k, v))
@@ -455,7 +471,7 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None):
                              f"{lse.dtype}")
     raw = _alibi_slopes(p, alibi, scratch)  # (held until the launch: its memory must not be reused first)
     plan.run(stream.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, scratch,
-             0 if raw is None else raw.data.ptr)
+             0 if raw is None else raw.data.ptr, cu or ())
     return o, lse
 
 

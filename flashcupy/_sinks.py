@@ -157,20 +157,21 @@ def _kernel(name: str):
     return kern
 
 
-def apply(o, lse, sinks, scratch=None):
+def apply(o, lse, sinks, scratch=None, packed: bool = False):
     """Merge the sinks into a forward's (o (B, Hq, N, D), lse (B, Hq, N) float32) in place and return
-    them: o <- w o, lse <- lse' (module docstring). On CuPy arrays two kernels on the current stream: one
+    them: o <- w o, lse <- lse' (module docstring). ``packed``: a packed forward's (o (total, Hq, D),
+    lse (Hq, total), ``attention_varlen``'s). On CuPy arrays two kernels on the current stream: one
     per row (w into a temporary from ``scratch``, ``_launch._Scratch``'s interface, graph-safe under stream
-    capture; one of the current stream by default; and lse'), one per element of o; o must be the call's
-    own output (C-contiguous, 16-byte aligned)."""
+    capture; one of the current stream by default; and lse'), one per element of o (packed: after w is
+    copied into o's row order); o must be the call's own output (C-contiguous, 16-byte aligned)."""
     xp = _xp(o)
     if xp is np:
         f32 = np.float32
-        z = sinks.astype(f32)[None, :, None]
+        z = sinks.astype(f32)[:, None] if packed else sinks.astype(f32)[None, :, None]
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             lse2 = np.maximum(lse, z) + np.log1p(np.exp(-np.abs(lse - z)))
             w = np.exp(lse - lse2)
-        o[...] = (o.astype(f32) * w[..., None]).astype(o.dtype)
+        o[...] = (o.astype(f32) * (w.T if packed else w)[..., None]).astype(o.dtype)
         lse[...] = lse2
         return o, lse
     import cupy
@@ -182,7 +183,11 @@ def apply(o, lse, sinks, scratch=None):
     with cupy.cuda.Device(o.data.device_id):
         scratch = _Scratch(cupy.cuda.get_current_stream()) if scratch is None else scratch
         w = scratch.empty(lse.shape, np.float32)
-        _kernel("row")(lse, sinks.reshape(1, -1, 1), w, lse)
+        _kernel("row")(lse, sinks.reshape(-1, 1) if packed else sinks.reshape(1, -1, 1), w, lse)
+        if packed:  # w per (head, token) into o's rows, per (token, head)
+            rows = scratch.empty(w.shape[::-1], np.float32)
+            cupy.copyto(rows, w.T)
+            w = rows
         flat = o.reshape(-1) if name == "f32" else o.reshape(-1).view(np.uint16)
         per_thread = 4 if name == "f32" else 8  # 16 bytes
         _kernel("scale_" + name)(w, np.int64(o.shape[-1]), flat, size=flat.size // per_thread)

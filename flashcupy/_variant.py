@@ -142,6 +142,10 @@ class Variant:
     # given at launch (two more kernel parameters: the slopes in raw units and their batch stride); every
     # family but fp8
     alibi: bool = False
+    # packed sequences (FC_VARLEN; the forwards but fp8): batch entry b is sequence b of flash_attn's packed
+    # (total, H, D) arrays, bounded by int32 cumulative lengths given at launch (four more kernel
+    # parameters: kernels_cu/flash_common.cuh's batch entries); flashcupy.attention_varlen runs them
+    varlen: bool = False
     # compiled otherwise than the package does (experiments on the kernels; see Build). None: the
     # Build of the enclosing kernel_build block, if any
     build: Build | None = None
@@ -197,6 +201,11 @@ class Variant:
             raise TypeError(f"alibi must be a bool, got {type(self.alibi).__name__}")
         if self.alibi and self.fp8 is not None:
             raise ValueError("alibi_slopes do not run with fp8 operands yet; the 16-bit kernels run them")
+        if not isinstance(self.varlen, bool):
+            raise TypeError(f"varlen must be a bool, got {type(self.varlen).__name__}")
+        if self.varlen and (not self.family.startswith("fwd_") or self.fp8 is not None):
+            raise ValueError(f"packed sequences (varlen) run in the forwards, not in {self.family}"
+                             + (" with fp8 operands" if self.fp8 else ""))
         problem = fam.limits(self)
         if problem:
             raise ValueError(problem)
@@ -261,6 +270,8 @@ class Variant:
             parts.append("cap" + cap.replace(".", "p"))
         if self.alibi:
             parts.append("alibi")
+        if self.varlen:
+            parts.append("varlen")
         if self.ablate:
             parts.append("ablate_" + self.ablate)
         if self.fp8:
@@ -290,6 +301,7 @@ class Variant:
             "FC_WINDOW_RIGHT": self.window[1] if self.window else -1,
             **({"FC_SCORE_HOOK": 2, "FC_SOFTCAP_BITS": _float32_bits(self.softcap)} if self.softcap else {}),
             **({"FC_ALIBI": 1} if self.alibi else {}),
+            **({"FC_VARLEN": 1} if self.varlen else {}),
             "FC_ABLATE_MAX_SUBTRACTION": int(self.ablate == "max_subtraction"),
             "FC_ABLATE_RESCALING": int(self.ablate == "rescaling"),
             **{f"FC_SMEM_{role.upper()}": self.smem_for(role) for role in self.roles},

@@ -1,18 +1,26 @@
 """Packed sequences (issue 36): ``attention_varlen`` and ``attention_varlen_backward`` on flash_attn's
-packed layout, by one ``attention`` call per sequence.
+packed layout.
 
 Sequence i of a batch occupies rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1] of q (total_q, Hq, D) and
 rows cu_seqlens_k[i] .. cu_seqlens_k[i + 1] of k, v (total_k, Hkv, D); it attends to its own keys only
-(the causal mask, and every knob, per sequence as in ``attention``). Each sequence runs as its own
-``attention`` call on (1, H, n_i, D) views of the packed arrays (read in place: a (N, H, D) slice seen as
-(1, H, N, D) is one of the strided layouts every family reads), so the cost is one launch per sequence:
-what its tokens cost plus a launch each. One kernel launch for the whole ragged batch (the native varlen
-kernels, where the range hooks give each CTA its sequence's bounds) is the next step.
+(the causal mask, and every knob, per sequence as in ``attention``).
+
+The forward on CuPy arrays is one launch for the whole ragged batch: the varlen variant of the family's
+kernel (``FC_VARLEN``; kernels_cu/flash_common.cuh's batch entries) walks ceil(longest / block_m) x Hq x
+B query tiles, each tile reads its sequence's bounds from the cumulative lengths, and tiles past a
+sequence's end do nothing, so the cost follows the tokens. Every knob runs there (sinks merged after it,
+on the packed rows). The twin (NumPy) and the backward run one ``attention`` (``attention_backward``)
+call per sequence, on (1, H, n_i, D) views of the packed arrays (read in place: a (N, H, D) slice seen
+as (1, H, N, D) is one of the strided layouts every family reads): what its tokens cost plus a launch
+each. The two forwards
+give the same bits on the same tile (the tests compare them).
 
 The lengths are read on the host: with CuPy inputs, ``cu_seqlens`` is copied to the host once per call
 (a synchronization; such a call cannot be captured in a CUDA graph).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -51,6 +59,8 @@ def _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     _packed("q", q, "Hq")
     _packed("k", k, "Hkv")
     _packed("v", v, "Hkv")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
     cq = _lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     ck = _lengths("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     if cq.size != ck.size:
@@ -101,6 +111,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     cq, ck = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_slopes(knobs, cq.size - 1, q.shape[1])
     xp = _xp(q)
+    if xp is not np and np.diff(cq).max() > 0 and np.diff(ck).max() > 0:
+        o, lse = _forward_packed(q, k, v, cq, ck, causal=causal, **knobs)
+        return (o, lse) if return_lse else o
     o = xp.zeros(q.shape, dtype=q.dtype)
     lse = xp.full((q.shape[1], q.shape[0]), -np.inf, dtype=xp.float32)
     for i in range(cq.size - 1):
@@ -114,6 +127,38 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         o[qa:qb] = o_i[0].transpose(1, 0, 2)
         lse[:, qa:qb] = lse_i[0]
     return (o, lse) if return_lse else o
+
+
+def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",
+                    kernel="auto", ablate=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    sinks=None, o=None, lse=None):
+    """The forward of a packed batch on CuPy arrays in one launch (the module docstring): the knobs
+    checked as ``attention`` checks them, on the shape of B sequences of the longest lengths (at least
+    one query and one key). ``o``, ``lse``: preallocated outputs, as ``_launch.forward`` takes them (the
+    tests poison them)."""
+    import cupy
+
+    from . import _sinks
+    from ._checks import check_alibi_slopes, forward_problem
+    from ._launch import forward
+
+    b = cq.size - 1
+    nq, nk = int(np.diff(cq).max()), int(np.diff(ck).max())
+
+    def shaped(x, n):  # x's dtype, device and heads in the (B, H, n, D) shape of the call (never read)
+        return cupy.lib.stride_tricks.as_strided(x, (b, x.shape[1], n, x.shape[2]), (0, 0, 0, x.itemsize))
+
+    p = forward_problem(shaped(q, nq), shaped(k, nk), shaped(v, nk), causal=causal, scale=scale,
+                        block_m=block_m, block_n=block_n, accum=accum, kernel=kernel, ablate=ablate,
+                        window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None)
+    p = dataclasses.replace(p, variant=dataclasses.replace(p.variant, varlen=True), total_q=q.shape[0],
+                            total_k=k.shape[0])
+    slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, q.shape[1], q)
+    sinks = None if sinks is None else _sinks.check(sinks, q.shape[1], q)
+    with cupy.cuda.Device(p.device):  # the checked lengths, which the kernels trust, on q's GPU
+        cu = tuple(cupy.asarray(c.astype(np.int32)) for c in (cq, ck))
+    o, lse = forward(q, k, v, p, o=o, lse=lse, alibi=slopes, cu=cu)
+    return (o, lse) if sinks is None else _sinks.apply(o, lse, sinks, packed=True)
 
 
 def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,

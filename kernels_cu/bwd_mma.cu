@@ -279,7 +279,7 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
         // ---- tile `it` has landed; every warp is done with the other stage: prefetch it + 1 ----
         const u32 st = pipeline_top<STAGES_KV>(it, n_it, st0, KV_STAGE_BYTES, load_stage);
         const int m0 = (qt0 + it % qt_per_head) * BM;
-        FC_HOOK_SET_HEAD(hook, b, hk * group + it / qt_per_head);
+        FC_HOOK_SET_HEAD(hook, b, hk * group + it / qt_per_head, nq, nk);
         const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk, false);
         const float *s_lse = reinterpret_cast<const float *>(smem + (st - s_base) + ST_L);
         const float *s_del = reinterpret_cast<const float *>(smem + (st - s_base) + ST_D);
@@ -430,7 +430,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
     const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
     const int j0 = tiles.first, n_tiles = tiles.count();
     FcScoreHook hook(scale_log2);
-    FC_HOOK_SET_HEAD(hook, b, h);
+    FC_HOOK_SET_HEAD(hook, b, h, nq, nk);
 
     const int lc = tid % CHP, lr = tid / CHP;
     const u32 frag_row = (lane & 15) * ROW_BYTES;

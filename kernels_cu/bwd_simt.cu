@@ -136,7 +136,7 @@ __device__ __forceinline__ void score_pass(const float* __restrict__ a_s, const 
     const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
     const int r0 = rg * SR;  // first tile row of this row group
     FcScoreHook hook(scale_log2);
-    FC_HOOK_SET_HEAD(hook, head_b, head_h);
+    FC_HOOK_SET_HEAD(hook, head_b, head_h, nq, nk);
     auto slot = [&](int t, int kcol) { return TRANSPOSED ? kcol * ST_PITCH + r0 + t : (r0 + t) * S_PITCH + kcol; };
 #pragma unroll 1
     for (int i0 = 0; i0 < KPT; i0 += GS) {
@@ -251,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
             stage_tile<BM, ROW_PITCH>(q_s, q_head + m0 * q_sn, q_sn, nq - m0);
             stage_tile<BM, ROW_PITCH>(do_s, do_head + m0 * do_sn, do_sn, nq - m0);
             FcScoreHook rows_hook(scale_log2);  // (the row statistics of this head: fc_hook_lq)
-            FC_HOOK_SET_HEAD(rows_hook, b, (int)h);
+            FC_HOOK_SET_HEAD(rows_hook, b, (int)h, nq, nk);
             stage_row_stats(lse_s, delta_s, lse_head, delta_head, m0, nq, rows_hook, scale_log2);
             __syncthreads();
 
@@ -310,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_sim
     stage_tile<BM, ROW_PITCH>(q_s, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, nq - m0);
     stage_tile<BM, ROW_PITCH>(do_s, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, nq - m0);
     FcScoreHook rows_hook(scale_log2);  // (the row statistics of this head: fc_hook_lq)
-    FC_HOOK_SET_HEAD(rows_hook, b, h);
+    FC_HOOK_SET_HEAD(rows_hook, b, h, nq, nk);
     stage_row_stats(lse_s, delta_s, lse + (b * hq + h) * nq, delta + (b * hq + h) * nq, m0, nq, rows_hook,
                     scale_log2);
 

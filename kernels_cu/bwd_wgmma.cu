@@ -492,7 +492,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         for (int it = 0; it < n_it; ++it) {
             const int s = it % STAGES;
             const int hq = head_of(it), qt = tile_of(it), m0 = qt * BM;
-            FC_HOOK_SET_HEAD(hook, b, hq);
+            FC_HOOK_SET_HEAD(hook, b, hq, nq, nk);
             // masking: the range hook's (queries past nq, keys past nk, the causal edge)
             const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk, n0 + BN > nk);
             const u32 sq = s_q(s), sdo = s_do(s);

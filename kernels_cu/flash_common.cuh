@@ -15,6 +15,8 @@
 //                              section below); FC_TANH_APPROX: the softcap's tanh
 //   FC_ALIBI                   1: ALiBi, a per-head linear bias on the scores (the score hook section);
 //                              the kernels then take two more parameters, the slopes and their batch stride
+//   FC_VARLEN                  1 (forwards): the batch entries are packed sequences (the batch entries
+//                              section below); the kernels then take four more parameters
 //   FC_ABLATE_MAX_SUBTRACTION  1: exponentiate raw scores; sum and output on one fixed scale
 //   FC_ABLATE_RESCALING        1: subtract each tile's own max, never rescale the running state
 //                              (both act only inside fc_softmax_step below)
@@ -390,7 +392,8 @@ __device__ __forceinline__ void fc_mask_scores(int row, int key0, int nq, int nk
 // fc_hook_lse in the forwards, fc_hook_lq in the backwards (FcScoreHook::row_shift). Its derivative is 1 (g unchanged; FC_HOOK_SCALES_DS says
 // whether g can differ from 1). The head and batch change inside a CTA (the persistent forward's
 // tiles, the dK/dV loops over the GQA group), so a kernel names them where they change:
-// FC_HOOK_SET_HEAD(hook, b, h), nothing without ALiBi. Sinks are no score hook: they are merged after
+// FC_HOOK_SET_HEAD(hook, b, h, nq, nk) (b: the batch entry, whose slopes it takes; nq, nk: its lengths),
+// nothing without ALiBi. Sinks are no score hook: they are merged after
 // the key loop (flashcupy/_sinks.py).
 #ifndef FC_SCORE_HOOK
 #define FC_SCORE_HOOK 0
@@ -402,7 +405,7 @@ __device__ __forceinline__ void fc_mask_scores(int row, int key0, int nq, int nk
 // the slopes in raw units, float32 (B or 1, Hq) with batch stride alibi_sb (0: one row for every batch)
 #define FC_ALIBI_PARAMS , const float *__restrict__ alibi, const int alibi_sb
 #define FC_ALIBI_ARGS , alibi, alibi_sb
-#define FC_HOOK_SET_HEAD(hook, b, h) (hook).set_head(alibi, alibi_sb, (b), (h), nq, nk)
+#define FC_HOOK_SET_HEAD(hook, b, h, nq, nk) (hook).set_head(alibi, alibi_sb, (b), (h), (nq), (nk))
 // a device function that makes the hook itself takes the slopes and its head through these
 #define FC_HEAD_PARAMS , const float *__restrict__ alibi, const int alibi_sb, const int head_b, const int head_h
 #define FC_HEAD_ARGS(b, h) , alibi, alibi_sb, (b), (h)
@@ -411,7 +414,7 @@ __device__ __forceinline__ void fc_mask_scores(int row, int key0, int nq, int nk
 #define FC_HEAD_ARGS(b, h)
 #define FC_ALIBI_PARAMS
 #define FC_ALIBI_ARGS
-#define FC_HOOK_SET_HEAD(hook, b, h) ((void)0)
+#define FC_HOOK_SET_HEAD(hook, b, h, nq, nk) ((void)0)
 #endif
 static_assert(FC_SCORE_HOOK >= 0 && FC_SCORE_HOOK <= 2, "FC_SCORE_HOOK: 0 (none), 1 (the test arm) or 2 (softcap)");
 #if FC_SCORE_HOOK == 2 && !defined(FC_SOFTCAP_BITS)
@@ -638,15 +641,67 @@ __device__ __forceinline__ float fc_hook_lq(const FcScoreHook &hook, float lq, i
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// Batch entries (the forwards). Entry b of a call is, by default, slice b of (B, H, N, D) arrays: nq
+// queries and nk keys. With FC_VARLEN 1 (packed sequences, flashcupy.attention_varlen) it is sequence b
+// of packed arrays, flash_attn's (total, H, D) seen as (1, H, total, D): its queries are the tokens
+// cu_q[b] .. cu_q[b + 1] - 1 of q and o (and those columns of lse, (Hq, total_q)), its keys the tokens
+// cu_k[b] .. cu_k[b + 1] - 1 of k and v. The kernel's nq and nk are then the packed totals, max_nq and
+// max_nk the longest sequence's lengths (the extent of the grid and of the tile walks: FC_GRID_NQ,
+// FC_GRID_NK), and o is (total_q, Hq, FC_HEAD_DIM) contiguous. FcEntries gives entry b's FcSeq; every
+// length a kernel masks or bounds by is its entry's.
+#ifndef FC_VARLEN
+#define FC_VARLEN 0
+#endif
+struct FcSeq {
+    int b;       // the batch index of the arrays (0 for packed arrays: one batch of every token)
+    int q0, k0;  // the entry's first query token and first key token (0 but for packed arrays)
+    int nq, nk;  // its query and key counts
+};
+#if FC_VARLEN
+#define FC_VARLEN_PARAMS , const int *__restrict__ cu_q, const int *__restrict__ cu_k, const int max_nq, \
+    const int max_nk
+struct FcEntries {
+    const int *cu_q, *cu_k;
+    __device__ __forceinline__ FcSeq operator()(int b) const {
+        const int q0 = cu_q[b], k0 = cu_k[b];
+        return FcSeq{0, q0, k0, cu_q[b + 1] - q0, cu_k[b + 1] - k0};
+    }
+};
+#define FC_ENTRIES (FcEntries{cu_q, cu_k})
+#define FC_GRID_NQ max_nq
+#define FC_GRID_NK max_nk
+#else
+#define FC_VARLEN_PARAMS
+struct FcEntries {
+    int nq, nk;
+    __device__ __forceinline__ FcSeq operator()(int b) const { return FcSeq{b, 0, 0, nq, nk}; }
+};
+#define FC_ENTRIES (FcEntries{nq, nk})
+#define FC_GRID_NQ nq
+#define FC_GRID_NK nk
+#endif
+// Where the rows of entry s, query head h (of heads_q; nq: the kernel's parameter) go: row r's lse is
+// lse[lse0 + r] and its o row starts at element (o0 + r o_step) FC_HEAD_DIM of o.
+struct FcRows {
+    long long lse0, o0, o_step;
+};
+__device__ __forceinline__ FcRows fc_rows(const FcSeq &s, int h, long long heads_q, int nq) {
+    const long long lse0 = ((long long)s.b * heads_q + h) * nq + s.q0;
+    if constexpr (FC_VARLEN) return FcRows{lse0, (long long)s.q0 * heads_q + h, heads_q};
+    return FcRows{lse0, lse0, 1};
+}
+
 // The one parameter list of every forward kernel. Strides are in elements; the last axis of
-// q, k, v is contiguous. o is (B, Hq, nq, FC_HEAD_DIM) contiguous; lse is (B, Hq, nq) float32.
-// Grid: (ceil(nq / FC_BLOCK_M), Hq, B); block: FC_NUM_THREADS. Query head h reads kv head h / group.
+// q, k, v is contiguous. o is (B, Hq, nq, FC_HEAD_DIM) contiguous; lse is (B, Hq, nq) float32 (packed
+// sequences: the batch entries above). Grid: (ceil(FC_GRID_NQ / FC_BLOCK_M), Hq, B); block:
+// FC_NUM_THREADS. Query head h reads kv head h / group.
 #define FC_FWD_PARAMS                                                                             \
     const elem_t *__restrict__ q, const elem_t *__restrict__ k, const elem_t *__restrict__ v,     \
         elem_t *__restrict__ o, float *__restrict__ lse, const int nq, const int nk,              \
         const int group, const long long q_sb, const long long q_sh, const long long q_sn,        \
         const long long k_sb, const long long k_sh, const long long k_sn, const long long v_sb,   \
-        const long long v_sh, const long long v_sn, const float scale_log2 FC_ALIBI_PARAMS
+        const long long v_sh, const long long v_sn, const float scale_log2 FC_ALIBI_PARAMS FC_VARLEN_PARAMS
 
 // ------------------------------------------------------------------------------------------------
 // Backward pass (kernels_cu/bwd_*.cu). Each backward family source holds two kernels:

@@ -70,20 +70,22 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: row g (and g+8), columns 2t, 2t+1
 
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const int h = blockIdx.y, hk = h / group;
+    const FcSeq seq = FC_ENTRIES(blockIdx.z);  // this CTA's batch entry (flash_common.cuh)
     const int m0 = fc_query_tile() * BM;
+    if (FC_VARLEN && m0 >= seq.nq) return;     // (packed sequences shorter than the longest: no rows here)
     // The key tiles this CTA visits and masks (the range hook, flash_common.cuh): [j0, j_end).
-    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
+    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, seq.nq, seq.nk);
     const int j0 = tiles.first, j_end = tiles.end;
     FcScoreHook hook(scale_log2);
-    FC_HOOK_SET_HEAD(hook, b, h);
+    FC_HOOK_SET_HEAD(hook, blockIdx.z, h, seq.nq, seq.nk);
 
     // This thread's load chunk lc and first load row lr (see load_tile); K and V pointers start at key
     // tile j0 and advance by one tile per iteration.
     const int lc = tid % CHP, lr = tid / CHP;
-    const elem_t *q_ld = q + b * q_sb + h * q_sh + (long long)(m0 + lr) * q_sn + lc * 8;
-    const elem_t *k_ld = k + b * k_sb + hk * k_sh + (long long)(j0 * BN + lr) * k_sn + lc * 8;
-    const elem_t *v_ld = v + b * v_sb + hk * v_sh + (long long)(j0 * BN + lr) * v_sn + lc * 8;
+    const elem_t *q_ld = q + seq.b * q_sb + h * q_sh + (long long)(seq.q0 + m0 + lr) * q_sn + lc * 8;
+    const elem_t *k_ld = k + seq.b * k_sb + hk * k_sh + (long long)(seq.k0 + j0 * BN + lr) * k_sn + lc * 8;
+    const elem_t *v_ld = v + seq.b * v_sb + hk * v_sh + (long long)(seq.k0 + j0 * BN + lr) * v_sn + lc * 8;
 
     const int wrow = warp * RW;            // first CTA row of this warp
     const int row_g = m0 + wrow + g;       // query row of accumulator row g of m16 tile 0
@@ -120,10 +122,10 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
             for (int r = tid; r < BM + 2 * BN; r += NTHR)
                 *reinterpret_cast<uint4 *>(smem + smem_off(r, CH)) = make_uint4(0u, 0u, 0u, 0u);
         }
-        load_tile<BM>(sQ, q_ld, q_sn, nq - m0 - lr, q, lr, lc);
-        load_tile<BN>(sK, k_ld, k_sn, nk - j0 * BN - lr, k, lr, lc);
+        load_tile<BM>(sQ, q_ld, q_sn, seq.nq - m0 - lr, q, lr, lc);
+        load_tile<BN>(sK, k_ld, k_sn, seq.nk - j0 * BN - lr, k, lr, lc);
         cp_async_commit();
-        load_tile<BN>(sV, v_ld, v_sn, nk - j0 * BN - lr, v, lr, lc);
+        load_tile<BN>(sV, v_ld, v_sn, seq.nk - j0 * BN - lr, v, lr, lc);
         cp_async_commit();
     }
 
@@ -138,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
         __syncthreads();
         if (j > j0) {
             v_ld += BN * v_sn;
-            load_tile<BN>(sV, v_ld, v_sn, nk - j * BN - lr, v, lr, lc);
+            load_tile<BN>(sV, v_ld, v_sn, seq.nk - j * BN - lr, v, lr, lc);
             cp_async_commit();
         }
 
@@ -170,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
         if (tiles.masked(j)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-                fc_mask_scores<NT>(row_g + mt * 16, j * BN + 2 * t, nq, nk,
+                fc_mask_scores<NT>(row_g + mt * 16, j * BN + 2 * t, seq.nq, seq.nk,
                                    [&](int nt) -> acc_t(&)[ACC_REGS] { return acc_s[mt][nt]; });
         }
 
@@ -225,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
         __syncthreads();
         if (j + 1 < j_end) {
             k_ld += BN * k_sn;
-            load_tile<BN>(sK, k_ld, k_sn, nk - (j + 1) * BN - lr, k, lr, lc);
+            load_tile<BN>(sK, k_ld, k_sn, seq.nk - (j + 1) * BN - lr, k, lr, lc);
             cp_async_commit();
         }
 
@@ -235,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
 
     // ---- epilogue: o = O / l (0 where l == 0), staged through the warp's own Q rows (only this
     //      warp ever reads them, and no copy is in flight) for 16-byte coalesced stores ----
-    const long long row_base = ((long long)b * gridDim.y + h) * nq;  // (b, h, row 0) in o and lse
+    const FcRows rows = fc_rows(seq, h, gridDim.y, nq);  // where this head's rows of o and lse go
     __syncwarp();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -252,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
             pre[hf] = (l > 0x1p126f) ? 0x1p-64f : 1.f;
             inv[hf] = (l == 0.f) ? 0.f : __frcp_rn(l * pre[hf]);
             const int row = row_g + mt * 16 + 8 * hf;
-            if (t == 0 && row < nq) lse[row_base + row] = fc_hook_lse(hook, m_run[mt][hf], l, scale_log2, row);
+            if (t == 0 && row < seq.nq) lse[rows.lse0 + row] = fc_hook_lse(hook, m_run[mt][hf], l, scale_log2, row);
         }
 #pragma unroll
         for (int on = 0; on < ON; ++on) {
@@ -265,13 +267,13 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS) flash_fwd_mma(FC_FW
         }
     }
     __syncwarp();
-    elem_t *og = o + (row_base + m0 + wrow) * FC_HEAD_DIM;
+    elem_t *og = o + (rows.o0 + m0 * rows.o_step + wrow * rows.o_step) * FC_HEAD_DIM;
 #pragma unroll
     for (int it = 0; it < (RW * CH + 31) / 32; ++it) {
         const int idx = lane + it * 32;
         const int r = idx / CH, c = idx - (idx / CH) * CH;
-        if (((RW * CH) % 32 == 0 || idx < RW * CH) && m0 + wrow + r < nq)
-            *reinterpret_cast<uint4 *>(og + (long long)r * FC_HEAD_DIM + c * 8) =
+        if (((RW * CH) % 32 == 0 || idx < RW * CH) && m0 + wrow + r < seq.nq)
+            *reinterpret_cast<uint4 *>(og + r * rows.o_step * FC_HEAD_DIM + c * 8) =
                 *reinterpret_cast<const uint4 *>(smem + smem_off(wrow + r, c));
     }
 }

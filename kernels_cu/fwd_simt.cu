@@ -125,16 +125,18 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
 
     const int rg = threadIdx.x / TN, c = threadIdx.x % TN;
     const int m0 = blockIdx.x * BM;  // first query row of this CTA
-    const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
-    const elem_t* k_head = k + b * k_sb + h_kv * k_sh;
-    const elem_t* v_head = v + b * v_sb + h_kv * v_sh;
+    const int h = blockIdx.y, h_kv = h / group;
+    const FcSeq seq = FC_ENTRIES(blockIdx.z);  // this CTA's batch entry (flash_common.cuh)
+    if (FC_VARLEN && m0 >= seq.nq) return;     // (packed sequences shorter than the longest: no rows here)
+    const elem_t* k_head = k + seq.b * k_sb + h_kv * k_sh + (long long)seq.k0 * k_sn;
+    const elem_t* v_head = v + seq.b * v_sb + h_kv * v_sh + (long long)seq.k0 * v_sn;
 
     // The key tiles this CTA visits (the range hook, flash_common.cuh; causal: fewer tiles, none at all
     // when every row sees nothing); every tile is masked key by key (fc_visible).
-    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
+    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, seq.nq, seq.nk);
     const int n_keys = tiles.key_end;
     FcScoreHook hook(scale_log2);
-    FC_HOOK_SET_HEAD(hook, b, h);
+    FC_HOOK_SET_HEAD(hook, blockIdx.z, h, seq.nq, seq.nk);
 
     // Running state of this thread's rows: m, l (identical in the 16 lanes of the row group) and
     // its DPT columns of O.
@@ -147,22 +149,22 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
         for (int i = 0; i < DPT; ++i) o_acc[t][i] = 0.f;
     }
 
-    stage_tile<BM, Q_PITCH>(q_s, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, nq - m0);
+    stage_tile<BM, Q_PITCH>(q_s, q + seq.b * q_sb + h * q_sh + (seq.q0 + m0) * q_sn, q_sn, seq.nq - m0);
 
     for (int j = tiles.first; j < tiles.end; ++j) {
         const int n0 = j * BN;  // first key of tile j
 
         // 1. K_j -> shared memory (the first pass also publishes Q).
-        stage_tile<BN, KV_PITCH>(kv_s, k_head + n0 * k_sn, k_sn, nk - n0);
+        stage_tile<BN, KV_PITCH>(kv_s, k_head + n0 * k_sn, k_sn, seq.nk - n0);
         __syncthreads();
 
         // 2. S_j = Q K_j^T (masked) into s_s. Each thread later reads back only its own slots.
-        scores_tile(q_s, kv_s, s_s, rg, c, m0 + rg * TM, n0 + c, nq, nk, hook);
+        scores_tile(q_s, kv_s, s_s, rg, c, m0 + rg * TM, n0 + c, seq.nq, seq.nk, hook);
         __syncthreads();  // every thread is done with K_j
 
         // 3. V_j -> shared memory (over K_j), while each row group runs the online softmax and
         //    turns its S_j slots into P_j.
-        stage_tile<BN, KV_PITCH>(kv_s, v_head + n0 * v_sn, v_sn, nk - n0);
+        stage_tile<BN, KV_PITCH>(kv_s, v_head + n0 * v_sn, v_sn, seq.nk - n0);
 #pragma unroll
         for (int t = 0; t < TM; ++t) {
             float* s_row = s_s + (rg * TM + t) * S_PITCH + c;  // keys c + TN * i of this row
@@ -207,14 +209,14 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_fwd_simt(F
 #pragma unroll
     for (int t = 0; t < TM; ++t) {
         const int row = m0 + rg * TM + t;
-        if (row >= nq) continue;
-        const long long row_id = (b * hq + h) * nq + row;
+        if (row >= seq.nq) continue;
+        const FcRows rows = fc_rows(seq, h, hq, nq);  // where this head's rows of o and lse go
         const bool empty = l[t] == 0.f;
 #pragma unroll
         for (int i = 0; i < DPT; ++i) {
             const int d = c + TN * i;
-            if (d < D) o[row_id * D + d] = fc_from_float<elem_t>(empty ? 0.f : o_acc[t][i] / l[t]);
+            if (d < D) o[(rows.o0 + row * rows.o_step) * D + d] = fc_from_float<elem_t>(empty ? 0.f : o_acc[t][i] / l[t]);
         }
-        if (c == 0) lse[row_id] = fc_hook_lse(hook, m[t], l[t], scale_log2, row);
+        if (c == 0) lse[rows.lse0 + row] = fc_hook_lse(hook, m[t], l[t], scale_log2, row);
     }
 }

@@ -146,6 +146,9 @@ static_assert(FC_WG_O_STAGE == 0 || (!FC_FP8 && (FC_WG_O_STAGE == 2 || !FC_WG_PE
               "fwd_wgmma: o goes through the Q buffer (FC_WG_O_STAGE 1) with one tile per CTA only, and "
               "e4m3 variants write it from registers");
 static_assert(FC_NUM_THREADS == NTHR, "fwd_wgmma: FC_NUM_THREADS must be 128 * (1 + FC_BLOCK_M / 64)");
+static_assert(!FC_VARLEN || (FC_WG_O_STAGE == 0 && !FC_FP8),
+              "fwd_wgmma: packed sequences (FC_VARLEN) write o from registers (a TMA store of a tile's 64 rows "
+              "would cross into the next sequence's), 16-bit operands");
 #if FC_FP8
 static_assert((HD == 128 || HD == 256) && BN == 128 && !FC_ACCUM_F16,
               "fwd_wgmma fp8: D 128 or 256, FC_BLOCK_N 128, fp32 accumulators");
@@ -184,46 +187,54 @@ constexpr int CONSUMER_REGS = NCWG == 3 ? 160 : 240;
 
 
 // ------------------------------------------------------------------ tile schedule ---------------
-// A tile: query rows m0 .. m0 + BM - 1 of head h, batch b, and the key tiles it visits and masks (the
-// range hook, flash_common.cuh).
+// A tile: query rows m0 .. m0 + BM - 1 of head h of batch entry b (seq: its place and lengths, the batch
+// entries of flash_common.cuh), and the key tiles it visits and masks (the range hook, flash_common.cuh;
+// none where the entry has no row m0, which only a packed sequence shorter than the longest has).
 struct FwdTile {
     int m0, h, b;
     FcKeyTiles keys;
+    FcSeq seq;
 };
 
-__device__ __forceinline__ FwdTile fwd_tile(int m_tile, int h, int b, int nq, int nk) {
-    return FwdTile{m_tile * BM, h, b, fc_key_tiles<BN>(m_tile * BM, BM, nq, nk)};
+__device__ __forceinline__ FwdTile fwd_tile(int m_tile, int h, int b, const FcEntries &entries) {
+    const FcSeq seq = entries(b);
+    const int m0 = m_tile * BM;
+    const FcKeyTiles keys = FC_VARLEN && m0 >= seq.nq ? FcKeyTiles{0, 0, 0, 0, 0}
+                                                      : fc_key_tiles<BN>(m0, BM, seq.nq, seq.nk);
+    return FwdTile{m0, h, b, keys, seq};
 }
 
 // The walk: the tiles a CTA runs, named by an index w: first(), has(w), at(w) (the tile), and next(w)
-// for the static walks. The dynamic walk's next index is not the CTA's to compute: the producer takes
+// for the static walks. nq and nk are the extent of the tiles (FC_GRID_NQ, FC_GRID_NK: the longest
+// packed sequence's, with FC_VARLEN); each tile's own lengths come from its entry. The dynamic walk's next index is not the CTA's to compute: the producer takes
 // it from the counter and hands it to the consumers through shared memory (the kernel's slot).
 #if FC_WG_PERSISTENT == 0
 // One tile per CTA: (blockIdx.x, blockIdx.y, blockIdx.z) = (query tile, head, batch); causal grids run
 // the heaviest query tiles first (fc_query_tile).
 struct FwdWalk {
-    int nq, nk;
-    __device__ __forceinline__ FwdWalk(int nq_, int nk_, int, int, int) : nq(nq_), nk(nk_) {}
+    FcEntries entries;
+    __device__ __forceinline__ FwdWalk(const FcEntries &e, int, int, int, int, int) : entries(e) {}
     __device__ __forceinline__ int first() const { return 0; }
     __device__ __forceinline__ bool has(int w) const { return w == 0; }
     __device__ __forceinline__ int next(int) const { return 1; }
     __device__ __forceinline__ FwdTile at(int) const {
-        return fwd_tile(fc_query_tile(), blockIdx.y, blockIdx.z, nq, nk);
+        return fwd_tile(fc_query_tile(), blockIdx.y, blockIdx.z, entries);
     }
 };
 #elif FC_WG_PERSISTENT == 1
 // A static split: CTA x runs tiles x, x + gridDim.x, ... of the n_mt * heads_q * batch (query tile,
 // head, batch) tiles, the query tile fastest (neighbouring CTAs share a head's K and V in L2).
 struct FwdWalk {
-    int nq, nk, heads_q, n_mt, n_work;
-    __device__ __forceinline__ FwdWalk(int nq_, int nk_, int heads_q_, int batch, int)
-        : nq(nq_), nk(nk_), heads_q(heads_q_), n_mt((nq_ + BM - 1) / BM), n_work(n_mt * heads_q_ * batch) {}
+    FcEntries entries;
+    int heads_q, n_mt, n_work;
+    __device__ __forceinline__ FwdWalk(const FcEntries &e, int nq, int, int heads_q_, int batch, int)
+        : entries(e), heads_q(heads_q_), n_mt((nq + BM - 1) / BM), n_work(n_mt * heads_q_ * batch) {}
     __device__ __forceinline__ int first() const { return blockIdx.x; }
     __device__ __forceinline__ bool has(int w) const { return n_work > w; }
     __device__ __forceinline__ int next(int w) const { return w + gridDim.x; }
     __device__ __forceinline__ FwdTile at(int w) const {
         const int bh = w / n_mt;
-        return fwd_tile(fc_query_tile(w - bh * n_mt, n_mt), bh % heads_q, bh / heads_q, nq, nk);
+        return fwd_tile(fc_query_tile(w - bh * n_mt, n_mt), bh % heads_q, bh / heads_q, entries);
     }
 };
 #else
@@ -234,9 +245,10 @@ struct FwdWalk {
 // first), so the CTAs running at once read a few heads' K and V and the heaviest tiles of a section
 // start first (longest processing time first). The last section holds the remaining pairs.
 struct FwdWalk {
-    int nq, nk, heads_q, n_mt, n_bh, n_work, hs;
-    __device__ __forceinline__ FwdWalk(int nq_, int nk_, int heads_q_, int batch, int group)
-        : nq(nq_), nk(nk_), heads_q(heads_q_), n_mt((nq_ + BM - 1) / BM), n_bh(heads_q_ * batch),
+    FcEntries entries;
+    int heads_q, n_mt, n_bh, n_work, hs;
+    __device__ __forceinline__ FwdWalk(const FcEntries &e, int nq, int nk, int heads_q_, int batch, int group)
+        : entries(e), heads_q(heads_q_), n_mt((nq + BM - 1) / BM), n_bh(heads_q_ * batch),
           n_work(n_mt * n_bh) {
         const long long kv_head_bytes = 2ll * max(nk, 1) * HD * EB, l2_kv = 32ll << 20;
         const long long hs_l2 =
@@ -248,7 +260,7 @@ struct FwdWalk {
     __device__ __forceinline__ FwdTile at(int w) const {
         const int sec = w / (hs * n_mt), first = sec * hs, in_sec = min(hs, n_bh - first);
         const int r = w - first * n_mt, mt = r / in_sec, bh = first + (r - mt * in_sec);
-        return fwd_tile(fc_query_tile(mt, n_mt), bh % heads_q, bh / heads_q, nq, nk);
+        return fwd_tile(fc_query_tile(mt, n_mt), bh % heads_q, bh / heads_q, entries);
     }
 };
 #endif
@@ -282,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
-    const FwdWalk walk(nq, nk, heads_q, batch, group);
+    const FwdWalk walk(FC_ENTRIES, FC_GRID_NQ, FC_GRID_NK, heads_q, batch, group);
 #if FC_WG_PERSISTENT == 2
     // Tile k > 0 of a CTA: its index, which the producer writes into the slot before its arrival on
     // bar_q for that tile (the arrival releases, the wait acquires); n_work or more: no tile left.
@@ -316,7 +328,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 mbar_arrive_expect_tx(bar_q, Q_BYTES);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
-                    tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, PANEL_ELEMS * p, tl.m0, tl.h, tl.b);
+                    tma_load_4d(sQ + p * Q_PANEL, &tm_q, bar_q, PANEL_ELEMS * p, tl.seq.q0 + tl.m0, tl.h,
+                                tl.seq.b);
             };
             auto load_kv = [&](const FwdTile &tl, int hk) {  // (hk = tl.h / group, the KV head)
                 for (int j = tl.keys.first; j < tl.keys.end; ++j, ++it) {
@@ -329,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
                         tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), PANEL_ELEMS * p,
-                                    j * BN, hk, tl.b);
+                                    tl.seq.k0 + j * BN, hk, tl.seq.b);
                     if (it >= STAGES) mbar_wait(v_empty(s), ph ^ 1u);
                     mbar_arrive_expect_tx(v_full(s), KV_BYTES);
 #if FC_FP8
@@ -338,8 +351,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #else
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
-                        tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p, j * BN, hk,
-                                    tl.b);
+                        tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p,
+                                    tl.seq.k0 + j * BN, hk, tl.seq.b);
 #endif
                 }
             };
@@ -413,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
         };
         for (int w = walk.first(); walk.has(w); w = next_tile(w)) {
             const FwdTile tl = walk.at(w);
-            FC_HOOK_SET_HEAD(hook, tl.b, tl.h);
+            FC_HOOK_SET_HEAD(hook, tl.b, tl.h, tl.seq.nq, tl.seq.nk);
             // iteration j (0 .. n_tiles - 1) of this tile runs key tile j0 + j, pipeline slot it0 + j
             const int j0 = tl.keys.first, n_tiles = tl.keys.count(), it0 = it;
             const int row_g = tl.m0 + 64 * cw + 16 * (lt >> 5) + g;  // query rows row_g and row_g + 8
@@ -539,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 fc_hook_scores<BN / 8>(hook, row_g, j * BN + 2 * t,
                                        [&](int i) -> acc_t(&)[ACC_REGS] { return wg_tile(sacc, i); });
                 if (tl.keys.masked(j))
-                    fc_mask_scores<BN / 8>(row_g, j * BN + 2 * t, nq, nk,
+                    fc_mask_scores<BN / 8>(row_g, j * BN + 2 * t, tl.seq.nq, tl.seq.nk,
                                            [&](int i) -> acc_t(&)[ACC_REGS] { return wg_tile(sacc, i); });
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
@@ -705,7 +718,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #endif
 
             // ---- epilogue: o = O / l (0 where l == 0), lse ----
-            const long long row_base = ((long long)tl.b * heads_q + tl.h) * nq;  // (b, h, row 0) in o and lse
+            const FcRows rows = fc_rows(tl.seq, tl.h, heads_q, nq);  // where this tile's rows of o and lse go
             if (FC_WG_O_STAGE == 2) {  // the previous tile's TMA stores have read the o buffer
                 if (lt == 0) tma_wait_read();
                 named_bar_sync(3 + cw, 128);
@@ -729,13 +742,13 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     return pack_elem2(acc_get(wg_tile(o_acc, i), 2 * hf) * pre * inv,
                                       acc_get(wg_tile(o_acc, i), 2 * hf + 1) * pre * inv);
                 };
-                if (row < nq) {
+                if (row < tl.seq.nq) {
 #if FC_FP8
-                    if (t == 0) lse[row_base + row] = fc_hook_lse(hook, m_run[hf], l / p_scale, scale_log2, row);
+                    if (t == 0) lse[rows.lse0 + row] = fc_hook_lse(hook, m_run[hf], l / p_scale, scale_log2, row);
 #else
-                    if (t == 0) lse[row_base + row] = fc_hook_lse(hook, m_run[hf], l, scale_log2, row);
+                    if (t == 0) lse[rows.lse0 + row] = fc_hook_lse(hook, m_run[hf], l, scale_log2, row);
 #endif
-                    elem_t *orow = o + (row_base + row) * HD + 2 * t;
+                    elem_t *orow = o + (rows.o0 + row * rows.o_step) * HD + 2 * t;
 #pragma unroll
                     for (int i = 0; !FC_WG_O_STAGE && i < HD / 8; ++i)
                         *reinterpret_cast<u32 *>(orow + 8 * i) = o_pair(i);

@@ -189,7 +189,7 @@ def test_a_backward_program_wires_what_run_wires(tma, atomic, sem, tiled, dlse):
 @pytest.mark.parametrize("dynamic,tma", [(True, True), (False, True), (False, False)])
 def test_a_forward_program_wires_what_run_wires(dynamic, tma):
     plan = object.__new__(_launch._ForwardPlan)
-    plan.dynamic, plan.launcher, plan.alibi = dynamic, _Recorder(), False
+    plan.dynamic, plan.launcher, plan.alibi, plan.varlen = dynamic, _Recorder(), False, False
     plan.map_slots = tuple(_Map() for _ in range(4)) if tma else ()
     scratch = _Scratch()
     plan.run(0, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, scratch)

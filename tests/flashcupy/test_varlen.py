@@ -150,3 +150,41 @@ def test_varlen_on_the_kernels_matches_the_reference(rng):
             for name, g, r, n in zip(("dq", "dk", "dv"), gi, refs, naives):
                 assert_accurate(g, r, n, "bf16", "fp32", kind="bwd", reduction=backward_reduction(qi, ki),
                                 what=f"{kernel} seq {i} {name}")
+
+
+def test_the_packed_variants_of_the_forwards():
+    """A varlen variant (the packed forward's kernel) is its family's variant with FC_VARLEN and the key
+    part "varlen"; the wgmma one writes o from registers (a 64-row TMA store would cross into the next
+    sequence's rows); backward families and fp8 operands refuse it by name."""
+    from flashcupy._variant import Variant
+
+    for family, bm, bn in (("fwd_simt", 64, 64), ("fwd_mma", 128, 64), ("fwd_wgmma", 128, 128)):
+        plain = Variant(family, "f16", "fp32", bm, bn, 128, True)
+        packed = Variant(family, "f16", "fp32", bm, bn, 128, True, varlen=True)
+        assert packed.key == plain.key + ".varlen"
+        extra = set(packed.defines().items()) - set(plain.defines().items())
+        assert ("FC_VARLEN", 1) in extra and "FC_VARLEN" not in plain.defines()
+        assert packed.o_stage == 0
+    assert Variant("fwd_wgmma", "f16", "fp32", 128, 128, 128, True).o_stage > 0
+    for kw, words in ((dict(family="bwd_mma", block_m=64, block_n=128), "not in bwd_mma"),
+                      (dict(family="fwd_wgmma", block_m=128, block_n=128, fp8="single"), "fp8")):
+        with pytest.raises(ValueError, match=words):
+            Variant(dtype="f16", accum="fp32", head_dim=128, varlen=True, **kw)
+    with pytest.raises(TypeError, match="varlen must be a bool"):
+        Variant("fwd_mma", "f16", "fp32", 128, 64, 64, varlen=1)
+
+
+def test_sinks_merge_on_packed_rows_is_the_merge_per_sequence(rng):
+    """The packed forward merges sinks into (o (total, Hq, D), lse (Hq, total)) after its launch: the same
+    bits as the merge of each sequence's (1, Hq, n, D) output (NumPy form here; the CUDA form is compared
+    on the kernels in test_varlen_gpu.py)."""
+    from flashcupy import _sinks
+
+    o = rng.standard_normal((37, 4, 16)).astype(np.float16)
+    lse = rng.standard_normal((4, 37)).astype(np.float32) * 4
+    lse[:, 3], o[3] = -np.inf, 0  # a row that saw no key
+    z = rng.standard_normal(4).astype(np.float32)
+    o1, lse1 = _sinks.apply(o.copy(), lse.copy(), z, packed=True)
+    o2, lse2 = _sinks.apply(o.transpose(1, 0, 2)[None].copy(), lse[None].copy(), z)
+    assert (o1 == o2[0].transpose(1, 0, 2)).all() and (lse1 == lse2[0]).all()
+    assert (o1 != o).any() and (lse1[:, 3] == z).all() and (o1[3] == 0).all()

@@ -1,0 +1,98 @@
+"""The packed forward (issue 36): ``attention_varlen`` on CuPy arrays runs one launch of the family's
+varlen kernel for the whole ragged batch. Each sequence's o and lse must be the bits of its own
+``attention`` call on the same tile (the per-sequence path, which the float64 tests of test_varlen.py
+and test_attention_gpu.py hold to the accuracy rule), in every family, with every mask, the softcap and
+ALiBi per sequence, sinks, GQA, sequences of 0 and 1 tokens, one without keys, and the wgmma tile walks; every
+element of o and lse is written (NaN-poisoned outputs)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcupy
+from flashcupy import _varlen
+from flashcupy._checks import numpy_dtype
+from tests.helpers import _assert_written, _poisoned
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS_Q = [5, 1, 0, 130, 64, 129, 7, 300]
+LENGTHS_K = [9, 1, 4, 200, 64, 0, 7, 260]  # (the sixth: queries without keys; the third: keys, no queries)
+COMBOS = [("wgmma", "f16", "fp32", (128, 128)), ("wgmma", "bf16", "fp32", (192, 128)),
+          ("wgmma", "f16", "fp16", (128, 128)), ("mma", "bf16", "fp32", (128, 64)),
+          ("mma", "f16", "fp16", (64, 64)), ("simt", "f32", "fp32", (64, 64)),
+          ("simt", "f16", "fp16", (32, 64))]
+MASKS = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(40, 3)),
+         "softcap-alibi": dict(causal=True, softcap=5.0, alibi=True), "sinks": dict(causal=True, sinks=True)}
+
+
+def _packed(rng, dname, d, hq=4, hkv=2):
+    import cupy
+
+    dt = numpy_dtype(dname)
+    q = rng.standard_normal((sum(LENGTHS_Q), hq, d)).astype(dt)
+    k, v = (rng.standard_normal((sum(LENGTHS_K), hkv, d)).astype(dt) for _ in range(2))
+    cu = [np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (LENGTHS_Q, LENGTHS_K)]
+    return [cupy.asarray(x) for x in (q, k, v)], cu
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{c[0]}-{c[1]}-acc{c[2][2:]}-bm{c[3][0]}")
+def test_packed_forward_is_each_sequence_alone_bit_for_bit(rng, combo, mask, d):
+    import cupy
+
+    kernel, dname, accum, (bm, bn) = combo
+    if d == 128 and bm == 192:
+        bm = 128  # (192 rows at D = 128 take 128 keys; the tile stays the same on both paths)
+    (q, k, v), (cq, ck) = _packed(rng, dname, d)
+    kw = {key: val for key, val in MASKS[mask].items() if key not in ("alibi", "sinks")}
+    if MASKS[mask].get("alibi"):
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.3, (len(LENGTHS_Q), 4)).astype(np.float32))
+    if MASKS[mask].get("sinks"):
+        kw["sinks"] = cupy.asarray(rng.uniform(-1.0, 3.0, 4).astype(np.float32))
+    kw.update(kernel=kernel, accum=accum, block_m=bm, block_n=bn)
+    o = _poisoned((q.shape[0], q.shape[1], d), q.dtype)
+    lse = _poisoned((q.shape[1], q.shape[0]), cupy.float32)
+    _varlen._forward_packed(q, k, v, cq, ck, o=o, lse=lse, **{"causal": False, **kw})
+    cupy.cuda.get_current_stream().synchronize()
+    _assert_written(f"{combo} {mask} d={d}", o=o, lse=lse)
+    for i in range(len(LENGTHS_Q)):
+        (qa, qb), (ka, kb) = cq[i:i + 2], ck[i:i + 2]
+        if qb == qa:
+            continue
+        if kb == ka:  # rows that see no key: o = 0, lse = -inf (with sinks: the sink)
+            want = kw["sinks"][:, None] if "sinks" in kw else -np.inf
+            assert bool((o[qa:qb] == 0).all()) and bool((lse[:, qa:qb] == want).all()), i
+            continue
+        one = {**kw, "alibi_slopes": kw["alibi_slopes"][i]} if "alibi_slopes" in kw else kw
+        oi, li = flashcupy.attention(_varlen._view(q, qa, qb), _varlen._view(k, ka, kb),
+                                     _varlen._view(v, ka, kb), return_lse=True, **{"causal": False, **one})
+        assert bool((o[qa:qb] == oi[0].transpose(1, 0, 2)).all()), f"o of sequence {i}"
+        assert bool((lse[:, qa:qb] == li[0]).all()), f"lse of sequence {i}"
+
+
+def test_attention_varlen_takes_the_packed_launch_and_the_walks_change_sequences(rng, monkeypatch):
+    """The public entry point runs the packed kernel (one forward launch), and the persistent wgmma
+    forward on 3 CTAs, whose tiles then belong to several sequences, gives the same bits as on one CTA
+    per SM."""
+    import cupy
+
+    from flashcupy import _launch
+
+    (q, k, v), (cq, ck) = _packed(rng, "f16", 64)
+    calls = []
+    real = _launch.forward
+    monkeypatch.setattr(_launch, "forward", lambda *a, **kw: calls.append(kw.get("cu")) or real(*a, **kw))
+    for causal in (False, True):  # D = 64: the static split and the dynamic scheduler
+        calls.clear()
+        o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, causal=causal, kernel="wgmma", return_lse=True)
+        assert len(calls) == 1 and calls[0] is not None
+        _launch._FORWARD_PLANS.clear()  # (a plan keeps its grid)
+        with monkeypatch.context() as m:
+            m.setattr(_launch, "_wgmma_ctas", lambda tiles: min(tiles, 3))
+            o3, lse3 = flashcupy.attention_varlen(q, k, v, cq, ck, causal=causal, kernel="wgmma",
+                                                  return_lse=True)
+            cupy.cuda.get_current_stream().synchronize()
+        _launch._FORWARD_PLANS.clear()
+        assert bool((o == o3).all()) and bool((lse == lse3).all()), causal
