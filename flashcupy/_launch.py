@@ -374,10 +374,16 @@ class _ForwardPlan:
             tail = (np.int32(p.heads_q), np.int32(p.batch), PTR if self.dynamic else np.uint64(0))
             if self.readable:
                 dtype = numpy_dtype(var.dtype)
+                # o's map (used by FC_WG_O_STAGE 1, 2) over o's own layout: packed, (total, Hq, D) seen as
+                # (1, Hq, total, D), whose rows a varlen variant stores from registers
+                o_strides = _contiguous_strides(q_shape, itemsize)
+                if var.varlen:
+                    row = p.head_dim * itemsize
+                    o_strides = (o_strides[0], row, p.heads_q * row, itemsize)
                 self.map_slots = tuple(_MapSlot(shape, st, dtype, box, name) for shape, st, box, name in (
                     (q_shape, q_strides, var.block_m, "q"), (kv_shape, k_strides, var.block_n, "k"),
                     (kv_shape, v_strides, var.block_n, "v"),
-                    (q_shape, _contiguous_strides(q_shape, itemsize), 64, "o")))
+                    (q_shape, o_strides, 64, "o")))
             if var.persistent:
                 grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
         self.launcher = _Launcher(self.kern, grid, maps + (PTR,) * 5 + scalars + tail)

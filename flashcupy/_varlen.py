@@ -9,7 +9,8 @@ The forward on CuPy arrays is one launch for the whole ragged batch: the varlen 
 kernel (``FC_VARLEN``; kernels_cu/flash_common.cuh's batch entries) walks ceil(longest / block_m) x Hq x
 B query tiles, each tile reads its sequence's bounds from the cumulative lengths, and tiles past a
 sequence's end do nothing, so the cost follows the tokens. Every knob runs there (sinks merged after it,
-on the packed rows). The twin (NumPy) and the backward run one ``attention`` (``attention_backward``)
+on the packed rows); a batch of more than 65,535 sequences (the grid's limit) takes the per-sequence
+path. The twin (NumPy) and the backward run one ``attention`` (``attention_backward``)
 call per sequence, on (1, H, n_i, D) views of the packed arrays (read in place: a (N, H, D) slice seen
 as (1, H, N, D) is one of the strided layouts every family reads): what its tokens cost plus a launch
 each. The two forwards
@@ -24,6 +25,7 @@ import dataclasses
 
 import numpy as np
 
+from ._checks import _GRID_YZ_MAX
 from .transforms import _xp
 
 
@@ -111,7 +113,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     cq, ck = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_slopes(knobs, cq.size - 1, q.shape[1])
     xp = _xp(q)
-    if xp is not np and np.diff(cq).max() > 0 and np.diff(ck).max() > 0:
+    if xp is not np and np.diff(cq).max() > 0 and np.diff(ck).max() > 0 and cq.size - 1 <= _GRID_YZ_MAX:
         o, lse = _forward_packed(q, k, v, cq, ck, causal=causal, **knobs)
         return (o, lse) if return_lse else o
     o = xp.zeros(q.shape, dtype=q.dtype)
