@@ -103,7 +103,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     block_m, block_n, accum, kernel, ablate, window_size, ...; ALiBi slopes (Hq,) or per sequence
     (B, Hq)). A sequence with queries and no keys gives o = 0 and lse = -inf for its rows (with sinks, the
     head's sink). Returns o (total_q, Hq, D) and, with ``return_lse``, lse float32
-    (Hq, total_q) (flash_attn's layout). How it runs: ``flashcupy._varlen``.
+    (Hq, total_q) (flash_attn's layout). On CuPy arrays the forward is one kernel launch for the whole
+    batch (every family; a batch of more than 65,535 sequences runs one call per sequence). The lengths
+    are checked on the host before any launch: CuPy ``cu_seqlens`` are copied there (a synchronization,
+    so the call cannot be captured in a CUDA graph); NumPy ones cost no synchronization. How it runs:
+    ``flashcupy._varlen``.
     """
     import flashcupy
 
