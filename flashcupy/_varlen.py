@@ -105,8 +105,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     head's sink). Returns o (total_q, Hq, D) and, with ``return_lse``, lse float32
     (Hq, total_q) (flash_attn's layout). On CuPy arrays the forward is one kernel launch for the whole
     batch (every family; a batch of more than 65,535 sequences runs one call per sequence). The lengths
-    are checked on the host before any launch: CuPy ``cu_seqlens`` are copied there (a synchronization,
-    so the call cannot be captured in a CUDA graph); NumPy ones cost no synchronization. How it runs:
+    are checked on the host before any launch: CuPy ``cu_seqlens`` are copied there (a device-to-host
+    copy that waits for the stream, so the call cannot be captured in a CUDA graph). How it runs:
     ``flashcupy._varlen``.
     """
     import flashcupy
