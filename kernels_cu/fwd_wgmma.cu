@@ -206,8 +206,9 @@ __device__ __forceinline__ FwdTile fwd_tile(int m_tile, int h, int b, const FcEn
 
 // The walk: the tiles a CTA runs, named by an index w: first(), has(w), at(w) (the tile), and next(w)
 // for the static walks. nq and nk are the extent of the tiles (FC_GRID_NQ, FC_GRID_NK: the longest
-// packed sequence's, with FC_VARLEN); each tile's own lengths come from its entry. The dynamic walk's next index is not the CTA's to compute: the producer takes
-// it from the counter and hands it to the consumers through shared memory (the kernel's slot).
+// packed sequence's, with FC_VARLEN); each tile's own lengths come from its entry. The dynamic walk's
+// next index is not the CTA's to compute: the producer takes it from the counter and hands it to the
+// consumers through shared memory (the kernel's slot).
 #if FC_WG_PERSISTENT == 0
 // One tile per CTA: (blockIdx.x, blockIdx.y, blockIdx.z) = (query tile, head, batch); causal grids run
 // the heaviest query tiles first (fc_query_tile).
@@ -633,6 +634,69 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             auto release_q = [&](int j) {
                 if (j == n_tiles - 1) release(bar_q_empty);
             };
+            // The epilogue (after the tile's last P V): o = O / l (0 where l == 0) and lse, o from
+            // registers (FC_WG_O_STAGE 0) or through shared memory and a TMA store (1, 2).
+            auto finish = [&]() {
+                const FcRows rows = fc_rows(tl.seq, tl.h, heads_q, nq);  // where its rows of o and lse go
+                if (FC_WG_O_STAGE == 2) {  // the previous tile's TMA stores have read the o buffer
+                    if (lt == 0) tma_wait_read();
+                    named_bar_sync(3 + cw, 128);
+                }
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const float l = FC_ACCUM_F16 ? l_run[hf] : quad_sum(l_run[hf]);
+                    // o = (O * pre) * (1 / (l * pre)): one reciprocal per row, kept normal under -ftz by a
+                    // 2^-64 prescale when l > 2^126 (reachable by the max-subtraction break)
+#if FC_FP8
+                    // l sums P p_scale: o = O * (v descale / l) (the max-subtraction break can take l to inf
+                    // or past 2^126, where the quotient flushes to 0: so does the twin's o once rounded)
+                    const float pre = 1.f;
+                    const float v_scale = v_ds[(long long)tl.b * (heads_q / group) + hk];
+                    const float inv = (l == 0.f) ? 0.f : __fdiv_rn(v_scale, l);
+#else
+                    const float pre = (l > 0x1p126f) ? 0x1p-64f : 1.f;
+                    const float inv = (l == 0.f) ? 0.f : __frcp_rn(l * pre);
+#endif
+                    const int row = row_g + 8 * hf;
+                    auto o_pair = [&](int i) {
+                        return pack_elem2(acc_get(wg_tile(o_acc, i), 2 * hf) * pre * inv,
+                                          acc_get(wg_tile(o_acc, i), 2 * hf + 1) * pre * inv);
+                    };
+                    if (row < tl.seq.nq) {
+#if FC_FP8
+                        if (t == 0)
+                            lse[rows.lse0 + row] = fc_hook_lse(hook, m_run[hf], l / p_scale, scale_log2, row);
+#else
+                        if (t == 0) lse[rows.lse0 + row] = fc_hook_lse(hook, m_run[hf], l, scale_log2, row);
+#endif
+                        elem_t *orow = o + (rows.o0 + row * rows.o_step) * HD + 2 * t;
+#pragma unroll
+                        for (int i = 0; !FC_WG_O_STAGE && i < HD / 8; ++i)
+                            *reinterpret_cast<u32 *>(orow + 8 * i) = o_pair(i);
+                    }
+                    if (FC_WG_O_STAGE) {
+                        // row r of the warpgroup's 64 (r % 8 = g): columns 8i + 2t, 8i + 2t + 1 in 16-byte
+                        // chunk (i % 8) ^ g of panel i / 8
+                        const u32 orow = o_rows + (16 * (lt >> 5) + 8 * hf + g) * 128 + 4 * t;
+#pragma unroll
+                        for (int i = 0; i < HD / 8; ++i)
+                            st_shared_b32(orow + (i >> 3) * O_PANEL + (((i & 7) ^ g) << 4), o_pair(i));
+                    }
+                }
+                if (FC_WG_O_STAGE) {
+                    // every thread's writes, then one thread's TMA stores (rows past nq are not written);
+                    // with one tile per CTA it waits for their reads before the CTA's shared memory goes
+                    fence_proxy_async();
+                    named_bar_sync(3 + cw, 128);
+                    if (lt == 0) {
+#pragma unroll
+                        for (int p = 0; p < HD / 64; ++p)
+                            tma_store_4d(&tm_o, o_rows + p * O_PANEL, 64 * p, tl.m0 + 64 * cw, tl.h, tl.b);
+                        tma_commit();
+                        if (FC_WG_O_STAGE == 1) tma_wait_read();
+                    }
+                }
+            };
             if (PINGPONG && cw == 1 && n_tiles > 0) named_bar_arrive(1, 256);
             if (FC_WG_PERSISTENT == 2 && n_tiles == 0) release(bar_q_empty);  // (one bar_q phase a tile)
 
@@ -717,64 +781,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             }
 #endif
 
-            // ---- epilogue: o = O / l (0 where l == 0), lse ----
-            const FcRows rows = fc_rows(tl.seq, tl.h, heads_q, nq);  // where this tile's rows of o and lse go
-            if (FC_WG_O_STAGE == 2) {  // the previous tile's TMA stores have read the o buffer
-                if (lt == 0) tma_wait_read();
-                named_bar_sync(3 + cw, 128);
-            }
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const float l = FC_ACCUM_F16 ? l_run[hf] : quad_sum(l_run[hf]);
-                // o = (O * pre) * (1 / (l * pre)): one reciprocal per row, kept normal under -ftz by a
-                // 2^-64 prescale when l > 2^126 (reachable by the max-subtraction break)
-#if FC_FP8
-                // l sums P p_scale: o = O * (v descale / l) (the max-subtraction break can take l to inf
-                // or past 2^126, where the quotient flushes to 0: so does the twin's o once rounded)
-                const float pre = 1.f;
-                const float inv = (l == 0.f) ? 0.f : __fdiv_rn(v_ds[(long long)tl.b * (heads_q / group) + hk], l);
-#else
-                const float pre = (l > 0x1p126f) ? 0x1p-64f : 1.f;
-                const float inv = (l == 0.f) ? 0.f : __frcp_rn(l * pre);
-#endif
-                const int row = row_g + 8 * hf;
-                auto o_pair = [&](int i) {
-                    return pack_elem2(acc_get(wg_tile(o_acc, i), 2 * hf) * pre * inv,
-                                      acc_get(wg_tile(o_acc, i), 2 * hf + 1) * pre * inv);
-                };
-                if (row < tl.seq.nq) {
-#if FC_FP8
-                    if (t == 0) lse[rows.lse0 + row] = fc_hook_lse(hook, m_run[hf], l / p_scale, scale_log2, row);
-#else
-                    if (t == 0) lse[rows.lse0 + row] = fc_hook_lse(hook, m_run[hf], l, scale_log2, row);
-#endif
-                    elem_t *orow = o + (rows.o0 + row * rows.o_step) * HD + 2 * t;
-#pragma unroll
-                    for (int i = 0; !FC_WG_O_STAGE && i < HD / 8; ++i)
-                        *reinterpret_cast<u32 *>(orow + 8 * i) = o_pair(i);
-                }
-                if (FC_WG_O_STAGE) {
-                    // row r of the warpgroup's 64 (r % 8 = g): columns 8i + 2t, 8i + 2t + 1 in 16-byte
-                    // chunk (i % 8) ^ g of panel i / 8
-                    const u32 orow = o_rows + (16 * (lt >> 5) + 8 * hf + g) * 128 + 4 * t;
-#pragma unroll
-                    for (int i = 0; i < HD / 8; ++i)
-                        st_shared_b32(orow + (i >> 3) * O_PANEL + (((i & 7) ^ g) << 4), o_pair(i));
-                }
-            }
-            if (FC_WG_O_STAGE) {
-                // every thread's writes, then one thread's TMA stores (rows past nq are not written);
-                // with one tile per CTA it waits for their reads before the CTA's shared memory goes
-                fence_proxy_async();
-                named_bar_sync(3 + cw, 128);
-                if (lt == 0) {
-#pragma unroll
-                    for (int p = 0; p < HD / 64; ++p)
-                        tma_store_4d(&tm_o, o_rows + p * O_PANEL, 64 * p, tl.m0 + 64 * cw, tl.h, tl.b);
-                    tma_commit();
-                    if (FC_WG_O_STAGE == 1) tma_wait_read();
-                }
-            }
+            finish();
             it += n_tiles;
             tq += FC_WG_PERSISTENT == 2 || n_tiles > 0;
         }  // tiles
