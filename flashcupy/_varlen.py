@@ -12,8 +12,8 @@ sequence's end do nothing, so the cost follows the tokens. Every knob runs there
 on the packed rows); a batch of more than 65,535 sequences (the grid's limit) takes the per-sequence
 path. The twin (NumPy) and the backward run one ``attention`` (``attention_backward``)
 call per sequence, on (1, H, n_i, D) views of the packed arrays (read in place: a (N, H, D) slice seen
-as (1, H, N, D) is one of the strided layouts every family reads): what its tokens cost plus a launch
-each. The two forwards
+as (1, H, N, D) is one of the strided layouts every family reads): on CuPy arrays, what its tokens cost
+plus a launch each. Where no sequence runs a call, the knobs are still checked once. The two forwards
 give the same bits on the same tile (the tests compare them).
 
 The lengths are read on the host: with CuPy inputs, ``cu_seqlens`` is copied to the host once per call
@@ -29,8 +29,9 @@ from ._checks import _GRID_YZ_MAX
 from .transforms import _xp
 
 
-def _lengths(name: str, cu, total: int, max_seqlen) -> np.ndarray:
-    """``cu`` (B + 1,) checked (int32, from 0, non-decreasing, ending at ``total``), on the host."""
+def _lengths(name: str, cu, total: int, max_seqlen, max_name: str) -> np.ndarray:
+    """``cu`` (B + 1,) checked (int32, from 0, non-decreasing, ending at ``total``), on the host; its
+    bound ``max_seqlen`` (the argument ``max_name``) at least the longest length."""
     if not hasattr(cu, "dtype") or not hasattr(cu, "shape"):
         raise TypeError(f"{name} must be an int32 NumPy or CuPy array, got {type(cu).__name__}")
     if cu.dtype != np.int32:
@@ -45,9 +46,9 @@ def _lengths(name: str, cu, total: int, max_seqlen) -> np.ndarray:
     longest = int(np.diff(host).max())
     if max_seqlen is not None:
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer)):
-            raise TypeError(f"max_seqlen for {name} must be an int or None, got {type(max_seqlen).__name__}")
+            raise TypeError(f"{max_name} must be an int or None, got {type(max_seqlen).__name__}")
         if max_seqlen < longest:
-            raise ValueError(f"max_seqlen for {name} is {max_seqlen}, but a sequence has {longest} tokens")
+            raise ValueError(f"{max_name} is {max_seqlen}, but {name} has a sequence of {longest} tokens")
     return host
 
 
@@ -63,8 +64,8 @@ def _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     _packed("v", v, "Hkv")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    cq = _lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
-    ck = _lengths("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    cq = _lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    ck = _lengths("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
     if cq.size != ck.size:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe one batch: {cq.size - 1} and "
                          f"{ck.size - 1} sequences")
@@ -86,9 +87,46 @@ def _per_sequence(knobs: dict, i: int) -> dict:
 
 def _check_slopes(knobs: dict, batch: int, heads: int) -> None:
     slopes = knobs.get("alibi_slopes")
-    if slopes is not None and getattr(slopes, "ndim", 1) == 2 and tuple(slopes.shape) != (batch, heads):
-        raise ValueError(f"alibi_slopes per sequence must be (B, Hq) = ({batch}, {heads}); got "
-                         f"{tuple(slopes.shape)}")
+    if slopes is not None and tuple(getattr(slopes, "shape", ())) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape (Hq,) = ({heads},) or, per sequence, (B, Hq) = "
+                         f"({batch}, {heads}); got {tuple(getattr(slopes, 'shape', ()))}")
+
+
+# the knobs of attention and attention_backward that the packed entry points pass on (dlse apart)
+_FORWARD_KNOBS = ("scale", "block_m", "block_n", "accum", "kernel", "ablate", "window_size", "softcap",
+                  "sinks", "alibi_slopes")
+_BACKWARD_KNOBS = ("scale", "block_m", "block_n", "accum", "kernel", "deterministic", "window_size",
+                   "softcap", "sinks", "alibi_slopes")
+
+
+def _check_knob_names(fn: str, knobs: dict, allowed: tuple) -> None:
+    unknown = sorted(set(knobs) - set(allowed))
+    if unknown:
+        raise TypeError(f"{fn}() got unexpected keyword arguments {unknown}; its knobs are "
+                        f"{', '.join(allowed)} (as in {fn.replace('_varlen', '')})")
+
+
+def _check_knobs_once(q, k, v, b: int, causal, knobs: dict, backward: bool) -> None:
+    """The knobs checked as ``attention`` (``attention_backward``) checks them, for a batch in which no
+    sequence runs a call (none has both queries and keys): on the shape of b sequences of one query and
+    one key, so that a bad knob is refused whatever the lengths."""
+    from . import _sinks
+    from ._checks import _check_bool, check_forward
+
+    xp = _xp(q)
+
+    def shaped(x):  # x's dtype, device and heads in a (b, H, 1, D) shape (never read)
+        return xp.lib.stride_tricks.as_strided(x, (b, x.shape[1], 1, x.shape[2]), (0, 0, 0, x.itemsize))
+
+    kw = {"scale": None, "block_m": None, "block_n": None, "accum": "fp32", "kernel": "auto",
+          "window_size": (-1, -1), "softcap": 0.0}
+    kw.update((n, knobs[n]) for n in kw if n in knobs)
+    check_forward(shaped(q), shaped(k), shaped(v), causal=causal, ablate=knobs.get("ablate"),
+                  alibi=knobs.get("alibi_slopes") is not None, direction="bwd" if backward else "fwd", **kw)
+    if backward:
+        _check_bool("deterministic", knobs.get("deterministic", False))
+    if knobs.get("sinks") is not None:
+        _sinks.check(knobs["sinks"], q.shape[1], q)
 
 
 
@@ -103,8 +141,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     block_m, block_n, accum, kernel, ablate, window_size, ...; ALiBi slopes (Hq,) or per sequence
     (B, Hq)). A sequence with queries and no keys gives o = 0 and lse = -inf for its rows (with sinks, the
     head's sink). Returns o (total_q, Hq, D) and, with ``return_lse``, lse float32
-    (Hq, total_q) (flash_attn's layout). On CuPy arrays the forward is one kernel launch for the whole
-    batch (every family; a batch of more than 65,535 sequences runs one call per sequence). The lengths
+    (Hq, total_q) (flash_attn's layout). On CuPy arrays the attention is one kernel launch for the whole
+    batch (every family; sinks add their two merge kernels after it; a batch of more than 65,535
+    sequences runs one call per sequence); NumPy inputs run the twin one sequence at a time. The lengths
     are checked on the host before any launch: CuPy ``cu_seqlens`` are copied there (a device-to-host
     copy that waits for the stream, so the call cannot be captured in a CUDA graph). How it runs:
     ``flashcupy._varlen``.
@@ -114,12 +153,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     from ._checks import _check_bool
 
     _check_bool("return_lse", return_lse)
+    _check_knob_names("attention_varlen", knobs, _FORWARD_KNOBS)
     cq, ck = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_slopes(knobs, cq.size - 1, q.shape[1])
     xp = _xp(q)
     if xp is not np and np.diff(cq).max() > 0 and np.diff(ck).max() > 0 and cq.size - 1 <= _GRID_YZ_MAX:
         o, lse = _forward_packed(q, k, v, cq, ck, causal=causal, **knobs)
         return (o, lse) if return_lse else o
+    if not ((np.diff(cq) > 0) & (np.diff(ck) > 0)).any():  # (no call below checks the knobs)
+        _check_knobs_once(q, k, v, cq.size - 1, causal, knobs, backward=False)
     o = xp.zeros(q.shape, dtype=q.dtype)
     lse = xp.full((q.shape[1], q.shape[0]), -np.inf, dtype=xp.float32)
     for i in range(cq.size - 1):
@@ -176,19 +218,28 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     ``sinks``, d sinks (summed over the sequences) is a fourth output, as in ``attention_backward``."""
     import flashcupy
 
+    dlse = knobs.pop("dlse", None)  # (Hq, total_q), as lse: cut per sequence like it
+    _check_knob_names("attention_varlen_backward", knobs, _BACKWARD_KNOBS)
     cq, ck = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_slopes(knobs, cq.size - 1, q.shape[1])
-    dlse = knobs.pop("dlse", None)  # (Hq, total_q), as lse: cut per sequence like it
     for name, x, want in (("do", do, q.shape), ("o", o, q.shape), ("lse", lse, (q.shape[1], q.shape[0])),
                           ("dlse", lse if dlse is None else dlse, (q.shape[1], q.shape[0]))):
-        if tuple(getattr(x, "shape", ())) != tuple(want):
-            raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(getattr(x, 'shape', ()))}")
+        if not hasattr(x, "shape"):
+            raise TypeError(f"{name} must be an array of shape {tuple(want)}, got {type(x).__name__}")
+        if tuple(x.shape) != tuple(want):
+            raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(x.shape)}")
     xp = _xp(q)
+    if not ((np.diff(cq) > 0) & (np.diff(ck) > 0)).any():  # (no call below checks the knobs)
+        _check_knobs_once(q, k, v, cq.size - 1, causal, knobs, backward=True)
     dq, dk, dv = (xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
     dsinks = None if knobs.get("sinks") is None else xp.zeros(q.shape[1], dtype=xp.float32)
     for i in range(cq.size - 1):
         (qa, qb), (ka, kb) = cq[i:i + 2], ck[i:i + 2]
-        if qb == qa or kb == ka:  # (rows that see no key have o = 0: delta = 0, no sink gradient either)
+        if qb == qa or kb == ka:
+            # rows that see no key have o = 0, so delta = -dlse: with sinks (lse = z there) the sink's
+            # gradient gains sum(dlse) over those rows, and nothing without dlse
+            if kb == ka and dsinks is not None and dlse is not None:
+                dsinks += dlse[:, qa:qb].sum(axis=1, dtype=xp.float32)
             continue
         def rows(x):  # sequence i's columns of an (Hq, total_q) array, as (1, Hq, n)
             return None if x is None else xp.ascontiguousarray(x[None, :, qa:qb])

@@ -96,8 +96,10 @@ def test_varlen_alibi_per_sequence_and_the_lse_gradient(rng):
         got = (_seq(grads[0], cq, i), _seq(grads[1], ck, i), _seq(grads[2], ck, i))
         for g, r in zip(got, refs):
             np.testing.assert_allclose(g, r, rtol=0, atol=2e-5 * max(1.0, np.abs(r).max()))
-    with pytest.raises(ValueError, match="alibi_slopes per sequence must be \\(B, Hq\\)"):
-        flashcupy.attention_varlen(q, k, v, cq, ck, alibi_slopes=slopes[:3])
+    for bad in (slopes[:3], slopes[0, :3]):
+        words = "alibi_slopes must have shape \\(Hq,\\) = \\(4,\\) or, per sequence, \\(B, Hq\\) = \\(8, 4\\)"
+        with pytest.raises(ValueError, match=words):
+            flashcupy.attention_varlen(q, k, v, cq, ck, alibi_slopes=bad)
 
 
 @pytest.mark.parametrize("mutate,exc,words", [
@@ -116,7 +118,7 @@ def test_bad_cumulative_lengths_are_refused_by_name(rng, mutate, exc, words):
 
 def test_bad_shapes_and_bounds_are_refused(rng):
     q, k, v, do, (cq, ck) = _packed(rng, "f32")
-    with pytest.raises(ValueError, match="max_seqlen for cu_seqlens_q is 100, but a sequence has 130"):
+    with pytest.raises(ValueError, match="max_seqlen_q is 100, but cu_seqlens_q has a sequence of 130"):
         flashcupy.attention_varlen(q, k, v, cq, ck, max_seqlen_q=100)
     with pytest.raises(ValueError, match="q must be packed"):
         flashcupy.attention_varlen(q[None], k, v, cq, ck)
@@ -125,6 +127,56 @@ def test_bad_shapes_and_bounds_are_refused(rng):
     o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, return_lse=True)
     with pytest.raises(ValueError, match="lse must have shape"):
         flashcupy.attention_varlen_backward(do, q, k, v, o, lse.T, cq, ck)
+    with pytest.raises(TypeError, match="o must be an array of shape .* got NoneType"):
+        flashcupy.attention_varlen_backward(do, q, k, v, None, lse, cq, ck)
+    for fn, args in ((flashcupy.attention_varlen, (q, k, v)),
+                     (flashcupy.attention_varlen_backward, (do, q, k, v, o, lse))):
+        words = f"{fn.__name__}\\(\\) got unexpected keyword arguments \\['foo'\\]"
+        with pytest.raises(TypeError, match=words):
+            fn(*args, cq, ck, foo=1)
+
+
+def test_knobs_are_checked_when_no_sequence_runs(rng):
+    """A batch in which no sequence has both queries and keys runs no call, yet a bad knob is refused
+    as attention refuses it."""
+    q = rng.standard_normal((5, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    cq, ck = np.array([0, 5, 5], np.int32), np.array([0, 0, 3], np.int32)  # queries without keys; keys alone
+    do, lse = np.ones_like(q), np.full((4, 5), -np.inf, np.float32)
+    for kw, exc, words in ((dict(scale=-1.0), ValueError, "scale must be finite and > 0"),
+                           (dict(window_size=5), (TypeError, ValueError), "window_size"),
+                           (dict(accum="fp8"), ValueError, "accum must be one of"),
+                           (dict(sinks=np.zeros(3, np.float32)), ValueError, "sinks")):
+        with pytest.raises(exc, match=words):
+            flashcupy.attention_varlen(q, k, k, cq, ck, **kw)
+        with pytest.raises(exc, match=words):
+            flashcupy.attention_varlen_backward(do, q, k, k, np.zeros_like(q), lse, cq, ck, **kw)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashcupy.attention_varlen_backward(do, q, k, k, np.zeros_like(q), lse, cq, ck, deterministic=1)
+    o, lse2 = flashcupy.attention_varlen(q, k, k, cq, ck, return_lse=True)
+    assert (o == 0).all() and (lse2 == -np.inf).all()
+
+
+def test_rows_without_keys_give_the_sinks_their_lse_gradient(rng):
+    """With sinks, a row that sees no key has lse = z and o = 0, so delta = -dlse and d z gains
+    -e^(z - lse) delta = dlse: a sequence with queries and no keys adds its rows' dlse to d sinks."""
+    q, k, v, do, (cq, ck) = _packed(rng, "f32")
+    sinks = rng.standard_normal(4).astype(np.float32)
+    o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, causal=True, sinks=sinks, return_lse=True)
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    with_dlse = flashcupy.attention_varlen_backward(do, q, k, v, o, lse, cq, ck, causal=True, sinks=sinks,
+                                                    dlse=dlse)[3]
+    keyless = [i for i in range(len(LENGTHS_Q)) if LENGTHS_K[i] == 0 and LENGTHS_Q[i] > 0]
+    assert keyless, "the lengths must hold a sequence with queries and no keys"
+    # the same batch with dlse zero on the keyless rows, plus those rows' dlse by hand
+    cut = dlse.copy()
+    for i in keyless:
+        cut[:, cq[i]:cq[i + 1]] = 0
+    without = flashcupy.attention_varlen_backward(do, q, k, v, o, lse, cq, ck, causal=True, sinks=sinks,
+                                                  dlse=cut)[3]
+    extra = sum(dlse[:, cq[i]:cq[i + 1]].sum(axis=1) for i in keyless)
+    assert np.abs(extra).min() > 0.1
+    np.testing.assert_allclose(with_dlse, without + extra, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu
