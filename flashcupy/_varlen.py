@@ -80,16 +80,17 @@ def _view(x, a: int, b: int):
 def _per_sequence(knobs: dict, i: int) -> dict:
     """The knobs of sequence i: ALiBi slopes given per batch entry, (B, Hq), are sequence i's."""
     slopes = knobs.get("alibi_slopes")
-    if slopes is not None and getattr(slopes, "ndim", 1) == 2:
+    if slopes is not None and np.ndim(slopes) == 2:  # (a list of lists too)
         return {**knobs, "alibi_slopes": slopes[i]}
     return knobs
 
 
 def _check_slopes(knobs: dict, batch: int, heads: int) -> None:
     slopes = knobs.get("alibi_slopes")
-    if slopes is not None and tuple(getattr(slopes, "shape", ())) not in ((heads,), (batch, heads)):
+    shape = None if slopes is None else tuple(np.shape(slopes))  # (lists too, as attention takes them)
+    if shape is not None and shape not in ((heads,), (batch, heads)):
         raise ValueError(f"alibi_slopes must have shape (Hq,) = ({heads},) or, per sequence, (B, Hq) = "
-                         f"({batch}, {heads}); got {tuple(getattr(slopes, 'shape', ()))}")
+                         f"({batch}, {heads}); got {shape}")
 
 
 # the knobs of attention and attention_backward that the packed entry points pass on (dlse apart)

@@ -96,6 +96,10 @@ def test_varlen_alibi_per_sequence_and_the_lse_gradient(rng):
         got = (_seq(grads[0], cq, i), _seq(grads[1], ck, i), _seq(grads[2], ck, i))
         for g, r in zip(got, refs):
             np.testing.assert_allclose(g, r, rtol=0, atol=2e-5 * max(1.0, np.abs(r).max()))
+    # slopes as lists, which attention takes too: the same bits
+    o_list, lse_list = flashcupy.attention_varlen(q, k, v, cq, ck, causal=True, alibi_slopes=slopes.tolist(),
+                                                  return_lse=True)
+    assert np.array_equal(o_list, o) and np.array_equal(lse_list, lse)
     for bad in (slopes[:3], slopes[0, :3]):
         words = "alibi_slopes must have shape \\(Hq,\\) = \\(4,\\) or, per sequence, \\(B, Hq\\) = \\(8, 4\\)"
         with pytest.raises(ValueError, match=words):
