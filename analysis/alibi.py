@@ -30,7 +30,7 @@ import flashcupy
 from flashcupy import reference
 from flashcupy.inspect import numpy_dtype
 
-from .common import Context, Report, Table, log, new_figure, plot_cost_ratios, rule_ratios
+from .common import Context, Report, Table, finish_log_axes, log, new_figure, plot_cost_ratios, rule_ratios
 
 COMBOS = [("f16", "fp32"), ("bf16", "fp32"), ("f16", "fp16"), ("f32", "fp32")]
 
@@ -188,12 +188,8 @@ def run_alibi(ctx: Context) -> Report:
     xs = np.unique(d0[keep])
     ax.plot(xs, [_logit_rounding(x, float(slopes(fh)[0]), 1.0 / math.sqrt(64)) for x in xs], color="k", lw=1,
             label="fp16 rounding of the score measured from i' (logit units)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("d0: distance from the row's nearest key")
-    ax.set_ylabel("max |o - o_ref| of the row")
-    ax.set_title("ALiBi far from the diagonal (fp16 inputs)", fontsize=10)
-    ax.legend(fontsize=7)
+    finish_log_axes(ax, "d0: distance from the row's nearest key", "max |o - o_ref| of the row",
+                    "ALiBi far from the diagonal (fp16 inputs)")
     if cost:
         plot_cost_ratios(axes[1], [f"N={r[0]} D={r[1]} {r[2]}" for r in cost], [r[5] for r in cost],
                          [r[8] for r in cost], "time with ALiBi / time without",

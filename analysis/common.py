@@ -295,6 +295,16 @@ def rule_ratios(dev, host, kw, dname, accum):
     return [e / max(ne, 1e-300) for e, ne in errs], within
 
 
+def finish_log_axes(ax, xlabel: str, ylabel: str, title: str, legend_size: int = 7) -> None:
+    """A log-log panel's scales, labels, title and legend, the experiments' one style."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=legend_size)
+
+
 def plot_cost_ratios(ax, labels, fwd, bwd, ylabel: str, title: str, targets=None) -> None:
     """A variant's cost panel: per shape (``labels``), the forward's and the backward's time over the plain
     kernel's as paired bars, with the issue's targets (forward, backward) as dashed lines when given."""

@@ -32,7 +32,7 @@ import flashcupy
 from flashcupy import reference
 from flashcupy.inspect import numpy_dtype
 
-from .common import Context, Report, Table, log, new_figure
+from .common import Context, Report, Table, finish_log_axes, log, new_figure
 
 DTYPES = ("f32", "bf16", "f16")
 FORMS = ("exp", "logsigmoid")
@@ -126,12 +126,8 @@ def run_merge(ctx: Context) -> Report:
                 label=f"{arm} parts in {dname}, running output {state}")
     ax.plot(splits_list, [bfs[0] * np.sqrt(s) for s in splits_list], color="k", lw=1,
             label="bf16 at S = 1, times sqrt(S)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("number of parts S (key ranges merged)")
-    ax.set_ylabel("max |o - o_ref| / max |o_ref|")
-    ax.set_title("Merged partial softmaxes: the running output's dtype decides", fontsize=10)
-    ax.legend(fontsize=6)
+    finish_log_axes(ax, "number of parts S (key ranges merged)", "max |o - o_ref| / max |o_ref|",
+                    "Merged partial softmaxes: the running output's dtype decides", legend_size=6)
     setup = {"shapes": f"B={b}, H={h}, Nq={nq}, Nk={nk}, D={d}; q, k, v ~ N(0, 1) rounded to bf16",
              "parts": f"S contiguous key ranges, S in {splits_list}",
              "exact parts": "float64 o_s (flashcupy.reference) rounded to the dtype, lse_s float32",

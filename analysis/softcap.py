@@ -37,6 +37,7 @@ from .common import (
     Report,
     Table,
     errors,
+    finish_log_axes,
     log,
     new_figure,
     plot_cost_ratios,
@@ -240,13 +241,8 @@ def run_softcap(ctx: Context) -> Report:
     ax.plot([r[0] for r in brk], [r[2] for r in brk], marker="s",
             label="median, rows with the most masked keys")
     ax.plot([r[0] for r in brk], [r[3] for r in brk], marker="x", label="median, rows with the fewest")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("softcap c")
     ax.axhline(1e-5, color="k", lw=1, ls=":", label="the float32 LSE's resolution (about 1e-5): noise below")
-    ax.set_ylabel("probability mass on masked keys")
-    ax.set_title("The softcap after the mask (twin)", fontsize=10)
-    ax.legend(fontsize=7)
+    finish_log_axes(ax, "softcap c", "probability mass on masked keys", "The softcap after the mask (twin)")
     if cost:
         plot_cost_ratios(axes[2], [f"N={r[0]} D={r[1]} {r[2]}" for r in cost], [r[5] for r in cost],
                          [r[9] for r in cost], "time with a cap of 30 / time without",

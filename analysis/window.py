@@ -21,7 +21,7 @@ import flashcupy
 from flashcupy import naive, reference
 from flashcupy.inspect import numpy_dtype
 
-from .common import Context, Report, Table, errors, log, new_figure, plot_rule_ratios
+from .common import Context, Report, Table, errors, finish_log_axes, log, new_figure, plot_rule_ratios
 
 COMBOS = [("f16", "fp32"), ("bf16", "fp32"), ("f16", "fp16"), ("f32", "fp32")]
 
@@ -131,12 +131,8 @@ def run_window(ctx: Context) -> Report:
         ax.plot(vis, [r[3] for r in cost], marker="o", label="forward time / causal")
         ax.plot(vis, [r[6] for r in cost], marker="s", label="backward time / causal")
         ax.plot(vis, vis, color="k", lw=1, label="visible scores / causal")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("visible score elements / the causal kernel's")
-        ax.set_ylabel("time / the causal kernel's")
-        ax.set_title("The cost follows the window", fontsize=10)
-        ax.legend(fontsize=7)
+        finish_log_axes(ax, "visible score elements / the causal kernel's", "time / the causal kernel's",
+                        "The cost follows the window")
     setup = {"error shapes": f"B={b}, H={h}, Nq=Nk={n}, D={d}; q, k, v, dO ~ N(0, 1) rounded to the dtype",
              "windows": f"causal windows (w, 0), w in {[w for w in windows if w is not None]}, and causal",
              "kernel": "kernel='auto', default tiles; the backward's default dQ path",
