@@ -159,7 +159,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     _check_slopes(knobs, cq.size - 1, q.shape[1])
     xp = _xp(q)
     if xp is not np and np.diff(cq).max() > 0 and np.diff(ck).max() > 0 and cq.size - 1 <= _GRID_YZ_MAX:
-        o, lse = _forward_packed(q, k, v, cq, ck, causal=causal, **knobs)
+        o, lse = _forward_packed(q, k, v, cq, ck, causal=causal, cu=(cu_seqlens_q, cu_seqlens_k), **knobs)
         return (o, lse) if return_lse else o
     if not ((np.diff(cq) > 0) & (np.diff(ck) > 0)).any():  # (no call below checks the knobs)
         _check_knobs_once(q, k, v, cq.size - 1, causal, knobs, backward=False)
@@ -178,35 +178,55 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     return (o, lse) if return_lse else o
 
 
-def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",
-                    kernel="auto", ablate=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    sinks=None, o=None, lse=None):
-    """The forward of a packed batch on CuPy arrays in one launch (the module docstring): the knobs
-    checked as ``attention`` checks them, on the shape of B sequences of the longest lengths (at least
-    one query and one key). ``o``, ``lse``: preallocated outputs, as ``_launch.forward`` takes them (the
-    tests poison them)."""
+def _packed_problem(q, k, v, *, b, nq, nk, **knobs):
+    """The Problem of a packed forward: ``attention``'s checks of the knobs, made on the shape of b
+    sequences of the longest lengths nq, nk, then the family's varlen variant and the packed lengths."""
     import cupy
 
-    from . import _sinks
-    from ._checks import check_alibi_slopes, forward_problem
-    from ._launch import forward
-
-    b = cq.size - 1
-    nq, nk = int(np.diff(cq).max()), int(np.diff(ck).max())
+    from ._checks import check_forward
 
     def shaped(x, n):  # x's dtype, device and heads in the (B, H, n, D) shape of the call (never read)
         return cupy.lib.stride_tricks.as_strided(x, (b, x.shape[1], n, x.shape[2]), (0, 0, 0, x.itemsize))
 
-    p = forward_problem(shaped(q, nq), shaped(k, nk), shaped(v, nk), causal=causal, scale=scale,
-                        block_m=block_m, block_n=block_n, accum=accum, kernel=kernel, ablate=ablate,
-                        window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None)
-    p = dataclasses.replace(p, variant=dataclasses.replace(p.variant, varlen=True), total_q=q.shape[0],
-                            total_k=k.shape[0])
+    p = check_forward(shaped(q, nq), shaped(k, nk), shaped(v, nk), **knobs)
+    return dataclasses.replace(p, variant=dataclasses.replace(p.variant, varlen=True), total_q=q.shape[0],
+                               total_k=k.shape[0])
+
+
+def _device_lengths(cu, host, device: int):
+    """The checked cumulative lengths as the kernels read them: ``cu`` itself when it is an int32
+    C-contiguous CuPy array on the device (what the host check read), else the host copy uploaded."""
+    import cupy
+
+    if (isinstance(cu, cupy.ndarray) and cu.dtype == np.int32 and cu.flags.c_contiguous
+            and cu.data.device_id == device):
+        return cu
+    with cupy.cuda.Device(device):
+        return cupy.asarray(host.astype(np.int32))
+
+
+def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",
+                    kernel="auto", ablate=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    sinks=None, o=None, lse=None, cu=(None, None)):
+    """The forward of a packed batch on CuPy arrays in one launch (the module docstring): the knobs
+    checked as ``attention`` checks them, on the shape of B sequences of the longest lengths (at least
+    one query and one key; remembered per arrays' shapes, lengths and knobs, as ``attention``'s checks
+    are). ``cu``: the caller's cumulative lengths (``cq``, ``ck`` are their checked host copies), read
+    in place where the kernels can. ``o``, ``lse``: preallocated outputs, as ``_launch.forward`` takes
+    them (the tests poison them)."""
+    from . import _sinks
+    from ._checks import _knobs, _memoized, check_alibi_slopes
+    from ._launch import forward
+
+    b = cq.size - 1
+    kw = dict(b=b, nq=int(np.diff(cq).max()), nk=int(np.diff(ck).max()), causal=causal, scale=scale,
+              block_m=block_m, block_n=block_n, accum=accum, kernel=kernel, ablate=ablate,
+              window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None)
+    p = _memoized(_packed_problem, (q, k, v), _knobs(kw), kw)
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, q.shape[1], q)
     sinks = None if sinks is None else _sinks.check(sinks, q.shape[1], q)
-    with cupy.cuda.Device(p.device):  # the checked lengths, which the kernels trust, on q's GPU
-        cu = tuple(cupy.asarray(c.astype(np.int32)) for c in (cq, ck))
-    o, lse = forward(q, k, v, p, o=o, lse=lse, alibi=slopes, cu=cu)
+    lengths = tuple(_device_lengths(c, host, p.device) for c, host in zip(cu, (cq, ck)))
+    o, lse = forward(q, k, v, p, o=o, lse=lse, alibi=slopes, cu=lengths)
     return (o, lse) if sinks is None else _sinks.apply(o, lse, sinks, packed=True)
 
 
