@@ -11,7 +11,7 @@ import os
 import re
 import threading
 
-from ._families import ABLATIONS, FAMILIES, FP8_ACCUMULATIONS, FP8_KSCALES
+from ._families import ABLATIONS, FAMILIES, FP8_ACCUMULATIONS, FP8_KSCALES, VARLEN_FAMILIES
 from ._policy import default_blocks, fp8_block_m
 from ._variant import Variant
 
@@ -446,9 +446,9 @@ def covering_variants(family: str) -> list[Variant]:
     if family == "fwd_wgmma":
         add(head_dim=128, causal=True, alibi=True, schedule="dynamic")
         add(head_dim=128, alibi=True, schedule="static")
-    # packed sequences (FC_VARLEN, the 16-bit forwards): every dtype x accumulator, causal at D = 128, a
+    # packed sequences (FC_VARLEN, VARLEN_FAMILIES): every dtype x accumulator, causal at D = 128, a
     # window with the softcap and ALiBi, and fwd_wgmma's tile loops (whose tiles change sequences)
-    if family.startswith("fwd_"):
+    if family in VARLEN_FAMILIES:
         for dt in fam.dtypes:
             for acc in fam.accums(dt):
                 add(dtype=dt, accum=acc, varlen=True)

@@ -514,12 +514,19 @@ class _BackwardPlan:
     and, for the wgmma family, the TMA map templates. ``run`` then takes only addresses."""
 
     __slots__ = ("tma", "readable", "prep", "q_shape", "kv_shape", "atomic", "delta_size", "ld_size", "boxes",
-                 "sem_shape", "ordered_heads", "map_slots", "prep_launch", "kv_launch", "q_launch", "alibi")
+                 "sem_shape", "ordered_heads", "map_slots", "prep_launch", "kv_launch", "q_launch", "alibi",
+                 "varlen", "dq_shape", "dkv_shape")
 
     def __init__(self, p: Problem, deterministic: bool, strides: tuple, itemsize: int):
         var = p.variant
-        q_shape = (p.batch, p.heads_q, p.nq, p.head_dim)
-        kv_shape = (p.batch, p.heads_kv, p.nk, p.head_dim)
+        # the kernels' (B, H, N, D) arrays: packed sequences are one batch of every token, and the
+        # gradients come out in flash_attn's packed (total, H, D)
+        self.varlen = var.varlen
+        nq, nk, batch = (p.total_q, p.total_k, 1) if var.varlen else (p.nq, p.nk, p.batch)
+        q_shape = (batch, p.heads_q, nq, p.head_dim)
+        kv_shape = (batch, p.heads_kv, nk, p.head_dim)
+        self.dq_shape, self.dkv_shape = ((nq, p.heads_q, p.head_dim), (nk, p.heads_kv, p.head_dim)) \
+            if var.varlen else (q_shape, kv_shape)
         do_s, q_s, k_s, v_s, o_s = strides
         self.tma = var.fam.kind == "wgmma"  # o is read by the prep kernel only: no TMA map
         self.readable = all(_strides_readable(shape, st, itemsize, tma) for shape, st, tma in (
@@ -530,7 +537,7 @@ class _BackwardPlan:
         k_kv, k_q = (get_kernel(var, role) for role in roles)
         self.atomic = roles != DETERMINISTIC_DQ_ROLES  # an fp32 dQ buffer, converted at the end
         self.q_shape, self.kv_shape = q_shape, kv_shape
-        rows = p.batch * p.heads_q * p.nq
+        rows = batch * p.heads_q * nq
         # wgmma: prep writes L (log2 units) and delta tiled by query tile and padded to whole tiles, which
         # the producer copies into its stage with one bulk copy a tile (FC_BWD_PREP_TILE in bwd_prep.cuh)
         n_qt = (p.nq + var.block_m - 1) // var.block_m
@@ -540,20 +547,23 @@ class _BackwardPlan:
         prep_rows = p.batch * p.heads_q * n_qt * var.block_m if tiled else rows
         # prep (do, o, delta, dq_accum, strides..., [lse,] dlse)
         self.prep_launch = _Launcher(self.prep, ((8 * prep_rows + var.threads - 1) // var.threads,), (
-            PTR, PTR, PTR, PTR, np.int64(prep_rows), np.int32(p.heads_q), np.int32(p.nq),
+            PTR, PTR, PTR, PTR, np.int64(prep_rows), np.int32(p.heads_q), np.int32(nq),
             *_element_strides(do_s, itemsize), *_element_strides(o_s, itemsize),
             *(PTR,) * (2 if tiled else 1)))
         scale_log2 = np.float32(p.scale * _LOG2E)
         # the main kernels: (q, k, v, do, lse, delta, dq, dk, dv, sizes, strides, scale, ...)
-        main = (PTR,) * 9 + (np.int32(p.nq), np.int32(p.nk), np.int32(p.group),
+        main = (PTR,) * 9 + (np.int32(nq), np.int32(nk), np.int32(p.group),
                              *(x for st in (q_s, k_s, v_s, do_s) for x in _element_strides(st, itemsize)),
                              scale_log2)
         # ALiBi: the slopes in raw units, (B, Hq) float32 (alibi_raw), and their batch stride
         self.alibi = var.alibi
         main += (PTR, np.int32(p.heads_q)) if var.alibi else ()
+        # packed sequences: the cumulative lengths of q and of k, v, and the longest lengths
+        main += (PTR, PTR, np.int32(p.nq), np.int32(p.nk)) if var.varlen else ()
         kv_grid = ((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch)
         n4 = rows * p.head_dim // 4
-        convert = (k_q, (min((n4 + 255) // 256, 65536),), (PTR, PTR, np.int64(n4), scale_log2))
+        convert = (k_q, (min((n4 + 255) // 256, 65536),), (PTR, PTR, np.int64(n4), scale_log2) +
+                   ((np.int32(p.heads_q), np.int32(nq)) if var.varlen else ()))
         self.boxes, self.sem_shape, self.ordered_heads, self.map_slots = None, None, None, ()
         if self.tma:
             # q, k, v, dout loaded, the fp32 dQ buffer reduced into and dk, dv stored by TMA (maps first,
@@ -589,18 +599,19 @@ class _BackwardPlan:
             self.q_launch = _Launcher(k_q, q_grid, main)
 
     def run(self, stream: int, do: int, q: int, k: int, v: int, o: int, lse: int, dlse: int, dq: int, dk: int,
-            dv: int, scratch, alibi: int = 0) -> None:
+            dv: int, scratch, alibi: int = 0, cu: tuple = ()) -> None:
         """Launch on the stream with handle ``stream``, the arrays at these device addresses: do, q, k,
         v, o with the plan's strides and 16-byte aligned; lse, dlse (0: none) C-contiguous and 4-byte
         aligned; dq, dk, dv C-contiguous. The temporaries (the fp32 dQ buffer, delta, the ordered
-        path's counters) come from ``scratch``."""
+        path's counters) come from ``scratch``; ``cu``: a varlen plan's cumulative lengths."""
         # one fp32 temporary: the dQ buffer (atomic paths), then delta (16-byte aligned: D is a multiple of 8)
         dq_floats = math.prod(self.q_shape) if self.atomic else 0
         delta = scratch.buffer((dq_floats + self.delta_size,), np.float32) + 4 * dq_floats
         dq_accum = delta - 4 * dq_floats if self.atomic else 0
         self.prep_launch(stream, (do, o, delta, dq_accum, lse, dlse) if self.ld_size else
                          (do, o, delta, dq_accum, dlse))
-        main = (q, k, v, do, lse, delta, dq, dk, dv) + ((alibi,) if self.alibi else ())
+        main = (q, k, v, do, lse, delta, dq, dk, dv) + ((alibi,) if self.alibi else ()) + \
+            (tuple(cu) if self.varlen else ())
         if self.tma:
             maps = tuple(slot(x) for slot, x in zip(self.map_slots, (q, k, v, do, dq_accum, dk, dv)))
             if self.sem_shape is not None:
@@ -617,9 +628,10 @@ class _BackwardPlan:
     def program(self) -> dict:
         """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``): the keyword
         arguments of its ``program``, addresses as slots of ``BACKWARD_SLOTS``. Only for plans that
-        read their inputs in place, without ALiBi (the compiled node has no slot for slopes)."""
-        if self.alibi:
-            raise ValueError("an ALiBi plan has no program for the compiled torch node")
+        read their inputs in place, without ALiBi (the compiled node has no slot for slopes) or packed
+        sequences."""
+        if self.alibi or self.varlen:
+            raise ValueError("an ALiBi or varlen plan has no program for the compiled torch node")
         def slots(names):
             return _slots(BACKWARD_SLOTS, names)
 
@@ -658,7 +670,7 @@ def backward_plan(p: Problem, deterministic: bool, strides: tuple, itemsize: int
 
 
 def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None, dlse=None, scratch=None,
-             alibi=None):
+             alibi=None, cu=None):
     """dq, dk, dv of the variant of ``p`` on the current CuPy stream of the GPU that holds the arrays.
 
     First flash_bwd_prep computes delta_i = rowsum(dO_i * O_i) - dlse_i in fp32 (O(N) memory; dlse, the
@@ -677,16 +689,21 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
     ``grads`` may hold preallocated (dq, dk, dv) (poisoned by tests). Inputs the kernels cannot read in
     place are copied once, as in ``forward`` (o, read by the prep kernel alone, takes any step). The
     temporaries (the fp32 dQ buffer, delta, the ordered path's counters, copies) come from ``scratch``
-    (``_Scratch``: graph-safe under stream capture). ``alibi``: as in ``forward``.
+    (``_Scratch``: graph-safe under stream capture). ``alibi``: as in ``forward``. Packed sequences (a
+    varlen variant): do, q, k, v, o packed (total, H, D), lse and dlse (Hq, total_q), ``cu`` as in
+    ``forward``; dq, dk, dv come back packed.
     """
     import cupy
 
     if p.device != cupy.cuda.runtime.getDevice():
         with cupy.cuda.Device(p.device):
             return backward(do, q, k, v, o, lse, p, deterministic=deterministic, grads=grads, dlse=dlse,
-                            scratch=scratch, alibi=alibi)
+                            scratch=scratch, alibi=alibi, cu=cu)
     stream = cupy.cuda.get_current_stream()
     scratch = _Scratch(stream) if scratch is None else scratch
+    if p.variant.varlen:  # (total, H, D) as the kernels' one batch (1, H, total, D)
+        do, q, k, v, o = (x.transpose(1, 0, 2)[None] for x in (do, q, k, v, o))
+        cu = tuple(c.data.ptr for c in cu)
     plan = backward_plan(p, deterministic, tuple(x.strides for x in (do, q, k, v, o)), q.itemsize)
     if not plan.readable or (do.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr | o.data.ptr) & 15:
         do, q, k, v = (_as_readable(x, plan.tma, scratch) for x in (do, q, k, v))
@@ -695,13 +712,13 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
     lse = _as_rows(lse, scratch)
     dlse = None if dlse is None else _as_rows(dlse, scratch)
     if grads is None:
-        grads = (cupy.empty(plan.q_shape, dtype=q.dtype), cupy.empty(plan.kv_shape, dtype=q.dtype),
-                 cupy.empty(plan.kv_shape, dtype=q.dtype))
+        grads = (cupy.empty(plan.dq_shape, dtype=q.dtype), cupy.empty(plan.dkv_shape, dtype=q.dtype),
+                 cupy.empty(plan.dkv_shape, dtype=q.dtype))
     dq, dk, dv = grads
     raw = _alibi_slopes(p, alibi, scratch)  # (held until the launches)
     plan.run(stream.ptr, do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr,
              0 if dlse is None else dlse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, scratch,
-             0 if raw is None else raw.data.ptr)
+             0 if raw is None else raw.data.ptr, cu or ())
     return dq, dk, dv
 
 

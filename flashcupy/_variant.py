@@ -13,7 +13,17 @@ import re
 
 import numpy as np
 
-from ._families import ABLATIONS, DTYPES, FAMILIES, FP8_KSCALES, SCHEDULES, SMEM_LIMIT, TWIN_ABLATIONS, Family
+from ._families import (
+    ABLATIONS,
+    DTYPES,
+    FAMILIES,
+    FP8_KSCALES,
+    SCHEDULES,
+    SMEM_LIMIT,
+    TWIN_ABLATIONS,
+    VARLEN_FAMILIES,
+    Family,
+)
 from ._policy import wgmma_o_stage, wgmma_persistent, wgmma_schedule
 
 __all__ = ["Build", "Variant", "current_build", "kernel_build"]
@@ -142,8 +152,8 @@ class Variant:
     # given at launch (two more kernel parameters: the slopes in raw units and their batch stride); every
     # family but fp8
     alibi: bool = False
-    # packed sequences (FC_VARLEN; the forwards but fp8): batch entry b is sequence b of flash_attn's packed
-    # (total, H, D) arrays, bounded by int32 cumulative lengths given at launch (four more kernel
+    # packed sequences (FC_VARLEN; VARLEN_FAMILIES, not fp8): batch entry b is sequence b of flash_attn's
+    # packed (total, H, D) arrays, bounded by int32 cumulative lengths given at launch (four more kernel
     # parameters: kernels_cu/flash_common.cuh's batch entries); flashcupy.attention_varlen runs them
     varlen: bool = False
     # compiled otherwise than the package does (experiments on the kernels; see Build). None: the
@@ -203,9 +213,9 @@ class Variant:
             raise ValueError("alibi_slopes do not run with fp8 operands yet; the 16-bit kernels run them")
         if not isinstance(self.varlen, bool):
             raise TypeError(f"varlen must be a bool, got {type(self.varlen).__name__}")
-        if self.varlen and (not self.family.startswith("fwd_") or self.fp8 is not None):
-            raise ValueError(f"packed sequences (varlen) run in the forwards, not in {self.family}"
-                             + (" with fp8 operands" if self.fp8 else ""))
+        if self.varlen and (self.family not in VARLEN_FAMILIES or self.fp8 is not None):
+            raise ValueError(f"packed sequences (varlen) run in {', '.join(VARLEN_FAMILIES)}, not in "
+                             f"{self.family}" + (" with fp8 operands" if self.fp8 else ""))
         problem = fam.limits(self)
         if problem:
             raise ValueError(problem)

@@ -26,6 +26,7 @@ import dataclasses
 import numpy as np
 
 from ._checks import _GRID_YZ_MAX
+from ._families import VARLEN_FAMILIES
 from .transforms import _xp
 
 
@@ -179,8 +180,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
 
 
 def _packed_problem(q, k, v, *, b, nq, nk, **knobs):
-    """The Problem of a packed forward: ``attention``'s checks of the knobs, made on the shape of b
-    sequences of the longest lengths nq, nk, then the family's varlen variant and the packed lengths."""
+    """The Problem of a packed call (``direction`` "bwd" among the knobs: a backward): ``attention``'s
+    checks of the knobs, made on the shape of b sequences of the longest lengths nq, nk, then the family's
+    varlen variant and the packed lengths; a family without one (VARLEN_FAMILIES) keeps its Problem."""
     import cupy
 
     from ._checks import check_forward
@@ -189,6 +191,8 @@ def _packed_problem(q, k, v, *, b, nq, nk, **knobs):
         return cupy.lib.stride_tricks.as_strided(x, (b, x.shape[1], n, x.shape[2]), (0, 0, 0, x.itemsize))
 
     p = check_forward(shaped(q, nq), shaped(k, nk), shaped(v, nk), **knobs)
+    if p.variant.family not in VARLEN_FAMILIES:  # (the wgmma backward: one call per sequence)
+        return p
     return dataclasses.replace(p, variant=dataclasses.replace(p.variant, varlen=True), total_q=q.shape[0],
                                total_k=k.shape[0])
 
@@ -230,12 +234,49 @@ def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_
     return (o, lse) if sinks is None else _sinks.apply(o, lse, sinks, packed=True)
 
 
+def _backward_packed(do, q, k, v, o, lse, cq, ck, *, causal, dlse=None, scale=None, block_m=None,
+                     block_n=None, accum="fp32", kernel="auto", deterministic=False, window_size=(-1, -1),
+                     softcap=0.0, alibi_slopes=None, sinks=None, grads=None, cu=(None, None)):
+    """The backward of a packed batch on CuPy arrays by one launch of each backward kernel (the mma and
+    simt families' varlen variants), or None where the call's family has none (the wgmma backward): the
+    caller then runs one call per sequence. Knobs as ``_forward_packed``; ``grads``: preallocated
+    (dq, dk, dv), as ``_launch.backward`` takes them (the tests poison them)."""
+    from . import _sinks
+    from ._checks import _check_bool, _knobs, _memoized, check_alibi_slopes
+    from ._launch import backward
+
+    _check_bool("deterministic", deterministic)
+    b = cq.size - 1
+    kw = dict(b=b, nq=int(np.diff(cq).max()), nk=int(np.diff(ck).max()), causal=causal, scale=scale,
+              block_m=block_m, block_n=block_n, accum=accum, kernel=kernel, ablate=None,
+              window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None, direction="bwd")
+    p = _memoized(_packed_problem, (q, k, v), _knobs(kw), kw)
+    if not p.variant.varlen:
+        return None
+    slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, q.shape[1], q)
+    sinks = None if sinks is None else _sinks.check(sinks, q.shape[1], q)
+    lengths = tuple(_device_lengths(c, host, p.device) for c, host in zip(cu, (cq, ck)))
+    grads = backward(do, q, k, v, o, lse, p, deterministic=bool(deterministic), grads=grads, dlse=dlse,
+                     alibi=slopes, cu=lengths)
+    if sinks is None:
+        return grads
+    # d sinks over every row (rows without keys too: lse = z, o = 0 there give dlse), on (1, Hq, total_q)
+    # views of the packed rows
+    def heads_first(x):
+        return None if x is None else x.transpose(1, 0, 2)[None]
+
+    return (*grads, _sinks.grad(heads_first(do), heads_first(o), lse[None], sinks,
+                                None if dlse is None else dlse[None]))
+
+
 def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                               max_seqlen_k=None, *, causal: bool = False, **knobs):
     """The gradients (dq, dk, dv) of ``sum(do * attention_varlen(q, k, v, ...))``, in the packed layouts
     of q, k, v; ``o`` and ``lse`` ((Hq, total_q)) as ``attention_varlen(..., return_lse=True)`` returned
-    them; ``knobs`` are ``attention_backward``'s (``dlse`` packed as lse, (Hq, total_q)). One
-    ``attention_backward`` call per sequence; keys of a sequence with no queries get dk = dv = 0. With
+    them; ``knobs`` are ``attention_backward``'s (``dlse`` packed as lse, (Hq, total_q)). On CuPy arrays
+    the families 'mma' and 'simt' run one launch of each backward kernel for the whole batch; 'wgmma'
+    (the default on Hopper), NumPy inputs (the twin) and more than 65,535 sequences run one
+    ``attention_backward`` call per sequence. Keys of a sequence with no queries get dk = dv = 0. With
     ``sinks``, d sinks (summed over the sequences) is a fourth output, as in ``attention_backward``."""
     import flashcupy
 
@@ -250,6 +291,11 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         if tuple(x.shape) != tuple(want):
             raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(x.shape)}")
     xp = _xp(q)
+    if xp is not np and np.diff(cq).max() > 0 and np.diff(ck).max() > 0 and cq.size - 1 <= _GRID_YZ_MAX:
+        grads = _backward_packed(do, q, k, v, o, lse, cq, ck, causal=causal, dlse=dlse,
+                                 cu=(cu_seqlens_q, cu_seqlens_k), **knobs)
+        if grads is not None:
+            return grads
     if not ((np.diff(cq) > 0) & (np.diff(ck) > 0)).any():  # (no call below checks the knobs)
         _check_knobs_once(q, k, v, cq.size - 1, causal, knobs, backward=True)
     dq, dk, dv = (xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))

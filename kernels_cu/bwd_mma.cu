@@ -168,10 +168,11 @@ __device__ __forceinline__ void zero_tail(unsigned char *smem, u32 tile_off, int
 // Epilogue of both kernels: `acc` holds, per warp, 16 rows x NT8 n8 tiles (tile n at columns
 // col_of(n)); warps with split index sp > 0 hand their partials to the warp with sp = 0 through
 // shared memory (fixed order sp = 1, 2, ..: deterministic), which scales, rounds and stages the
-// tile [ROWS][CPR] for 16-byte coalesced stores of rows < nvalid. smem is free when it is called.
+// tile [ROWS][CPR] for 16-byte coalesced stores of rows < nvalid, `step` elements apart from `out` on.
+// smem is free when it is called.
 template <int ROWS, int NT8, int NSPLIT, int SLOTS, int DSPL>
 __device__ __forceinline__ void store_tile(unsigned char *smem, const acc_t (&acc)[NT8][ACC_REGS], int slot, int sp,
-                                           int row0, int dh, float mul, elem_t *out, int nvalid) {
+                                           int row0, int dh, float mul, elem_t *out, int nvalid, long long step) {
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
     float *red = reinterpret_cast<float *>(smem + ROWS * ROW_BYTES);
     __syncthreads();  // every warp is done with the previous use of smem
@@ -201,7 +202,7 @@ __device__ __forceinline__ void store_tile(unsigned char *smem, const acc_t (&ac
     for (int idx = tid; idx < ROWS * CH; idx += NTHR) {
         const int r = idx / CH, c = idx - (idx / CH) * CH;
         if (r < nvalid)
-            *reinterpret_cast<uint4 *>(out + (long long)r * FC_HEAD_DIM + c * 8) =
+            *reinterpret_cast<uint4 *>(out + r * step + c * 8) =
                 *reinterpret_cast<const uint4 *>(smem + smem_off(r, c));
     }
 }
@@ -229,9 +230,11 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
 
     const int n0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
     const int Hq = gridDim.y * group;
+    const FcSeq seq = FC_ENTRIES(b);       // this CTA's batch entry (flash_common.cuh)
+    if (FC_VARLEN && n0 >= seq.nk) return;  // (packed sequences shorter than the longest: no keys here)
 
     // The query tiles this key tile visits and masks (the range hook, flash_common.cuh): [qt0, qtiles.end).
-    const FcQueryTiles qtiles = fc_query_tiles<BM, BN>(n0, nq, nk);
+    const FcQueryTiles qtiles = fc_query_tiles<BM, BN>(n0, seq.nq, seq.nk);
     const int qt0 = qtiles.first;
     const int qt_per_head = qtiles.end - qt0;
     const int n_it = group * qt_per_head;
@@ -254,12 +257,12 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
     auto load_stage = [&](int it, u32 st) {
         const int hq = hk * group + it / qt_per_head;
         const int m0 = (qt0 + it % qt_per_head) * BM;
-        load_head_rows<BM>(st, q, b, q_sb, hq, q_sh, q_sn, m0, nq, lr, lc);
-        load_head_rows<BM>(st + ST_DO, dout, b, do_sb, hq, do_sh, do_sn, m0, nq, lr, lc);
-        const long long rb = ((long long)b * Hq + hq) * nq + m0;
+        load_head_rows<BM>(st, q + seq.q0 * q_sn, seq.b, q_sb, hq, q_sh, q_sn, m0, seq.nq, lr, lc);
+        load_head_rows<BM>(st + ST_DO, dout + seq.q0 * do_sn, seq.b, do_sb, hq, do_sh, do_sn, m0, seq.nq, lr, lc);
+        const long long rb = fc_rows(seq, hq, Hq, nq).lse0 + m0;
         for (int i = tid; i < 2 * BM; i += NTHR) {
             const int r = i % BM;
-            const bool ok = m0 + r < nq;
+            const bool ok = m0 + r < seq.nq;
             const float *src = (i < BM ? lse : delta) + (ok ? rb + r : 0);
             cp_async_4(st + (i < BM ? ST_L : ST_D) + 4 * r, src, ok);
         }
@@ -269,8 +272,8 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
         // zero the head-dim tail the math reads ([FC_HEAD_DIM, KV_DK)), then K, V and stage 0
         zero_tail<KV_DK / 8>(smem, 0, 2 * BN, tid);
         for (int s = 0; s < STAGES_KV; ++s) zero_tail<KV_DK / 8>(smem, st0 - s_base + s * KV_STAGE_BYTES, 2 * BM, tid);
-        load_head_rows<BN>(sK, k, b, k_sb, hk, k_sh, k_sn, n0, nk, lr, lc);
-        load_head_rows<BN>(sV, v, b, v_sb, hk, v_sh, v_sn, n0, nk, lr, lc);
+        load_head_rows<BN>(sK, k + seq.k0 * k_sn, seq.b, k_sb, hk, k_sh, k_sn, n0, seq.nk, lr, lc);
+        load_head_rows<BN>(sV, v + seq.k0 * v_sn, seq.b, v_sb, hk, v_sh, v_sn, n0, seq.nk, lr, lc);
     }
     pipeline_begin(n_it, st0, load_stage);  // K, V and stage 0: the first commit group
 
@@ -279,8 +282,8 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
         // ---- tile `it` has landed; every warp is done with the other stage: prefetch it + 1 ----
         const u32 st = pipeline_top<STAGES_KV>(it, n_it, st0, KV_STAGE_BYTES, load_stage);
         const int m0 = (qt0 + it % qt_per_head) * BM;
-        FC_HOOK_SET_HEAD(hook, b, hk * group + it / qt_per_head, nq, nk);
-        const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk, false);
+        FC_HOOK_SET_HEAD(hook, b, hk * group + it / qt_per_head, seq.nq, seq.nk);
+        const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, seq.nq, seq.nk, false);
         const float *s_lse = reinterpret_cast<const float *>(smem + (st - s_base) + ST_L);
         const float *s_del = reinterpret_cast<const float *>(smem + (st - s_base) + ST_D);
 
@@ -318,7 +321,7 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
                         p[e] = fc_softmax_p(ts, scale_log2, lq[e]);
                         if (need_mask) {
                             const int key = n0 + kg * 16 + g + 8 * hf, query = m0 + qcol + e;
-                            const bool vis = query < nq && fc_visible(query, key, nq, nk);
+                            const bool vis = query < seq.nq && fc_visible(query, key, seq.nq, seq.nk);
                             p[e] = vis ? p[e] : 0.f;
                         }
                         ds[e] = fc_hook_ds(p[e] * (acc_get(acc_p[0][n], 2 * hf + e) - dq2[e]), gs);
@@ -349,7 +352,7 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
             const u32 ds_lane = sDS + ((lane >> 4) * 8 + (lane & 7)) * DS_ROW +
                                 (((qg * 2 + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
             const int row = m0 + qg * 16 + g;
-            float *dqa = dq_accum + (((long long)b * Hq + hk * group + it / qt_per_head) * nq + row) * FC_HEAD_DIM;
+            float *dqa = dq_accum + (fc_rows(seq, hk * group + it / qt_per_head, Hq, nq).lse0 + row) * FC_HEAD_DIM;
 #pragma unroll
             for (int c0 = 0; c0 < DQ_D16W; c0 += DQ_D16C) {
                 acc_t acc_q[2 * DQ_D16C][ACC_REGS];
@@ -374,8 +377,8 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
                 for (int n = 0; n < 2 * DQ_D16C; ++n) {
                     const int col = (2 * (qd * DQ_D16W + c0) + n) * 8 + 2 * t;
                     if (c0 + n / 2 < DQ_D16W && col < FC_HEAD_DIM) {
-                        if (row < nq) red_add_f32x2(dqa + col, acc_get(acc_q[n], 0), acc_get(acc_q[n], 1));
-                        if (row + 8 < nq)
+                        if (row < seq.nq) red_add_f32x2(dqa + col, acc_get(acc_q[n], 0), acc_get(acc_q[n], 1));
+                        if (row + 8 < seq.nq)
                             red_add_f32x2(dqa + 8 * FC_HEAD_DIM + col, acc_get(acc_q[n], 2), acc_get(acc_q[n], 3));
                     }
                 }
@@ -386,12 +389,15 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
     }
 
     // ---- epilogue: sum the QSPLIT partials, dK *= scale, round, 16-byte stores of keys < nk ----
-    const long long out_off = (((long long)b * gridDim.y + hk) * nk + n0) * FC_HEAD_DIM;
+    const FcRows rows = fc_key_rows(seq, hk, gridDim.y, nk);  // where this head's rows of dk and dv go
+    const long long out_off = (rows.o0 + n0 * rows.o_step) * FC_HEAD_DIM;
+    const long long step = rows.o_step * FC_HEAD_DIM;
     const int slot = kg + KV_KG * dh;
     store_tile<BN, 2 * KV_DP, KV_QSPLIT, KV_KG * KV_DSPLIT, KV_DSPLIT>(smem, acc_dv[0], slot, qs, kg * 16, dh, 1.f,
-                                                                        dv + out_off, nk - n0);
+                                                                        dv + out_off, seq.nk - n0, step);
     store_tile<BN, 2 * KV_DP, KV_QSPLIT, KV_KG * KV_DSPLIT, KV_DSPLIT>(smem, acc_dk[0], slot, qs, kg * 16, dh,
-                                                                        scale_log2 * FC_LN2, dk + out_off, nk - n0);
+                                                                        scale_log2 * FC_LN2, dk + out_off, seq.nk - n0,
+                                                                        step);
 }
 
 extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_mma(FC_BWD_PARAMS) {
@@ -423,14 +429,16 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
     const int rg = warp % Q_RG, ks = warp / Q_RG;
 
     const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+    const FcSeq seq = FC_ENTRIES(b);       // this CTA's batch entry (flash_common.cuh)
     const int m0 = fc_query_tile() * BM;
+    if (FC_VARLEN && m0 >= seq.nq) return;  // (packed sequences shorter than the longest: no rows here)
 
     // The key tiles this CTA visits and masks (the range hook, flash_common.cuh): iteration it runs key
     // tile j0 + it, n_tiles of them.
-    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
+    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, seq.nq, seq.nk);
     const int j0 = tiles.first, n_tiles = tiles.count();
     FcScoreHook hook(scale_log2);
-    FC_HOOK_SET_HEAD(hook, b, h, nq, nk);
+    FC_HOOK_SET_HEAD(hook, b, h, seq.nq, seq.nk);
 
     const int lc = tid % CHP, lr = tid / CHP;
     const u32 frag_row = (lane & 15) * ROW_BYTES;
@@ -439,14 +447,14 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
     const u32 do_base = sDO + rg * 16 * ROW_BYTES + frag_row;
 
     // Per-row L = lse * log2 e and delta of rows g, g+8 (rows >= nq: P = 0).
-    const long long row_base = ((long long)b * gridDim.y + h) * nq;
+    const FcRows rows = fc_rows(seq, h, gridDim.y, nq);  // where this head's rows go (lse, delta, dq)
     const int row_g = m0 + rg * 16 + g;
     float lrow[2], drow[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const int row = row_g + 8 * hf;
-        lrow[hf] = fc_hook_lq(hook, fc_row_lse_log2(lse + row_base, row, nq), row, scale_log2);
-        drow[hf] = row < nq ? delta[row_base + row] : 0.f;
+        lrow[hf] = fc_hook_lq(hook, fc_row_lse_log2(lse + rows.lse0, row, seq.nq), row, scale_log2);
+        drow[hf] = row < seq.nq ? delta[rows.lse0 + row] : 0.f;
     }
 
     acc_t acc_dq[1][2 * Q_KS][ACC_REGS];
@@ -454,13 +462,14 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
     for (int n = 0; n < 2 * Q_KS; ++n) acc_zero(acc_dq[0][n]);
 
     auto load_kv = [&](int it, u32 st) {
-        load_head_rows<BN>(st, k, b, k_sb, hk, k_sh, k_sn, (j0 + it) * BN, nk, lr, lc);
-        load_head_rows<BN>(st + ST_V, v, b, v_sb, hk, v_sh, v_sn, (j0 + it) * BN, nk, lr, lc);
+        load_head_rows<BN>(st, k + seq.k0 * k_sn, seq.b, k_sb, hk, k_sh, k_sn, (j0 + it) * BN, seq.nk, lr, lc);
+        load_head_rows<BN>(st + ST_V, v + seq.k0 * v_sn, seq.b, v_sb, hk, v_sh, v_sn, (j0 + it) * BN, seq.nk, lr,
+                           lc);
     };
 
     if (n_tiles > 0) {
-        load_head_rows<BM>(sQ, q, b, q_sb, h, q_sh, q_sn, m0, nq, lr, lc);
-        load_head_rows<BM>(sDO, dout, b, do_sb, h, do_sh, do_sn, m0, nq, lr, lc);
+        load_head_rows<BM>(sQ, q + seq.q0 * q_sn, seq.b, q_sb, h, q_sh, q_sn, m0, seq.nq, lr, lc);
+        load_head_rows<BM>(sDO, dout + seq.q0 * do_sn, seq.b, do_sb, h, do_sh, do_sn, m0, seq.nq, lr, lc);
         // the head-dim tail the math reads ([FC_HEAD_DIM, Q_DK)), which no copy writes
         zero_tail<Q_DK / 8>(smem, 0, 2 * BM + STAGES_Q * 2 * BN, tid);
     }
@@ -487,8 +496,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
             u32 ds_frag[1][Q_KC / 16][4];
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const int last = fc_last_key(row_g + 8 * hf, nq, nk) - (j * BN + kr0 + 2 * t);
-                const int first = fc_first_key(row_g + 8 * hf, nq, nk) - (j * BN + kr0 + 2 * t);
+                const int last = fc_last_key(row_g + 8 * hf, seq.nq, seq.nk) - (j * BN + kr0 + 2 * t);
+                const int first = fc_first_key(row_g + 8 * hf, seq.nq, seq.nk) - (j * BN + kr0 + 2 * t);
 #pragma unroll
                 for (int n = 0; n < Q_KC / 8; ++n) {
                     float ds[2];
@@ -516,5 +525,6 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
 
     // ---- epilogue: sum the KSPLIT partials, dQ *= scale, round, 16-byte stores of rows < nq ----
     store_tile<BM, 2 * Q_KS, Q_KSPLIT, Q_RG, 1>(smem, acc_dq[0], rg, ks, rg * 16, 0, scale_log2 * FC_LN2,
-                                               dq + (row_base + m0) * FC_HEAD_DIM, nq - m0);
+                                               dq + (rows.o0 + m0 * rows.o_step) * FC_HEAD_DIM, seq.nq - m0,
+                                               rows.o_step * FC_HEAD_DIM);
 }

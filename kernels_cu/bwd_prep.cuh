@@ -85,16 +85,29 @@ extern "C" __global__ void flash_bwd_prep(const elem_t *__restrict__ dout, const
 }
 
 #if FC_DTYPE != 0
-// dq = (scale_log2 ln 2) * dq_accum rounded to the element type; n4 = number of elements / 4.
+// dq = (scale_log2 ln 2) * dq_accum rounded to the element type; n4 = number of elements / 4. Packed
+// sequences (FC_VARLEN): dq_accum holds its rows in lse's order, (Hq, total_q), and dq is flash_attn's
+// (total_q, Hq, FC_HEAD_DIM): element (h, t, d) goes to ((t heads + h) FC_HEAD_DIM + d).
 extern "C" __global__ void flash_bwd_dq_convert(const float *__restrict__ dq_accum, elem_t *__restrict__ dq,
-                                               const long long n4, const float scale_log2) {
+                                               const long long n4, const float scale_log2
+#if FC_VARLEN
+                                               , const int heads, const int total
+#endif
+                                               ) {
     const float mul = scale_log2 * FC_LN2;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
         const float4 x = reinterpret_cast<const float4 *>(dq_accum)[i];
         uint2 out;
         out.x = pack_elem2(x.x * mul, x.y * mul);
         out.y = pack_elem2(x.z * mul, x.w * mul);
+#if FC_VARLEN
+        constexpr int Q4 = FC_HEAD_DIM / 4;  // (D % 8 == 0: the 4 elements stay in one row)
+        const long long row = i / Q4;
+        const long long h = row / total, t = row - h * total;
+        reinterpret_cast<uint2 *>(dq)[(t * heads + h) * Q4 + (i - row * Q4)] = out;
+#else
         reinterpret_cast<uint2 *>(dq)[i] = out;
+#endif
     }
 }
 #endif

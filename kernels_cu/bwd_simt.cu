@@ -223,9 +223,11 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
     const int n0 = blockIdx.x * BN;  // first key of this CTA
     const int hk = blockIdx.y, b = blockIdx.z;
     const long long hkv = gridDim.y, hq = hkv * group;
+    const FcSeq seq = FC_ENTRIES(b);       // this CTA's batch entry (flash_common.cuh)
+    if (FC_VARLEN && n0 >= seq.nk) return;  // (packed sequences shorter than the longest: no keys here)
 
-    stage_tile<BN, KV_PITCH>(k_s, k + b * k_sb + hk * k_sh + n0 * k_sn, k_sn, nk - n0);
-    stage_tile<BN, KV_PITCH>(v_s, v + b * v_sb + hk * v_sh + n0 * v_sn, v_sn, nk - n0);
+    stage_tile<BN, KV_PITCH>(k_s, k + seq.b * k_sb + hk * k_sh + (seq.k0 + n0) * k_sn, k_sn, seq.nk - n0);
+    stage_tile<BN, KV_PITCH>(v_s, v + seq.b * v_sb + hk * v_sh + (seq.k0 + n0) * v_sn, v_sn, seq.nk - n0);
 
     float dk_acc[TR][DPT], dv_acc[TR][DPT];
 #pragma unroll
@@ -236,32 +238,32 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
     // The query tiles this key tile visits (the range hook, flash_common.cuh: from the one holding the
     // first row that sees a key of the tile to the one holding the last; none at all when no row sees
     // one: dK = dV = 0); every tile is masked row by row (fc_visible).
-    const FcQueryTiles qtiles = fc_query_tiles<BM, BN>(n0, nq, nk);
+    const FcQueryTiles qtiles = fc_query_tiles<BM, BN>(n0, seq.nq, seq.nk);
 
     for (int g = 0; g < group; ++g) {
         const long long h = (long long)hk * group + g;
-        const elem_t* q_head = q + b * q_sb + h * q_sh;
-        const elem_t* do_head = dout + b * do_sb + h * do_sh;
-        const float* lse_head = lse + (b * hq + h) * nq;
-        const float* delta_head = delta + (b * hq + h) * nq;
+        const elem_t* q_head = q + seq.b * q_sb + h * q_sh + seq.q0 * q_sn;
+        const elem_t* do_head = dout + seq.b * do_sb + h * do_sh + seq.q0 * do_sn;
+        const float* lse_head = lse + (seq.b * hq + h) * nq + seq.q0;  // (fc_rows' lse0)
+        const float* delta_head = delta + (seq.b * hq + h) * nq + seq.q0;
 
         for (int m0 = qtiles.first * BM; m0 < qtiles.end * BM; m0 += BM) {
             // 1. Q_i, dO_i and their row statistics -> shared memory (the first pass also
             //    publishes K_j and V_j).
-            stage_tile<BM, ROW_PITCH>(q_s, q_head + m0 * q_sn, q_sn, nq - m0);
-            stage_tile<BM, ROW_PITCH>(do_s, do_head + m0 * do_sn, do_sn, nq - m0);
+            stage_tile<BM, ROW_PITCH>(q_s, q_head + m0 * q_sn, q_sn, seq.nq - m0);
+            stage_tile<BM, ROW_PITCH>(do_s, do_head + m0 * do_sn, do_sn, seq.nq - m0);
             FcScoreHook rows_hook(scale_log2);  // (the row statistics of this head: fc_hook_lq)
-            FC_HOOK_SET_HEAD(rows_hook, b, (int)h, nq, nk);
-            stage_row_stats(lse_s, delta_s, lse_head, delta_head, m0, nq, rows_hook, scale_log2);
+            FC_HOOK_SET_HEAD(rows_hook, b, (int)h, seq.nq, seq.nk);
+            stage_row_stats(lse_s, delta_s, lse_head, delta_head, m0, seq.nq, rows_hook, scale_log2);
             __syncthreads();
 
             // 2. P and dS of this (query tile, key tile) pair.
-            p_ds_tile<false>(q_s, k_s, do_s, v_s, lse_s, delta_s, p_s, ds_s, m0, n0, nq, nk,
+            p_ds_tile<false>(q_s, k_s, do_s, v_s, lse_s, delta_s, p_s, ds_s, m0, n0, seq.nq, seq.nk,
                              scale_log2 FC_HEAD_ARGS(b, (int)h));
             __syncthreads();
 
             // 3. (5) dV += P^T dO,  dK += dS^T Q  (reduced over this tile's query rows)
-            const int n_rows = chunked_rows(BM, m0, nq);
+            const int n_rows = chunked_rows(BM, m0, seq.nq);
             accumulate_tn<TR, S_PITCH, ROW_PITCH>(p_s, do_s, n_rows, dv_acc);
             accumulate_tn<TR, S_PITCH, ROW_PITCH>(ds_s, q_s, n_rows, dk_acc);
             __syncthreads();  // Q_i, dO_i, P, dS are overwritten by the next tile
@@ -274,8 +276,9 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dkdv_s
 #pragma unroll
     for (int t = 0; t < TR; ++t) {
         const int key = n0 + rg * TR + t;
-        if (key >= nk) continue;
-        const long long row_id = (b * hkv + hk) * nk + key;
+        if (key >= seq.nk) continue;
+        const FcRows rows = fc_key_rows(seq, hk, hkv, nk);  // where this head's rows of dk and dv go
+        const long long row_id = rows.o0 + key * rows.o_step;
 #pragma unroll
         for (int i = 0; i < DPT; ++i) {
             const int d = c + TN * i;
@@ -304,15 +307,17 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_sim
     const int m0 = blockIdx.x * BM;  // first query row of this CTA
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
     const long long hq = gridDim.y;
-    const elem_t* k_head = k + b * k_sb + h_kv * k_sh;
-    const elem_t* v_head = v + b * v_sb + h_kv * v_sh;
+    const FcSeq seq = FC_ENTRIES(b);       // this CTA's batch entry (flash_common.cuh)
+    if (FC_VARLEN && m0 >= seq.nq) return;  // (packed sequences shorter than the longest: no rows here)
+    const elem_t* k_head = k + seq.b * k_sb + h_kv * k_sh + seq.k0 * k_sn;
+    const elem_t* v_head = v + seq.b * v_sb + h_kv * v_sh + seq.k0 * v_sn;
 
-    stage_tile<BM, ROW_PITCH>(q_s, q + b * q_sb + h * q_sh + m0 * q_sn, q_sn, nq - m0);
-    stage_tile<BM, ROW_PITCH>(do_s, dout + b * do_sb + h * do_sh + m0 * do_sn, do_sn, nq - m0);
+    stage_tile<BM, ROW_PITCH>(q_s, q + seq.b * q_sb + h * q_sh + (seq.q0 + m0) * q_sn, q_sn, seq.nq - m0);
+    stage_tile<BM, ROW_PITCH>(do_s, dout + seq.b * do_sb + h * do_sh + (seq.q0 + m0) * do_sn, do_sn, seq.nq - m0);
     FcScoreHook rows_hook(scale_log2);  // (the row statistics of this head: fc_hook_lq)
-    FC_HOOK_SET_HEAD(rows_hook, b, h, nq, nk);
-    stage_row_stats(lse_s, delta_s, lse + (b * hq + h) * nq, delta + (b * hq + h) * nq, m0, nq, rows_hook,
-                    scale_log2);
+    FC_HOOK_SET_HEAD(rows_hook, b, h, seq.nq, seq.nk);
+    stage_row_stats(lse_s, delta_s, lse + (seq.b * hq + h) * nq + seq.q0, delta + (seq.b * hq + h) * nq + seq.q0,
+                    m0, seq.nq, rows_hook, scale_log2);
 
     float dq_acc[TR][DPT];
 #pragma unroll
@@ -322,19 +327,19 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_sim
 
     // The key tiles this CTA visits (the range hook, flash_common.cuh; causal: fewer tiles, none at all
     // when every row sees nothing, and then dq = 0); every tile is masked key by key (fc_visible).
-    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, nq, nk);
+    const FcKeyTiles tiles = fc_key_tiles<BN>(m0, BM, seq.nq, seq.nk);
     const int n_keys = tiles.key_end;
 
     for (int j = tiles.first; j < tiles.end; ++j) {
         const int n0 = j * BN;  // first key of tile j
 
         // 1. K_j, V_j -> shared memory (the first pass also publishes Q_i, dO_i, row stats).
-        stage_tile<BN, KV_PITCH>(k_s, k_head + n0 * k_sn, k_sn, nk - n0);
-        stage_tile<BN, KV_PITCH>(v_s, v_head + n0 * v_sn, v_sn, nk - n0);
+        stage_tile<BN, KV_PITCH>(k_s, k_head + n0 * k_sn, k_sn, seq.nk - n0);
+        stage_tile<BN, KV_PITCH>(v_s, v_head + n0 * v_sn, v_sn, seq.nk - n0);
         __syncthreads();
 
         // 2. dS^T of this (query tile, key tile) pair.
-        p_ds_tile<true>(q_s, k_s, do_s, v_s, lse_s, delta_s, ds_s, ds_s, m0, n0, nq, nk,
+        p_ds_tile<true>(q_s, k_s, do_s, v_s, lse_s, delta_s, ds_s, ds_s, m0, n0, seq.nq, seq.nk,
                         scale_log2 FC_HEAD_ARGS(b, h));
         __syncthreads();
 
@@ -345,7 +350,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_sim
 
     // Epilogue: dq = scale * dQ in the element type; rows past nq are not written.
     const float scale = scale_log2 * FC_LN2;
-    for_each_own_cell<TR>(m0, nq, [&](int row, int t, int i, int d) {
-        dq[((b * hq + h) * nq + row) * D + d] = fc_from_float<elem_t>(dq_acc[t][i] * scale);
+    const FcRows rows = fc_rows(seq, h, hq, nq);  // where this head's rows of dq go
+    for_each_own_cell<TR>(m0, seq.nq, [&](int row, int t, int i, int d) {
+        dq[(rows.o0 + row * rows.o_step) * D + d] = fc_from_float<elem_t>(dq_acc[t][i] * scale);
     });
 }

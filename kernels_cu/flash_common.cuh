@@ -642,14 +642,16 @@ __device__ __forceinline__ float fc_hook_lq(const FcScoreHook &hook, float lq, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// Batch entries (the forwards). Entry b of a call is, by default, slice b of (B, H, N, D) arrays: nq
-// queries and nk keys. With FC_VARLEN 1 (packed sequences, flashcupy.attention_varlen) it is sequence b
-// of packed arrays, flash_attn's (total, H, D) seen as (1, H, total, D): its queries are the tokens
-// cu_q[b] .. cu_q[b + 1] - 1 of q and o (and those columns of lse, (Hq, total_q)), its keys the tokens
+// Batch entries (the forwards, the mma and simt backwards). Entry b of a call is, by default, slice b of
+// (B, H, N, D) arrays: nq queries and nk keys. With FC_VARLEN 1 (packed sequences,
+// flashcupy.attention_varlen) it is sequence b of packed arrays, flash_attn's (total, H, D) seen as
+// (1, H, total, D): its queries are the tokens cu_q[b] .. cu_q[b + 1] - 1 of q, o, dO (and those columns
+// of lse, delta and the backward's fp32 dQ buffer, all (Hq, total_q) in rows), its keys the tokens
 // cu_k[b] .. cu_k[b + 1] - 1 of k and v. The kernel's nq and nk are then the packed totals, max_nq and
 // max_nk the longest sequence's lengths (the extent of the grid and of the tile walks: FC_GRID_NQ,
-// FC_GRID_NK), and o is (total_q, Hq, FC_HEAD_DIM) contiguous. FcEntries gives entry b's FcSeq; every
-// length a kernel masks or bounds by is its entry's.
+// FC_GRID_NK), and the outputs o, dq (total_q, Hq, FC_HEAD_DIM) and dk, dv (total_k, Hkv, FC_HEAD_DIM)
+// are contiguous. FcEntries gives entry b's FcSeq; every length a kernel masks or bounds by is its
+// entry's.
 #ifndef FC_VARLEN
 #define FC_VARLEN 0
 #endif
@@ -661,6 +663,7 @@ struct FcSeq {
 #if FC_VARLEN
 #define FC_VARLEN_PARAMS , const int *__restrict__ cu_q, const int *__restrict__ cu_k, const int max_nq, \
     const int max_nk
+#define FC_VARLEN_ARGS , cu_q, cu_k, max_nq, max_nk
 struct FcEntries {
     const int *cu_q, *cu_k;
     __device__ __forceinline__ FcSeq operator()(int b) const {
@@ -673,6 +676,7 @@ struct FcEntries {
 #define FC_GRID_NK max_nk
 #else
 #define FC_VARLEN_PARAMS
+#define FC_VARLEN_ARGS
 struct FcEntries {
     int nq, nk;
     __device__ __forceinline__ FcSeq operator()(int b) const { return FcSeq{b, 0, 0, nq, nk}; }
@@ -682,14 +686,22 @@ struct FcEntries {
 #define FC_GRID_NK nk
 #endif
 // Where the rows of entry s, query head h (of heads_q; nq: the kernel's parameter) go: row r's lse is
-// lse[lse0 + r] and its o row starts at element (o0 + r o_step) FC_HEAD_DIM of o.
+// lse[lse0 + r] (so are its delta and, times FC_HEAD_DIM, its row of the backward's fp32 dQ buffer) and
+// its o row starts at element (o0 + r o_step) FC_HEAD_DIM of o (and of dq). fc_key_rows: the same for
+// the rows of dk and dv (key head hk of heads_kv; nk: the kernel's parameter).
 struct FcRows {
     long long lse0, o0, o_step;
 };
-__device__ __forceinline__ FcRows fc_rows(const FcSeq &s, int h, long long heads_q, int nq) {
-    const long long lse0 = ((long long)s.b * heads_q + h) * nq + s.q0;
-    if constexpr (FC_VARLEN) return FcRows{lse0, (long long)s.q0 * heads_q + h, heads_q};
+__device__ __forceinline__ FcRows fc_rows_at(int b, int t0, int h, long long heads, int n) {
+    const long long lse0 = ((long long)b * heads + h) * n + t0;
+    if constexpr (FC_VARLEN) return FcRows{lse0, (long long)t0 * heads + h, heads};
     return FcRows{lse0, lse0, 1};
+}
+__device__ __forceinline__ FcRows fc_rows(const FcSeq &s, int h, long long heads_q, int nq) {
+    return fc_rows_at(s.b, s.q0, h, heads_q, nq);
+}
+__device__ __forceinline__ FcRows fc_key_rows(const FcSeq &s, int hk, long long heads_kv, int nk) {
+    return fc_rows_at(s.b, s.k0, hk, heads_kv, nk);
 }
 
 // The one parameter list of every forward kernel. Strides are in elements; the last axis of
@@ -727,8 +739,8 @@ __device__ __forceinline__ FcRows fc_rows(const FcSeq &s, int h, long long heads
         const long long q_sh, const long long q_sn, const long long k_sb, const long long k_sh,   \
         const long long k_sn, const long long v_sb, const long long v_sh, const long long v_sn,   \
         const long long do_sb, const long long do_sh, const long long do_sn,                      \
-        const float scale_log2 FC_ALIBI_PARAMS
+        const float scale_log2 FC_ALIBI_PARAMS FC_VARLEN_PARAMS
 // The same list as arguments (a kernel handing its parameters to a device function).
 #define FC_BWD_ARGS                                                                               \
     q, k, v, dout, lse, delta, dq, dk, dv, nq, nk, group, q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, \
-        v_sh, v_sn, do_sb, do_sh, do_sn, scale_log2 FC_ALIBI_ARGS
+        v_sh, v_sn, do_sb, do_sh, do_sn, scale_log2 FC_ALIBI_ARGS FC_VARLEN_ARGS

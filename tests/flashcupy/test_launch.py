@@ -149,7 +149,7 @@ def _interpret(program, values):
 
 def _backward_plan(tma, atomic, sem, tiled):
     plan = object.__new__(_launch._BackwardPlan)
-    plan.alibi = False  # (the compiled node's plans: no ALiBi)
+    plan.alibi = plan.varlen = False  # (the compiled node's plans: no ALiBi, no packed sequences)
     plan.tma, plan.atomic = tma, atomic
     plan.q_shape, plan.delta_size, plan.ld_size = (2, 3, 5, 8), 48, (48 if tiled else 0)
     plan.sem_shape = (2, 3, 4) if sem else None

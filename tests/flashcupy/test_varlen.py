@@ -208,13 +208,15 @@ def test_varlen_on_the_kernels_matches_the_reference(rng):
                                 what=f"{kernel} seq {i} {name}")
 
 
-def test_the_packed_variants_of_the_forwards():
-    """A varlen variant (the packed forward's kernel) is its family's variant with FC_VARLEN and the key
-    part "varlen"; the wgmma one writes o from registers (a 64-row TMA store would cross into the next
-    sequence's rows); backward families and fp8 operands refuse it by name."""
+def test_the_packed_variants():
+    """A varlen variant (the packed kernels) is its family's variant with FC_VARLEN and the key part
+    "varlen": the three forwards and the mma and simt backwards; the wgmma forward writes o from
+    registers (a 64-row TMA store would cross into the next sequence's rows); the wgmma backward and fp8
+    operands refuse it by name."""
     from flashcupy._variant import Variant
 
-    for family, bm, bn in (("fwd_simt", 64, 64), ("fwd_mma", 128, 64), ("fwd_wgmma", 128, 128)):
+    for family, bm, bn in (("fwd_simt", 64, 64), ("fwd_mma", 128, 64), ("fwd_wgmma", 128, 128),
+                           ("bwd_simt", 64, 64), ("bwd_mma", 64, 128)):
         plain = Variant(family, "f16", "fp32", bm, bn, 128, True)
         packed = Variant(family, "f16", "fp32", bm, bn, 128, True, varlen=True)
         assert packed.key == plain.key + ".varlen"
@@ -222,7 +224,7 @@ def test_the_packed_variants_of_the_forwards():
         assert ("FC_VARLEN", 1) in extra and "FC_VARLEN" not in plain.defines()
         assert packed.o_stage == 0
     assert Variant("fwd_wgmma", "f16", "fp32", 128, 128, 128, True).o_stage > 0
-    for kw, words in ((dict(family="bwd_mma", block_m=64, block_n=128), "not in bwd_mma"),
+    for kw, words in ((dict(family="bwd_wgmma", block_m=64, block_n=128), "not in bwd_wgmma"),
                       (dict(family="fwd_wgmma", block_m=128, block_n=128, fp8="single"), "fp8")):
         with pytest.raises(ValueError, match=words):
             Variant(dtype="f16", accum="fp32", head_dim=128, varlen=True, **kw)

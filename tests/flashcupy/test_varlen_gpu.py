@@ -96,3 +96,87 @@ def test_attention_varlen_takes_the_packed_launch_and_the_walks_change_sequences
             cupy.cuda.get_current_stream().synchronize()
         _launch._FORWARD_PLANS.clear()
         assert bool((o == o3).all()) and bool((lse == lse3).all()), causal
+
+
+BWD_COMBOS = [("mma", "bf16", "fp32", (64, 128)), ("mma", "f16", "fp16", (64, 64)),
+              ("simt", "f32", "fp32", (64, 64)), ("simt", "f16", "fp16", (32, 64))]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "atomic"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("combo", BWD_COMBOS, ids=lambda c: f"{c[0]}-{c[1]}-acc{c[2][2:]}-bm{c[3][0]}")
+def test_packed_backward_is_each_sequence_alone(rng, combo, mask, d, deterministic):
+    """The mma and simt backwards' varlen kernels: dq, dk, dv of each sequence are the bits of its own
+    attention_backward call on the same tile (the atomic dQ path: dk, dv; dq within two roundings of the
+    element type, its fp32 sums running in another order), every element written; d sinks the sum of the
+    sequences' within float32 rounding."""
+    import cupy
+
+    kernel, dname, accum, (bm, bn) = combo
+    (q, k, v), (cq, ck) = _packed(rng, dname, d)
+    do = cupy.asarray(rng.standard_normal(q.shape).astype(numpy_dtype(dname)))
+    kw = {key: val for key, val in MASKS[mask].items() if key not in ("alibi", "sinks")}
+    if MASKS[mask].get("alibi"):
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.3, (len(LENGTHS_Q), 4)).astype(np.float32))
+    if MASKS[mask].get("sinks"):
+        kw["sinks"] = cupy.asarray(rng.uniform(-1.0, 3.0, 4).astype(np.float32))
+    kw.update(kernel=kernel, accum=accum, block_m=bm, block_n=bn)
+    kw = {"causal": False, **kw}
+    o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, return_lse=True, **kw)
+    grads = tuple(_poisoned(x.shape, x.dtype) for x in (q, k, v))
+    got = _varlen._backward_packed(do, q, k, v, o, lse, cq, ck, deterministic=deterministic, grads=grads,
+                                   **kw)
+    assert got is not None, "the packed backward did not run"
+    cupy.cuda.get_current_stream().synchronize()
+    _assert_written(f"{combo} {mask} d={d}", dq=got[0], dk=got[1], dv=got[2])
+    eps = float(np.finfo(np.float32).eps) if dname == "f32" else 2.0 ** (-8 if dname == "bf16" else -11)
+    dsinks = 0
+    for i in range(len(LENGTHS_Q)):
+        (qa, qb), (ka, kb) = cq[i:i + 2], ck[i:i + 2]
+        if qb == qa:  # keys without queries: dk = dv = 0
+            assert bool((got[1][ka:kb] == 0).all()) and bool((got[2][ka:kb] == 0).all()), i
+            continue
+        if kb == ka:  # queries without keys: dq = 0
+            assert bool((got[0][qa:qb] == 0).all()), i
+            continue
+        one = {**kw, "alibi_slopes": kw["alibi_slopes"][i]} if "alibi_slopes" in kw else kw
+        views = [_varlen._view(x, qa, qb) for x in (do, q)] + [_varlen._view(x, ka, kb) for x in (k, v)]
+        lse_i = cupy.ascontiguousarray(lse[None, :, qa:qb])
+        ref = flashcupy.attention_backward(*views, _varlen._view(o, qa, qb), lse_i, deterministic=True, **one)
+        for name, g, r, (a, b) in (("dk", got[1], ref[1], (ka, kb)), ("dv", got[2], ref[2], (ka, kb)),
+                                   ("dq", got[0], ref[0], (qa, qb))):
+            want = r[0].transpose(1, 0, 2)
+            if name == "dq" and not deterministic:
+                diff = float(cupy.abs(g[a:b].astype(cupy.float32) - want.astype(cupy.float32)).max())
+                assert diff <= 2 * eps * float(cupy.abs(want.astype(cupy.float32)).max()), (name, i, diff)
+            else:
+                assert bool((g[a:b] == want).all()), f"{name} of sequence {i}"
+        if "sinks" in kw:
+            dsinks = dsinks + ref[3]
+    if "sinks" in kw:
+        cupy.testing.assert_allclose(got[3], dsinks, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_varlen_backward_takes_the_packed_launches_where_the_family_has_them(rng, monkeypatch):
+    """kernel='mma' runs the packed backward (one call of the launcher); kernel='wgmma' runs one call per
+    sequence, with the bits of the mma path's per-sequence reference elsewhere tested."""
+    import cupy
+
+    from flashcupy import _launch
+
+    (q, k, v), (cq, ck) = _packed(rng, "bf16", 64)
+    do = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    calls = []
+    real = _launch.backward
+    monkeypatch.setattr(_launch, "backward", lambda *a, **kw: calls.append(kw.get("cu")) or real(*a, **kw))
+    for kernel, packed in (("mma", True), ("wgmma", False)):
+        calls.clear()
+        o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, causal=True, kernel=kernel, return_lse=True)
+        flashcupy.attention_varlen_backward(do, q, k, v, o, lse, cq, ck, causal=True, kernel=kernel,
+                                            deterministic=True)
+        runs = int(((np.diff(cq) > 0) & (np.diff(ck) > 0)).sum())
+        if packed:
+            assert len(calls) == 1 and calls[0] is not None, (kernel, calls)
+        else:
+            assert len(calls) == runs and all(c is None for c in calls), (kernel, calls)
