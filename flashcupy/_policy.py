@@ -211,10 +211,11 @@ def wgmma_o_stage(v: "Variant") -> int:
     at N=16384, +5.2% / +6.4% at D=256 N=4096; the dynamic scheduler +14% at D=128 causal N=1024, +6.8% /
     +3.2% at D=64 causal N = 1024 / 4096. Register stores stay for e4m3 variants, loops on tiles that
     leave no room (128 x 176, D=256 with 128 rows), and the static split at D=64, where the TMA store
-    measured 0.98x (a 128-byte row of o per lane group there: the register stores fill whole sectors);
-    and for packed sequences, whose 64-row TMA store would write into the next sequence's rows."""
+    measured 0.98x (a 128-byte row of o per lane group there: the register stores fill whole sectors).
+    Packed sequences follow the same rule; their kernel stores by TMA only the 64 rows of a warpgroup that
+    all lie in its sequence, the others from registers."""
     persistent = v.persistent
-    if v.fp8 or v.varlen or (persistent == 1 and v.head_dim == 64):
+    if v.fp8 or (persistent == 1 and v.head_dim == 64):
         stage = 0
     elif not persistent:
         stage = 1

@@ -146,9 +146,7 @@ static_assert(FC_WG_O_STAGE == 0 || (!FC_FP8 && (FC_WG_O_STAGE == 2 || !FC_WG_PE
               "fwd_wgmma: o goes through the Q buffer (FC_WG_O_STAGE 1) with one tile per CTA only, and "
               "e4m3 variants write it from registers");
 static_assert(FC_NUM_THREADS == NTHR, "fwd_wgmma: FC_NUM_THREADS must be 128 * (1 + FC_BLOCK_M / 64)");
-static_assert(!FC_VARLEN || (FC_WG_O_STAGE == 0 && !FC_FP8),
-              "fwd_wgmma: packed sequences (FC_VARLEN) write o from registers (a TMA store of a tile's 64 rows "
-              "would cross into the next sequence's), 16-bit operands");
+static_assert(!FC_VARLEN || !FC_FP8, "fwd_wgmma: packed sequences (FC_VARLEN) run 16-bit operands");
 #if FC_FP8
 static_assert((HD == 128 || HD == 256) && BN == 128 && !FC_ACCUM_F16,
               "fwd_wgmma fp8: D 128 or 256, FC_BLOCK_N 128, fp32 accumulators");
@@ -638,6 +636,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             // registers (FC_WG_O_STAGE 0) or through shared memory and a TMA store (1, 2).
             auto finish = [&]() {
                 const FcRows rows = fc_rows(tl.seq, tl.h, heads_q, nq);  // where its rows of o and lse go
+                // packed sequences: only a warpgroup whose 64 rows all lie in its sequence stores them by
+                // TMA (the box would otherwise write the next sequence's rows); the others from registers
+                const bool staged = FC_WG_O_STAGE && (!FC_VARLEN || tl.m0 + 64 * cw + 64 <= tl.seq.nq);
                 if (FC_WG_O_STAGE == 2) {  // the previous tile's TMA stores have read the o buffer
                     if (lt == 0) tma_wait_read();
                     named_bar_sync(3 + cw, 128);
@@ -671,10 +672,10 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #endif
                         elem_t *orow = o + (rows.o0 + row * rows.o_step) * HD + 2 * t;
 #pragma unroll
-                        for (int i = 0; !FC_WG_O_STAGE && i < HD / 8; ++i)
+                        for (int i = 0; !staged && i < HD / 8; ++i)
                             *reinterpret_cast<u32 *>(orow + 8 * i) = o_pair(i);
                     }
-                    if (FC_WG_O_STAGE) {
+                    if (staged) {
                         // row r of the warpgroup's 64 (r % 8 = g): columns 8i + 2t, 8i + 2t + 1 in 16-byte
                         // chunk (i % 8) ^ g of panel i / 8
                         const u32 orow = o_rows + (16 * (lt >> 5) + 8 * hf + g) * 128 + 4 * t;
@@ -683,7 +684,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                             st_shared_b32(orow + (i >> 3) * O_PANEL + (((i & 7) ^ g) << 4), o_pair(i));
                     }
                 }
-                if (FC_WG_O_STAGE) {
+                if (staged) {
                     // every thread's writes, then one thread's TMA stores (rows past nq are not written);
                     // with one tile per CTA it waits for their reads before the CTA's shared memory goes
                     fence_proxy_async();
@@ -691,7 +692,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     if (lt == 0) {
 #pragma unroll
                         for (int p = 0; p < HD / 64; ++p)
-                            tma_store_4d(&tm_o, o_rows + p * O_PANEL, 64 * p, tl.m0 + 64 * cw, tl.h, tl.b);
+                            tma_store_4d(&tm_o, o_rows + p * O_PANEL, 64 * p, tl.seq.q0 + tl.m0 + 64 * cw, tl.h,
+                                         tl.seq.b);
                         tma_commit();
                         if (FC_WG_O_STAGE == 1) tma_wait_read();
                     }
