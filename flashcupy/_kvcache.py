@@ -1,5 +1,4 @@
-"""Attention against a KV cache (issue 36): ``attention_with_kvcache`` on flash_attn_with_kvcache's layout,
-by one ``attention`` call per batch entry (and per key split), first version.
+"""Attention against a KV cache (issue 36): ``attention_with_kvcache`` on flash_attn_with_kvcache's layout.
 
 Batch entry b attends to the first L_b = cache_seqlens[b] + Nnew keys of its cache, after the new keys
 ``k``, ``v`` (if given) have been written at positions cache_seqlens[b] .. L_b - 1, in place. A contiguous
@@ -7,12 +6,16 @@ cache is (B, capacity, Hkv, D); a paged one is (num_blocks, page_size, Hkv, D) w
 (B, max_blocks) int32 naming the pages of entry b in order (key j lives in page block_table[b, j // page]
 at row j % page). The mask is bottom-right aligned: query i sits at position L_b - Nq + i.
 
-How it runs: each entry's keys are a (1, Hkv, L, D) view of the contiguous cache (read in place) or a
-gather of its pages (one copy), then one ``attention`` call. ``num_splits`` = S > 1 cuts the keys into S
-ranges, runs one call per range with return_lse and combines them with ``merge_states``: flash-decoding's
-arithmetic, with the partial outputs in the inputs' dtype (a split-KV kernel keeps them in float32; the
-merge experiment measures what the dtype of the partials costs). A causal range [a, b) that ends before
-the cache does sees keys up to i' + (L - b) of its own i' = i + (b - a) - Nq: the window (-1, L - b).
+How it runs. On CuPy arrays without key splits, every entry in one launch of the packed forward
+(``_varlen``): the queries as B sequences of Nq, a contiguous cache read in place (entry b's keys the
+first L_b of its capacity: the kernels' used_k, flash_attn's seqused_k), a paged one gathered into one
+packed array of every entry's keys (one copy). Otherwise (NumPy inputs, ``num_splits`` > 1) one
+``attention`` call per entry: its keys a (1, Hkv, L, D) view of the contiguous cache or a gather of its
+pages; ``num_splits`` = S > 1 cuts the keys into S ranges, runs one call per range with return_lse and
+combines them with ``merge_states``: flash-decoding's arithmetic, with the partial outputs in the inputs'
+dtype (a split-KV kernel keeps them in float32; the merge experiment measures what the dtype of the
+partials costs). A causal range [a, b) that ends before the cache does sees keys up to i' + (L - b) of
+its own i' = i + (b - a) - Nq: the window (-1, L - b).
 
 The lengths and the page table are read on the host (a synchronization with CuPy inputs: such a call
 cannot be captured in a CUDA graph). The native decoding kernel (GQA packing, split-KV in one launch,
@@ -23,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _sinks
+from ._checks import _GRID_YZ_MAX
 from ._policy import kvcache_splits
 from .transforms import _xp
 
@@ -177,8 +181,6 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     ``return_lse``. An entry with no key (L = 0) gets o = 0 and LSE -inf (with sinks: the sink).
     Everything is checked before the cache is written.
     """
-    from . import attention, merge_states
-
     xp = _xp(q)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                     ("block_table", block_table), ("cache_seqlens", cache_seqlens)):
@@ -190,7 +192,6 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     sinks = None if knobs.get("sinks") is None else _sinks.check(knobs["sinks"], q.shape[2], q)
     knobs = {name: value for name, value in knobs.items() if name != "sinks"}  # merged once, at the end
     splits = kvcache_splits(int(num_splits))
-    hq, d = q.shape[2], q.shape[3]
     if k is not None and nnew:  # the append, in place
         for i in range(b):
             pos = np.arange(lengths[i], lengths[i] + nnew)
@@ -202,10 +203,27 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
                 rows = xp.asarray(pos % page)
                 k_cache[pages, rows] = k[i]
                 v_cache[pages, rows] = v[i]
+    if xp is not np and splits == 1 and (lengths + nnew).max() > 0 and b <= _GRID_YZ_MAX:
+        o, lse = _packed(q, k_cache, v_cache, lengths + nnew, table, page, causal, knobs, sinks)
+        return (o, lse) if return_lse else o
+    o, lse = _per_entry(q, k_cache, v_cache, lengths + nnew, table, page, causal, splits, knobs)
+    if sinks is not None:  # after the ranges are merged, as after a kernel's key loop (empty entry: lse = z)
+        _sinks.apply(o, lse, sinks)
+    o = o.transpose(0, 2, 1, 3)
+    return (o, lse) if return_lse else o
+
+
+def _per_entry(q, k_cache, v_cache, used, table, page, causal, splits, knobs):
+    """One ``attention`` call per entry (and per key range with splits): o (B, Hq, Nq, D) and lse
+    (B, Hq, Nq), sinks not merged."""
+    from . import attention, merge_states
+
+    xp = _xp(q)
+    b, nq, hq, d = q.shape
     o = xp.zeros((b, hq, nq, d), dtype=q.dtype)
     lse = xp.full((b, hq, nq), -np.inf, dtype=np.float32)
     for i in range(b):
-        n = int(lengths[i]) + nnew
+        n = int(used[i])
         if n == 0:
             continue
         if table is None:
@@ -230,7 +248,30 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         else:
             ob, lb = merge_states(xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts]))
             o[i], lse[i] = ob[0], lb[0]
-    if sinks is not None:  # after the ranges are merged, as after a kernel's key loop (empty entry: lse = z)
-        _sinks.apply(o, lse, sinks)
-    o = o.transpose(0, 2, 1, 3)
-    return (o, lse) if return_lse else o
+    return o, lse
+
+
+def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks):
+    """Every entry in one launch of the packed forward (``_varlen``): the queries as B sequences of Nq;
+    a contiguous cache read in place, entry b's keys the first used[b] of its capacity (the kernels'
+    used_k); a paged one gathered, every entry's used keys one after another (one copy, as the per-entry
+    path makes). Returns o (B, Nq, Hq, D) (a reshape of the packed output) and lse (B, Hq, Nq), sinks
+    merged."""
+    from ._varlen import _forward_packed
+
+    b, nq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    cq = np.arange(b + 1, dtype=np.int64) * nq
+    if table is None:
+        cap = k_cache.shape[1]
+        kp, vp = (x.reshape(b * cap, hkv, d) for x in (k_cache, v_cache))
+        ck, used_k = np.arange(b + 1, dtype=np.int64) * cap, used
+    else:
+        rows = np.concatenate([table[i, np.arange(n) // page] * page + np.arange(n) % page
+                               for i, n in enumerate(used)]) if used.sum() else np.zeros(0, np.int64)
+        index = _xp(q).asarray(rows)
+        kp, vp = (x.reshape(-1, hkv, d)[index] for x in (k_cache, v_cache))
+        ck, used_k = np.concatenate([[0], np.cumsum(used)]), None
+    o, lse = _forward_packed(q.reshape(b * nq, hq, d), kp, vp, cq, ck, causal=causal, used_k=used_k,
+                             sinks=sinks, **knobs)
+    return o.reshape(b, nq, hq, d), lse.reshape(hq, b, nq).transpose(1, 0, 2)

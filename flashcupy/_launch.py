@@ -360,8 +360,9 @@ class _ForwardPlan:
         # ALiBi: the slopes in raw units, (B, Hq) float32 (alibi_raw), and their batch stride
         self.alibi = var.alibi
         scalars += (PTR, np.int32(p.heads_q)) if var.alibi else ()
-        # packed sequences: the cumulative lengths (int32, B + 1) of q and of k, v, and the longest lengths
-        scalars += (PTR, PTR, np.int32(p.nq), np.int32(p.nk)) if var.varlen else ()
+        # packed sequences: the cumulative lengths (int32, B + 1) of q and of k, v, the keys each uses (or
+        # null), and the longest lengths
+        scalars += (PTR, PTR, PTR, np.int32(p.nq), np.int32(p.nk)) if var.varlen else ()
         maps, tail, self.dynamic, self.map_slots = (), (), False, ()
         if self.tma:
             # The Hopper kernels load q, k, v by TMA from tensor maps over their real strides, passed
@@ -393,8 +394,9 @@ class _ForwardPlan:
         """Launch on the stream with handle ``stream``, the arrays at these device addresses: q, k, v with
         the plan's strides and 16-byte aligned, o and lse C-contiguous (``alibi``: the (B, Hq) slopes in
         raw units of an ALiBi variant, ``alibi_raw``; ``cu``: a varlen variant's checked cumulative
-        lengths of q and of k, v, int32). ``scratch`` (``_Scratch``'s interface) gives the dynamic
-        scheduler's counter under stream capture."""
+        lengths of q and of k, v and the keys each entry uses (0: all of its range), int32).
+        ``scratch`` (``_Scratch``'s interface) gives the dynamic scheduler's counter under stream
+        capture."""
         ptrs = (q, k, v, o, lse) + ((alibi,) if self.alibi else ()) + (tuple(cu) if self.varlen else ())
         if self.dynamic:
             ptrs += (_tile_counter(stream, scratch),)
@@ -448,7 +450,9 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=
     by the scale into the kernels' (B, Hq) float32 array).
     Packed sequences (a varlen variant, ``flashcupy.attention_varlen``): q, k, v are flash_attn's packed
     (total, H, D), ``cu`` the two checked cumulative lengths (int32 (B + 1,) C-contiguous CuPy arrays on
-    q's GPU: the kernels trust them), and o, lse are (total_q, Hq, D) and (Hq, total_q).
+    q's GPU: the kernels trust them) and, optionally, a third: the keys each entry uses from the start of
+    its range (int32 (B,), flash_attn's seqused_k; None: all of them); o, lse are (total_q, Hq, D) and
+    (Hq, total_q).
     """
     import cupy
 
@@ -459,7 +463,7 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=
     scratch = _Scratch(stream) if scratch is None else scratch
     if p.variant.varlen:  # (total, H, D) as the kernels' one batch (1, H, total, D)
         q, k, v = (x.transpose(1, 0, 2)[None] for x in (q, k, v))
-        cu = tuple(c.data.ptr for c in cu)
+        cu = tuple(0 if c is None else c.data.ptr for c in (*cu, None)[:3])
     plan = _forward_plan(p, q, k, v)
     if not plan.readable or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
         q, k, v = (_as_readable(x, plan.tma, scratch) for x in (q, k, v))
@@ -558,8 +562,8 @@ class _BackwardPlan:
         # ALiBi: the slopes in raw units, (B, Hq) float32 (alibi_raw), and their batch stride
         self.alibi = var.alibi
         main += (PTR, np.int32(p.heads_q)) if var.alibi else ()
-        # packed sequences: the cumulative lengths of q and of k, v, and the longest lengths
-        main += (PTR, PTR, np.int32(p.nq), np.int32(p.nk)) if var.varlen else ()
+        # packed sequences: the cumulative lengths of q and of k, v, the keys used (null), the longest lengths
+        main += (PTR, PTR, PTR, np.int32(p.nq), np.int32(p.nk)) if var.varlen else ()
         kv_grid = ((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch)
         n4 = rows * p.head_dim // 4
         convert = (k_q, (min((n4 + 255) // 256, 65536),), (PTR, PTR, np.int64(n4), scale_log2) +
@@ -703,7 +707,7 @@ def backward(do, q, k, v, o, lse, p: Problem, *, deterministic: bool, grads=None
     scratch = _Scratch(stream) if scratch is None else scratch
     if p.variant.varlen:  # (total, H, D) as the kernels' one batch (1, H, total, D)
         do, q, k, v, o = (x.transpose(1, 0, 2)[None] for x in (do, q, k, v, o))
-        cu = tuple(c.data.ptr for c in cu)
+        cu = tuple(0 if c is None else c.data.ptr for c in (*cu, None)[:3])
     plan = backward_plan(p, deterministic, tuple(x.strides for x in (do, q, k, v, o)), q.itemsize)
     if not plan.readable or (do.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr | o.data.ptr) & 15:
         do, q, k, v = (_as_readable(x, plan.tma, scratch) for x in (do, q, k, v))

@@ -211,25 +211,30 @@ def _device_lengths(cu, host, device: int):
 
 def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",
                     kernel="auto", ablate=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    sinks=None, o=None, lse=None, cu=(None, None)):
+                    sinks=None, o=None, lse=None, cu=(None, None), used_k=None):
     """The forward of a packed batch on CuPy arrays in one launch (the module docstring): the knobs
     checked as ``attention`` checks them, on the shape of B sequences of the longest lengths (at least
     one query and one key; remembered per arrays' shapes, lengths and knobs, as ``attention``'s checks
     are). ``cu``: the caller's cumulative lengths (``cq``, ``ck`` are their checked host copies), read
     in place where the kernels can. ``o``, ``lse``: preallocated outputs, as ``_launch.forward`` takes
-    them (the tests poison them)."""
+    them (the tests poison them). ``used_k``: checked host ints (B,), the keys each entry uses from the
+    start of its range (flash_attn's seqused_k; attention_with_kvcache's lengths in a cache of fixed
+    capacity per entry); None: all of them."""
     from . import _sinks
     from ._checks import _knobs, _memoized, check_alibi_slopes
     from ._launch import forward
 
     b = cq.size - 1
-    kw = dict(b=b, nq=int(np.diff(cq).max()), nk=int(np.diff(ck).max()), causal=causal, scale=scale,
+    nk = int(np.diff(ck).max()) if used_k is None else int(used_k.max())
+    kw = dict(b=b, nq=int(np.diff(cq).max()), nk=nk, causal=causal, scale=scale,
               block_m=block_m, block_n=block_n, accum=accum, kernel=kernel, ablate=ablate,
               window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None)
     p = _memoized(_packed_problem, (q, k, v), _knobs(kw), kw)
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, q.shape[1], q)
     sinks = None if sinks is None else _sinks.check(sinks, q.shape[1], q)
     lengths = tuple(_device_lengths(c, host, p.device) for c, host in zip(cu, (cq, ck)))
+    if used_k is not None:
+        lengths += (_device_lengths(None, used_k, p.device),)
     o, lse = forward(q, k, v, p, o=o, lse=lse, alibi=slopes, cu=lengths)
     return (o, lse) if sinks is None else _sinks.apply(o, lse, sinks, packed=True)
 
@@ -242,10 +247,20 @@ def _backward_packed(do, q, k, v, o, lse, cq, ck, *, causal, dlse=None, scale=No
     caller then runs one call per sequence. Knobs as ``_forward_packed``; ``grads``: preallocated
     (dq, dk, dv), as ``_launch.backward`` takes them (the tests poison them)."""
     from . import _sinks
-    from ._checks import _check_bool, _knobs, _memoized, check_alibi_slopes
+    from ._checks import _backend_of, _check_bool, _common_device, _knobs, _memoized, check_alibi_slopes
     from ._launch import backward
 
     _check_bool("deterministic", deterministic)
+    # what attention_backward's checks say of do, o, lse and dlse (their shapes are the caller's)
+    given = {"do": do, "o": o, "lse": lse, **({} if dlse is None else {"dlse": dlse})}
+    for name, x in given.items():
+        if _backend_of(name, x) != "cuda":
+            raise TypeError(f"{name} must be a CuPy array like q")
+        want = q.dtype if name in ("do", "o") else np.dtype(np.float32)
+        if x.dtype != want:
+            like = "q" if name in ("do", "o") else "the lse attention_varlen returns"
+            raise TypeError(f"{name} must be {want} like {like}; got {x.dtype}")
+    _common_device({"q": q, "k": k, "v": v, **given})
     b = cq.size - 1
     kw = dict(b=b, nq=int(np.diff(cq).max()), nk=int(np.diff(ck).max()), causal=causal, scale=scale,
               block_m=block_m, block_n=block_n, accum=accum, kernel=kernel, ablate=None,

@@ -647,9 +647,9 @@ __device__ __forceinline__ float fc_hook_lq(const FcScoreHook &hook, float lq, i
 // flashcupy.attention_varlen) it is sequence b of packed arrays, flash_attn's (total, H, D) seen as
 // (1, H, total, D): its queries are the tokens cu_q[b] .. cu_q[b + 1] - 1 of q, o, dO (and those columns
 // of lse, delta and the backward's fp32 dQ buffer, all (Hq, total_q) in rows), its keys the tokens
-// cu_k[b] .. cu_k[b + 1] - 1 of k and v. The kernel's nq and nk are then the packed totals, max_nq and
-// max_nk the longest sequence's lengths (the extent of the grid and of the tile walks: FC_GRID_NQ,
-// FC_GRID_NK), and the outputs o, dq (total_q, Hq, FC_HEAD_DIM) and dk, dv (total_k, Hkv, FC_HEAD_DIM)
+// cu_k[b] .. cu_k[b + 1] - 1 of k and v (or the first used_k[b] of them). The kernel's nq and nk are
+// then the packed totals, max_nq and max_nk the longest sequence's lengths (the extent of the grid and
+// of the tile walks: FC_GRID_NQ, FC_GRID_NK), and the outputs o, dq (total_q, Hq, FC_HEAD_DIM) and dk, dv (total_k, Hkv, FC_HEAD_DIM)
 // are contiguous. FcEntries gives entry b's FcSeq; every length a kernel masks or bounds by is its
 // entry's.
 #ifndef FC_VARLEN
@@ -661,17 +661,19 @@ struct FcSeq {
     int nq, nk;  // its query and key counts
 };
 #if FC_VARLEN
-#define FC_VARLEN_PARAMS , const int *__restrict__ cu_q, const int *__restrict__ cu_k, const int max_nq, \
-    const int max_nk
-#define FC_VARLEN_ARGS , cu_q, cu_k, max_nq, max_nk
+// used_k (may be null; flash_attn's seqused_k): entry b uses only the first used_k[b] keys of its range,
+// so that a cache of a fixed capacity per entry is read in place (attention_with_kvcache)
+#define FC_VARLEN_PARAMS , const int *__restrict__ cu_q, const int *__restrict__ cu_k, \
+    const int *__restrict__ used_k, const int max_nq, const int max_nk
+#define FC_VARLEN_ARGS , cu_q, cu_k, used_k, max_nq, max_nk
 struct FcEntries {
-    const int *cu_q, *cu_k;
+    const int *cu_q, *cu_k, *used_k;
     __device__ __forceinline__ FcSeq operator()(int b) const {
         const int q0 = cu_q[b], k0 = cu_k[b];
-        return FcSeq{0, q0, k0, cu_q[b + 1] - q0, cu_k[b + 1] - k0};
+        return FcSeq{0, q0, k0, cu_q[b + 1] - q0, used_k != nullptr ? used_k[b] : cu_k[b + 1] - k0};
     }
 };
-#define FC_ENTRIES (FcEntries{cu_q, cu_k})
+#define FC_ENTRIES (FcEntries{cu_q, cu_k, used_k})
 #define FC_GRID_NQ max_nq
 #define FC_GRID_NK max_nk
 #else

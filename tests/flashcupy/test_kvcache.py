@@ -233,3 +233,36 @@ def test_kvcache_with_sinks_at_any_split(rng, splits):
                                               num_splits=splits, return_lse=True, sinks=sinks)
     _check(q, o, lse, seen, True, "bf16", sinks=sinks)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("kernel,bm,bn", [("wgmma", 128, 128), ("mma", 128, 64), ("simt", 64, 64)])
+def test_kvcache_in_one_launch_is_the_per_entry_path(rng, kernel, bm, bn, paged):
+    """Without splits a cache runs in one launch of the packed forward (a contiguous cache read in place,
+    entry b's first L_b keys of its capacity; a paged one gathered): the bits of one call per entry on
+    the same tile, with decoding and a chunk of queries, causal or not, GQA, the softcap, ALiBi per
+    entry and sinks, an entry of length 0 and one at capacity."""
+    import cupy
+    import ml_dtypes
+
+    from flashcupy import _kvcache
+
+    dt = np.float32 if kernel == "simt" else ml_dtypes.bfloat16
+    lengths = np.array([0, 100, 256], np.int32)
+    for nq, causal in ((1, True), (5, False), (40, True)):
+        q, kc, vc, table, _, _, _ = _case(rng, dt, lengths, 0, nq, 256, page=64 if paged else None, d=64)
+        dev = [None if x is None else cupy.asarray(x) for x in (q, kc, vc, table)]
+        slopes = cupy.asarray(rng.uniform(0.01, 0.3, (B, HQ)).astype(np.float32))
+        sinks = cupy.asarray(rng.standard_normal(HQ).astype(np.float32))
+        knobs = dict(kernel=kernel, block_m=bm, block_n=bn, softcap=20.0, alibi_slopes=slopes)
+        used, pages = lengths.astype(np.int64), None if table is None else table.astype(np.int64)
+        o, lse = _kvcache._packed(*dev[:3], used, pages, 64, causal, knobs, sinks)
+        o_e, lse_e = _kvcache._per_entry(*dev[:3], used, pages, 64, causal, 1, knobs)
+        flashcupy._sinks.apply(o_e, lse_e, sinks)
+        assert bool((o == o_e.transpose(0, 2, 1, 3)).all()), (nq, causal)
+        assert bool((lse == lse_e).all()), (nq, causal)
+        got = flashcupy.attention_with_kvcache(*dev[:3], cache_seqlens=cupy.asarray(lengths),
+                                               block_table=dev[3], causal=causal, return_lse=True,
+                                               sinks=sinks, **knobs)
+        assert bool((got[0] == o).all()) and bool((got[1] == lse).all()), (nq, causal)

@@ -180,3 +180,23 @@ def test_attention_varlen_backward_takes_the_packed_launches_where_the_family_ha
             assert len(calls) == 1 and calls[0] is not None, (kernel, calls)
         else:
             assert len(calls) == runs and all(c is None for c in calls), (kernel, calls)
+
+
+def test_packed_backward_refuses_what_attention_backward_refuses(rng):
+    """The packed backward checks do, o, lse and dlse as attention_backward does, before any launch."""
+    import cupy
+
+    (q, k, v), (cq, ck) = _packed(rng, "f16", 64)
+    do = cupy.asarray(rng.standard_normal(q.shape).astype(np.float16))
+    o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, kernel="mma", return_lse=True)
+    cases = ((dict(do=do.astype(cupy.float32)), "do must be float16"),
+             (dict(lse=lse.astype(cupy.float64)), "lse must be float32"),
+             (dict(dlse=cupy.zeros(lse.shape, cupy.float16)), "dlse must be float32"),
+             (dict(o=cupy.asnumpy(o)), "o must be a CuPy array"))
+    for change, words in cases:
+        args = dict(do=do, o=o, lse=lse)
+        extra = {"dlse": change.pop("dlse")} if "dlse" in change else {}
+        args.update(change)
+        with pytest.raises(TypeError, match=words):
+            flashcupy.attention_varlen_backward(args["do"], q, k, v, args["o"], args["lse"], cq, ck,
+                                                kernel="mma", **extra)
