@@ -177,9 +177,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     page that another entry reads, or two appends into one slot, are refused (flash_attn leaves them
     undefined); shared pages may be read.
 
-    Returns o (B, Nq, Hq, D) in q's dtype (a view of a (B, Hq, Nq, D) array), and the LSE with
-    ``return_lse``. An entry with no key (L = 0) gets o = 0 and LSE -inf (with sinks: the sink).
-    Everything is checked before the cache is written.
+    Returns o (B, Nq, Hq, D) in q's dtype (one call per entry: a view of a (B, Hq, Nq, D) array; one
+    launch: contiguous), and the LSE with ``return_lse``. An entry with no key (L = 0) gets o = 0 and
+    LSE -inf (with sinks: the sink). Everything is checked before the cache is written.
     """
     xp = _xp(q)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
@@ -253,25 +253,31 @@ def _per_entry(q, k_cache, v_cache, used, table, page, causal, splits, knobs):
 
 def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks):
     """Every entry in one launch of the packed forward (``_varlen``): the queries as B sequences of Nq;
-    a contiguous cache read in place, entry b's keys the first used[b] of its capacity (the kernels'
-    used_k); a paged one gathered, every entry's used keys one after another (one copy, as the per-entry
-    path makes). Returns o (B, Nq, Hq, D) (a reshape of the packed output) and lse (B, Hq, Nq), sinks
-    merged."""
+    a contiguous cache whose entries lie capacity rows apart read in place, entry b's keys the first
+    used[b] of its capacity (the kernels' used_k: ``_forward_packed`` gathers them for the wgmma kernel,
+    whose TMA tiles would read the unwritten slots past them); any other cache gathered, every entry's
+    used keys one after another (one copy of them, as the per-entry path makes of a paged cache). Returns
+    o (B, Nq, Hq, D) (a reshape of the packed output) and lse (B, Hq, Nq), sinks merged."""
     from ._varlen import _forward_packed
 
+    xp = _xp(q)
     b, nq, hq, d = q.shape
-    hkv = k_cache.shape[2]
     cq = np.arange(b + 1, dtype=np.int64) * nq
-    if table is None:
-        cap = k_cache.shape[1]
-        kp, vp = (x.reshape(b * cap, hkv, d) for x in (k_cache, v_cache))
+    cap = k_cache.shape[1]
+    if table is None and all(x.strides[0] == cap * x.strides[1] for x in (k_cache, v_cache)):
+        kp, vp = (x.reshape(b * cap, *x.shape[2:]) for x in (k_cache, v_cache))  # (views: read in place)
         ck, used_k = np.arange(b + 1, dtype=np.int64) * cap, used
     else:
-        rows = np.concatenate([table[i, np.arange(n) // page] * page + np.arange(n) % page
-                               for i, n in enumerate(used)]) if used.sum() else np.zeros(0, np.int64)
-        index = _xp(q).asarray(rows)
-        kp, vp = (x.reshape(-1, hkv, d)[index] for x in (k_cache, v_cache))
+        keys = [np.arange(n) for n in used]
+        if table is None:  # entry b, key j
+            first = np.concatenate([np.full(n, i) for i, n in enumerate(used)])
+            second = np.concatenate(keys)
+        else:  # page table[b, j // page], row j % page
+            first = np.concatenate([table[i, j // page] for i, j in enumerate(keys)])
+            second = np.concatenate([j % page for j in keys])
+        first, second = xp.asarray(first), xp.asarray(second)
+        kp, vp = (x[first, second] for x in (k_cache, v_cache))
         ck, used_k = np.concatenate([[0], np.cumsum(used)]), None
     o, lse = _forward_packed(q.reshape(b * nq, hq, d), kp, vp, cq, ck, causal=causal, used_k=used_k,
                              sinks=sinks, **knobs)
-    return o.reshape(b, nq, hq, d), lse.reshape(hq, b, nq).transpose(1, 0, 2)
+    return o.reshape(b, nq, hq, d), xp.ascontiguousarray(lse.reshape(hq, b, nq).transpose(1, 0, 2))

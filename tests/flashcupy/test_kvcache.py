@@ -242,7 +242,8 @@ def test_kvcache_in_one_launch_is_the_per_entry_path(rng, kernel, bm, bn, paged)
     """Without splits a cache runs in one launch of the packed forward (a contiguous cache read in place,
     entry b's first L_b keys of its capacity; a paged one gathered): the bits of one call per entry on
     the same tile, with decoding and a chunk of queries, causal or not, GQA, the softcap, ALiBi per
-    entry and sinks, an entry of length 0 and one at capacity."""
+    entry and sinks, an entry of length 0 and one at capacity; NaN in the slots past the keys stays out
+    (the wgmma kernel, whose TMA tiles would read them, takes the used keys gathered)."""
     import cupy
     import ml_dtypes
 
@@ -252,6 +253,9 @@ def test_kvcache_in_one_launch_is_the_per_entry_path(rng, kernel, bm, bn, paged)
     lengths = np.array([0, 100, 256], np.int32)
     for nq, causal in ((1, True), (5, False), (40, True)):
         q, kc, vc, table, _, _, _ = _case(rng, dt, lengths, 0, nq, 256, page=64 if paged else None, d=64)
+        if not paged:  # NaN in the slots past each entry's keys (a cache's unwritten rows hold anything)
+            for i, n in enumerate(lengths):
+                kc[i, n:], vc[i, n:] = np.nan, np.nan
         dev = [None if x is None else cupy.asarray(x) for x in (q, kc, vc, table)]
         slopes = cupy.asarray(rng.uniform(0.01, 0.3, (B, HQ)).astype(np.float32))
         sinks = cupy.asarray(rng.standard_normal(HQ).astype(np.float32))
