@@ -457,6 +457,10 @@ def covering_variants(family: str) -> list[Variant]:
         if family == "fwd_wgmma":
             add(head_dim=128, causal=True, schedule="dynamic", varlen=True)
             add(head_dim=128, block_m=128, block_n=128, schedule="static", varlen=True)
+        if family == "bwd_wgmma":  # (its other tiles: dQ by columns, one consumer, dQ formed transposed)
+            add(head_dim=128, block_m=64, block_n=128, causal=True, varlen=True)
+            add(block_m=64, block_n=64, varlen=True)
+            add(head_dim=128, block_m=80, block_n=128, varlen=True)
     # fp8 (fwd_wgmma): every accumulation x k-descale x causal on its default tile, the 64- and 128-row
     # tiles, and the breaks
     if family == "fwd_wgmma":

@@ -20,10 +20,8 @@ ABLATIONS = (None, "max_subtraction", "rescaling")
 # breaks that run on the NumPy twin only (no kernel compiles them): the softcap applied after the mask
 # (tanh(-inf) = -1: every masked key scores -cap instead of -inf)
 TWIN_ABLATIONS = ("softcap_after_mask", "alibi_unshifted")
-# the families with a varlen variant (FC_VARLEN: packed sequences, flashcupy.attention_varlen); the wgmma
-# backward's TMA tiles (dQ reduce-adds, dK/dV stores, its prep kernel's tiled L and delta) would cross
-# from one sequence into the next, so packed sequences take one call each there
-VARLEN_FAMILIES = ("fwd_simt", "fwd_mma", "fwd_wgmma", "bwd_simt", "bwd_mma")
+# the families with a varlen variant (FC_VARLEN: packed sequences, flashcupy.attention_varlen)
+VARLEN_FAMILIES = ("fwd_simt", "fwd_mma", "fwd_wgmma", "bwd_simt", "bwd_mma", "bwd_wgmma")
 
 # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90 (227 KiB); the kernels see it as FC_SMEM_LIMIT
 SMEM_LIMIT = 227 * 1024

@@ -309,6 +309,16 @@ def _contiguous_strides(shape, itemsize: int) -> tuple:
     return tuple(reversed(strides))
 
 
+def _output_strides(shape, itemsize: int, varlen: bool) -> tuple:
+    """The strides (bytes) of an output the kernels see as ``shape`` (B, H, N, D): C-contiguous, or, for
+    packed sequences, flash_attn's (total, H, D) seen as (1, H, total, D)."""
+    strides = _contiguous_strides(shape, itemsize)
+    if not varlen:
+        return strides
+    row = shape[3] * itemsize
+    return (strides[0], row, shape[1] * row, itemsize)
+
+
 class _MapSlot:
     """One TMA-mapped argument of a plan: the map's template (everything but the address, checked when
     the plan is made) and the maps of the last addresses seen (at most ``_MAPS_LIMIT``)."""
@@ -375,12 +385,9 @@ class _ForwardPlan:
             tail = (np.int32(p.heads_q), np.int32(p.batch), PTR if self.dynamic else np.uint64(0))
             if self.readable:
                 dtype = numpy_dtype(var.dtype)
-                # o's map (used by FC_WG_O_STAGE 1, 2) over o's own layout: packed, (total, Hq, D) seen as
-                # (1, Hq, total, D), whose rows a varlen variant stores from registers
-                o_strides = _contiguous_strides(q_shape, itemsize)
-                if var.varlen:
-                    row = p.head_dim * itemsize
-                    o_strides = (o_strides[0], row, p.heads_q * row, itemsize)
+                # o's map (used by FC_WG_O_STAGE 1, 2) over o's own layout (packed: (total, Hq, D) seen as
+                # (1, Hq, total, D); a varlen variant stores a sequence's partial warpgroups from registers)
+                o_strides = _output_strides(q_shape, itemsize, var.varlen)
                 self.map_slots = tuple(_MapSlot(shape, st, dtype, box, name) for shape, st, box, name in (
                     (q_shape, q_strides, var.block_m, "q"), (kv_shape, k_strides, var.block_n, "k"),
                     (kv_shape, v_strides, var.block_n, "v"),
@@ -517,9 +524,9 @@ class _BackwardPlan:
     v, o (bytes): the prep kernel's, the two kernels' of ``backward_roles`` (grids and argument layouts)
     and, for the wgmma family, the TMA map templates. ``run`` then takes only addresses."""
 
-    __slots__ = ("tma", "readable", "prep", "q_shape", "kv_shape", "atomic", "delta_size", "ld_size", "boxes",
+    __slots__ = ("tma", "readable", "prep", "atomic", "delta_size", "ld_size", "boxes",
                  "sem_shape", "ordered_heads", "map_slots", "prep_launch", "kv_launch", "q_launch", "alibi",
-                 "varlen", "dq_shape", "dkv_shape")
+                 "varlen", "dq_shape", "dkv_shape", "tiled_varlen", "dq_accum_shape")
 
     def __init__(self, p: Problem, deterministic: bool, strides: tuple, itemsize: int):
         var = p.variant
@@ -540,20 +547,26 @@ class _BackwardPlan:
         self.prep = get_kernel(var, "prep")
         k_kv, k_q = (get_kernel(var, role) for role in roles)
         self.atomic = roles != DETERMINISTIC_DQ_ROLES  # an fp32 dQ buffer, converted at the end
-        self.q_shape, self.kv_shape = q_shape, kv_shape
         rows = batch * p.heads_q * nq
         # wgmma: prep writes L (log2 units) and delta tiled by query tile and padded to whole tiles, which
-        # the producer copies into its stage with one bulk copy a tile (FC_BWD_PREP_TILE in bwd_prep.cuh)
+        # the producer copies into its stage with one bulk copy a tile (FC_BWD_PREP_TILE in bwd_prep.cuh);
+        # packed sequences each padded to whole tiles (a head's floor(total_q / block_m) + B tiles,
+        # bwd_prep.cuh's fc_prep_tiles), and the fp32 dQ buffer and the ordered path's counters with them
         n_qt = (p.nq + var.block_m - 1) // var.block_m
         tiled = self.tma
-        self.ld_size = p.batch * p.heads_q * n_qt * 2 * var.block_m if tiled else 0
+        self.tiled_varlen = tiled and var.varlen
+        tiles = p.heads_q * (p.total_q // var.block_m + p.batch if self.tiled_varlen else p.batch * n_qt)
+        self.ld_size = tiles * 2 * var.block_m if tiled else 0
         self.delta_size = self.ld_size or rows
-        prep_rows = p.batch * p.heads_q * n_qt * var.block_m if tiled else rows
-        # prep (do, o, delta, dq_accum, strides..., [lse,] dlse)
+        prep_rows = tiles * var.block_m if tiled else rows
+        self.dq_accum_shape = (1, p.heads_q, prep_rows // p.heads_q, p.head_dim) if self.tiled_varlen \
+            else q_shape
+        seqs = (PTR, np.int32(p.batch)) if self.tiled_varlen else ()  # (cu_seqlens_q and the sequence count)
+        # prep (do, o, delta, dq_accum, strides..., [lse,] dlse[, cu_q, B])
         self.prep_launch = _Launcher(self.prep, ((8 * prep_rows + var.threads - 1) // var.threads,), (
             PTR, PTR, PTR, PTR, np.int64(prep_rows), np.int32(p.heads_q), np.int32(nq),
             *_element_strides(do_s, itemsize), *_element_strides(o_s, itemsize),
-            *(PTR,) * (2 if tiled else 1)))
+            *(PTR,) * (2 if tiled else 1), *seqs))
         scale_log2 = np.float32(p.scale * _LOG2E)
         # the main kernels: (q, k, v, do, lse, delta, dq, dk, dv, sizes, strides, scale, ...)
         main = (PTR,) * 9 + (np.int32(nq), np.int32(nk), np.int32(p.group),
@@ -567,7 +580,7 @@ class _BackwardPlan:
         kv_grid = ((p.nk + var.block_n - 1) // var.block_n, p.heads_kv, p.batch)
         n4 = rows * p.head_dim // 4
         convert = (k_q, (min((n4 + 255) // 256, 65536),), (PTR, PTR, np.int64(n4), scale_log2) +
-                   ((np.int32(p.heads_q), np.int32(nq)) if var.varlen else ()))
+                   ((np.int32(p.heads_q), np.int32(nq)) if var.varlen else ()) + seqs)
         self.boxes, self.sem_shape, self.ordered_heads, self.map_slots = None, None, None, ()
         if self.tma:
             # q, k, v, dout loaded, the fp32 dQ buffer reduced into and dk, dv stored by TMA (maps first,
@@ -579,17 +592,17 @@ class _BackwardPlan:
             self.boxes = (var.block_m, var.block_n, var.block_n, var.block_m, (dq_box_rows, 32), 64, 64)
             tail = ()
             if deterministic:
-                self.sem_shape = (p.batch, p.heads_q, n_qt)
+                self.sem_shape = (1, tiles) if self.tiled_varlen else (p.batch, p.heads_q, n_qt)
                 # non-causal: the (batch, KV head) pairs in sections of this many heads, key tile slowest
                 self.ordered_heads = bwd_wgmma_ordered_heads(p.batch * p.heads_kv, kv_grid[0], p.group * n_qt,
                                                              _sm_count(p.device))
                 tail = (PTR, np.int32(self.ordered_heads))
             if self.readable:
                 dtype, f32 = numpy_dtype(var.dtype), np.dtype(np.float32)
-                kv_c = _contiguous_strides(kv_shape, itemsize)
+                kv_c = _output_strides(kv_shape, itemsize, var.varlen)
                 self.map_slots = tuple(_MapSlot(*slot) for slot in zip(
-                    (q_shape, kv_shape, kv_shape, q_shape, q_shape, kv_shape, kv_shape),
-                    (q_s, k_s, v_s, do_s, _contiguous_strides(q_shape, 4), kv_c, kv_c),
+                    (q_shape, kv_shape, kv_shape, q_shape, self.dq_accum_shape, kv_shape, kv_shape),
+                    (q_s, k_s, v_s, do_s, _contiguous_strides(self.dq_accum_shape, 4), kv_c, kv_c),
                     (dtype,) * 4 + (f32, dtype, dtype), self.boxes,
                     ("q", "k", "v", "do", "dq_accum", "dk", "dv")))
             self.kv_launch = _Launcher(k_kv, kv_grid, (MAP,) * 7 + main + tail)
@@ -609,11 +622,12 @@ class _BackwardPlan:
         aligned; dq, dk, dv C-contiguous. The temporaries (the fp32 dQ buffer, delta, the ordered
         path's counters) come from ``scratch``; ``cu``: a varlen plan's cumulative lengths."""
         # one fp32 temporary: the dQ buffer (atomic paths), then delta (16-byte aligned: D is a multiple of 8)
-        dq_floats = math.prod(self.q_shape) if self.atomic else 0
+        dq_floats = math.prod(self.dq_accum_shape) if self.atomic else 0
         delta = scratch.buffer((dq_floats + self.delta_size,), np.float32) + 4 * dq_floats
         dq_accum = delta - 4 * dq_floats if self.atomic else 0
-        self.prep_launch(stream, (do, o, delta, dq_accum, lse, dlse) if self.ld_size else
-                         (do, o, delta, dq_accum, dlse))
+        seqs = cu[:1] if self.tiled_varlen else ()
+        self.prep_launch(stream, ((do, o, delta, dq_accum, lse, dlse) if self.ld_size else
+                                  (do, o, delta, dq_accum, dlse)) + seqs)
         main = (q, k, v, do, lse, delta, dq, dk, dv) + ((alibi,) if self.alibi else ()) + \
             (tuple(cu) if self.varlen else ())
         if self.tma:
@@ -621,7 +635,7 @@ class _BackwardPlan:
             if self.sem_shape is not None:
                 main += (scratch.buffer(self.sem_shape, np.int32, zero=True),)
             self.kv_launch(stream, main, maps)
-            self.q_launch(stream, (dq_accum, dq))
+            self.q_launch(stream, (dq_accum, dq) + seqs)
         elif self.atomic:
             self.kv_launch(stream, main + (dq_accum,))
             self.q_launch(stream, (dq_accum, dq))
@@ -653,7 +667,8 @@ class _BackwardPlan:
         else:
             kv, q = self.kv_launch.spec(slots(main)), self.q_launch.spec(slots(main))
         return dict(forward=False, launches=[self.prep_launch.spec(prep), kv, q], maps=maps, dynamic=False,
-                    dq_floats=math.prod(self.q_shape) if self.atomic else 0, delta_floats=self.delta_size,
+                    dq_floats=math.prod(self.dq_accum_shape) if self.atomic else 0,
+                    delta_floats=self.delta_size,
                     sem_shape=list(self.sem_shape or ()))
 
 

@@ -9,12 +9,14 @@ The forward on CuPy arrays is one launch for the whole ragged batch: the varlen 
 kernel (``FC_VARLEN``; kernels_cu/flash_common.cuh's batch entries) walks ceil(longest / block_m) x Hq x
 B query tiles, each tile reads its sequence's bounds from the cumulative lengths, and tiles past a
 sequence's end do nothing, so the cost follows the tokens. Every knob runs there (sinks merged after it,
-on the packed rows); a batch of more than 65,535 sequences (the grid's limit) takes the per-sequence
-path. The twin (NumPy) and the backward run one ``attention`` (``attention_backward``)
-call per sequence, on (1, H, n_i, D) views of the packed arrays (read in place: a (N, H, D) slice seen
-as (1, H, N, D) is one of the strided layouts every family reads): on CuPy arrays, what its tokens cost
-plus a launch each. Where no sequence runs a call, the knobs are still checked once. The two forwards
-give the same bits on the same tile (the tests compare them).
+on the packed rows). The backward on CuPy arrays is one launch of each backward kernel, in every family
+(the wgmma backward pads each sequence's rows to whole query tiles in its fp32 temporaries, so that no
+TMA tile holds two sequences). A batch of more than 65,535 sequences (the grid's limit) takes the
+per-sequence path, and so does the twin (NumPy): one ``attention`` (``attention_backward``) call per
+sequence, on (1, H, n_i, D) views of the packed arrays (read in place: a (N, H, D) slice seen as (1, H,
+N, D) is one of the strided layouts every family reads). Where no sequence runs a call, the knobs are
+still checked once. The packed and per-sequence paths give the same bits on the same tile (the tests
+compare them).
 
 The lengths are read on the host: with CuPy inputs, ``cu_seqlens`` is copied to the host once per call
 (a synchronization; such a call cannot be captured in a CUDA graph).
@@ -191,7 +193,7 @@ def _packed_problem(q, k, v, *, b, nq, nk, **knobs):
         return cupy.lib.stride_tricks.as_strided(x, (b, x.shape[1], n, x.shape[2]), (0, 0, 0, x.itemsize))
 
     p = check_forward(shaped(q, nq), shaped(k, nk), shaped(v, nk), **knobs)
-    if p.variant.family not in VARLEN_FAMILIES:  # (the wgmma backward: one call per sequence)
+    if p.variant.family not in VARLEN_FAMILIES:  # (a family without one: one call per sequence)
         return p
     return dataclasses.replace(p, variant=dataclasses.replace(p.variant, varlen=True), total_q=q.shape[0],
                                total_k=k.shape[0])
@@ -253,9 +255,9 @@ def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_
 def _backward_packed(do, q, k, v, o, lse, cq, ck, *, causal, dlse=None, scale=None, block_m=None,
                      block_n=None, accum="fp32", kernel="auto", deterministic=False, window_size=(-1, -1),
                      softcap=0.0, alibi_slopes=None, sinks=None, grads=None, cu=(None, None)):
-    """The backward of a packed batch on CuPy arrays by one launch of each backward kernel (the mma and
-    simt families' varlen variants), or None where the call's family has none (the wgmma backward): the
-    caller then runs one call per sequence. Knobs as ``_forward_packed``; ``grads``: preallocated
+    """The backward of a packed batch on CuPy arrays by one launch of each backward kernel (the families'
+    varlen variants), or None where the call's family has none: the caller then runs one call per
+    sequence. Knobs as ``_forward_packed``; ``grads``: preallocated
     (dq, dk, dv), as ``_launch.backward`` takes them (the tests poison them)."""
     from . import _sinks
     from ._checks import _backend_of, _check_bool, _common_device, _knobs, _memoized, check_alibi_slopes
@@ -300,10 +302,10 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     """The gradients (dq, dk, dv) of ``sum(do * attention_varlen(q, k, v, ...))``, in the packed layouts
     of q, k, v; ``o`` and ``lse`` ((Hq, total_q)) as ``attention_varlen(..., return_lse=True)`` returned
     them; ``knobs`` are ``attention_backward``'s (``dlse`` packed as lse, (Hq, total_q)). On CuPy arrays
-    the families 'mma' and 'simt' run one launch of each backward kernel for the whole batch; 'wgmma'
-    (the default on Hopper), NumPy inputs (the twin) and more than 65,535 sequences run one
-    ``attention_backward`` call per sequence. Keys of a sequence with no queries get dk = dv = 0. With
-    ``sinks``, d sinks (summed over the sequences) is a fourth output, as in ``attention_backward``."""
+    every family runs one launch of each backward kernel for the whole batch; NumPy inputs (the twin)
+    and more than 65,535 sequences run one ``attention_backward`` call per sequence. Keys of a sequence
+    with no queries get dk = dv = 0. With ``sinks``, d sinks (summed over the sequences) is a fourth
+    output, as in ``attention_backward``."""
     import flashcupy
 
     dlse = knobs.pop("dlse", None)  # (Hq, total_q), as lse: cut per sequence like it

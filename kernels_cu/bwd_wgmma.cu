@@ -82,6 +82,19 @@
 // BM queries, BM / 64 panels, written with the same swizzle (DQT, BM = 80: dS by BM query rows of BN keys,
 // BN / 64 panels, one per consumer).
 //
+// Packed sequences (FC_VARLEN, flashcupy.attention_varlen_backward): grid (ceil(longest nk / BN), Hkv, B),
+// CTA (kt, hk, b) on sequence b's keys (a key tile past its end returns at once); every length it masks
+// or bounds by is the sequence's (flash_common.cuh's batch entries). The maps of q, k, v, dout, dk, dv
+// are over the packed (total, H, D) arrays as (D, total, H, 1), so a tile's TMA loads may read rows of
+// the next sequence: its keys are masked and its queries have L = +inf (P = 0), as FlashAttention-3's
+// varlen backward reads them (finite values there change nothing; a non-finite one would, 0 x inf). What
+// is written by TMA never crosses a sequence: the tiled L and delta buffer, the fp32 dQ buffer and the
+// ordered path's counters hold each sequence's rows padded to whole query tiles (bwd_prep.cuh's
+// fc_prep_tile0: the reduce-adds of a tile's rows past the sequence's end land in its padding), and a
+// consumer warpgroup stores its 64 rows of dk and dv by TMA only if they all lie in the sequence (else
+// from registers). The rotated start uses the sequence's own key tile count, so the bits are those of
+// one call per sequence.
+//
 // Kernel parameters: seven CUtensorMap (q, k, v, dout, dq_accum: fp32 (B, Hq, nq, D), zeroed, and dk, dv:
 // box (64, 64), read only by FC_BWD_KV_STAGE 1),
 // FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; lse is not
@@ -336,15 +349,32 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     // and dv of 128 bytes, whose register stores fill whole sectors, and CTAs in lock-step; a hypothesis,
     // docs/design/wgmma_backward.md)
     constexpr bool KV_STAGE = FC_BWD_KV_STAGE && (ORDERED || ROTATE || FC_CAUSAL || HD != 64);
-    const BwdBlock blk = bwd_block<ORDERED>(nq, group, dq_heads);
+    const BwdBlock blk = bwd_block<ORDERED>(FC_GRID_NQ, group, dq_heads);
     const int kt = blk.kt, n0 = blk.n0, hk = blk.hk, b = blk.b;
+    const FcSeq seq = FC_ENTRIES(b);  // this CTA's batch entry (flash_common.cuh)
+    if (FC_VARLEN && n0 >= seq.nk) return;  // (packed sequences shorter than the longest: no keys here)
     const int heads_kv = gridDim.y, heads_q = heads_kv * group;
 
     // The query tiles of each of the group's heads this key tile visits and masks (the range hook,
     // flash_common.cuh): [qt0, qtiles.end) of the n_qt query tiles of a head (the tiled L and delta
     // buffer and the counters have n_qt per head).
-    const FcQueryTiles qtiles = fc_query_tiles<BM, BN>(n0, nq, nk);
-    const int n_qt = (nq + BM - 1) / BM, qt0 = qtiles.first, qt_per_head = qtiles.end - qt0;
+    const FcQueryTiles qtiles = fc_query_tiles<BM, BN>(n0, seq.nq, seq.nk);
+    const int n_qt = (seq.nq + BM - 1) / BM, qt0 = qtiles.first, qt_per_head = qtiles.end - qt0;
+    // query tile qt of head hq in the tiled L and delta buffer and among the counters (n_qt per head and
+    // batch entry; packed sequences: sequence b's first tile is fc_prep_tile0 of a head's fc_prep_tiles,
+    // bwd_prep.cuh), and the fp32 dQ buffer's first row of the entry (packed: that tile's first row)
+    auto tile_index = [&](int hq, int qt) -> long long {
+#if FC_VARLEN
+        return (long long)hq * fc_prep_tiles(nq, gridDim.z) + fc_prep_tile0(seq.q0, b) + qt;
+#else
+        return ((long long)b * heads_q + hq) * n_qt + qt;
+#endif
+    };
+#if FC_VARLEN
+    const int dq_row0 = fc_prep_tile0(seq.q0, b) * BM;
+#else
+    constexpr int dq_row0 = 0;
+#endif
     const int n_it = group * qt_per_head;
     // iteration it: query head hk * group + it / qt_per_head, query tile qt0 + it % qt_per_head
     auto head_of = [&](int it) { return hk * group + it / qt_per_head; };
@@ -353,7 +383,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #else
     // ROTATE (the atomic path, no mask): CTA kt starts at query tile rot = floor(kt n_qt / n_kt) and
     // wraps around, so that a head's CTAs read different query tiles at each step
-    const int rot = ROTATE ? (int)((long long)kt * n_qt / (int)gridDim.x) : 0;
+    // (packed sequences: n_kt is the sequence's own key tile count, as in its own call)
+    const int n_kt = FC_VARLEN ? (seq.nk + BN - 1) / BN : (int)gridDim.x;
+    const int rot = ROTATE ? (int)((long long)kt * n_qt / n_kt) : 0;
 #endif
     auto tile_of = [&](int it) {
         const int j = it % qt_per_head + rot;
@@ -388,8 +420,8 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                 mbar_arrive_expect_tx(bar_kv, 2 * KV_BYTES);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p) {
-                    tma_load_4d(sK + p * KV_PANEL, &tm_k, bar_kv, 64 * p, n0, hk, b);
-                    tma_load_4d(sV + p * KV_PANEL, &tm_v, bar_kv, 64 * p, n0, hk, b);
+                    tma_load_4d(sK + p * KV_PANEL, &tm_k, bar_kv, 64 * p, seq.k0 + n0, hk, seq.b);
+                    tma_load_4d(sV + p * KV_PANEL, &tm_v, bar_kv, 64 * p, seq.k0 + n0, hk, seq.b);
                 }
                 for (int it = 0; it < n_it; ++it) {
                     const int s = it % STAGES;
@@ -402,11 +434,10 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                     mbar_arrive_expect_tx(q_full(s), 2 * Q_BYTES + 2 * BM * 4);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p) {
-                        tma_load_4d(s_q(s) + p * Q_PANEL, &tm_q, q_full(s), 64 * p, qt * BM, hq, b);
-                        tma_load_4d(s_do(s) + p * Q_PANEL, &tm_do, q_full(s), 64 * p, qt * BM, hq, b);
+                        tma_load_4d(s_q(s) + p * Q_PANEL, &tm_q, q_full(s), 64 * p, seq.q0 + qt * BM, hq, seq.b);
+                        tma_load_4d(s_do(s) + p * Q_PANEL, &tm_do, q_full(s), 64 * p, seq.q0 + qt * BM, hq, seq.b);
                     }
-                    bulk_load(base + OFF_LD + s * 2 * BM * 4, delta + (((long long)b * heads_q + hq) * n_qt + qt) * 2 * BM,
-                              2 * BM * 4, q_full(s));
+                    bulk_load(base + OFF_LD + s * 2 * BM * 4, delta + tile_index(hq, qt) * 2 * BM, 2 * BM * 4, q_full(s));
                 }
             }
         } else if (tid < 64 && n_it > 0) {
@@ -428,13 +459,13 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                         fence_proxy_async_global();
                         red_release_gpu_add(sem, 1);
                     }
-                    sem = dq_sem + ((long long)b * heads_q + hq) * n_qt + qt;
+                    sem = dq_sem + tile_index(hq, qt);
                     // this key tile's place in the order of query tile qt's additions
 #if FC_CAUSAL
-                    const int place = fc_last_key(min(m0 + BM, nq) - 1, nq, nk) / BN - kt;  // diagonal first
+                    const int place = fc_last_key(min(m0 + BM, seq.nq) - 1, seq.nq, seq.nk) / BN - kt;  // diagonal first
 #else
                     // ascending key tiles, from the first that query tile qt visits
-                    const int place = kt - fc_key_tiles<BN>(m0, BM, nq, nk).first;
+                    const int place = kt - fc_key_tiles<BN>(m0, BM, seq.nq, seq.nk).first;
 #endif
                     while (ld_acquire_gpu(sem) != place) {
                     }
@@ -446,7 +477,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
 #pragma unroll
                         for (int p = 0; p < DQN / 32; ++p)
                             tma_reduce_add_4d(&tm_dq, base + OFF_DQ + c * DQ_BYTES + p * DQ_PANEL,
-                                              dq_share_col(c) + 32 * p, m0 + dq_share_row(c), hq, b);
+                                              dq_share_col(c) + 32 * p, dq_row0 + m0 + dq_share_row(c), hq, seq.b);
                         tma_commit();
                     }
                 }
@@ -476,9 +507,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         FcScoreHook hook(scale_log2);  // (its head: each iteration's, FC_HOOK_SET_HEAD)
         // query row r < nq sees key key_g + 8 hf iff q_first_vis[hf] <= r <= q_last_vis[hf] (keys past
         // nk: no row)
-        const int q_first_vis[2] = {key_g < nk ? fc_first_query(key_g, nq, nk) : nq,
-                                    key_g + 8 < nk ? fc_first_query(key_g + 8, nq, nk) : nq};
-        const int q_last_vis[2] = {fc_last_query(key_g, nq, nk), fc_last_query(key_g + 8, nq, nk)};
+        const int q_first_vis[2] = {key_g < seq.nk ? fc_first_query(key_g, seq.nq, seq.nk) : seq.nq,
+                                    key_g + 8 < seq.nk ? fc_first_query(key_g + 8, seq.nq, seq.nk) : seq.nq};
+        const int q_last_vis[2] = {fc_last_query(key_g, seq.nq, seq.nk), fc_last_query(key_g + 8, seq.nq, seq.nk)};
 
         acc_t dk_acc[DN], dv_acc[DN];
 #pragma unroll
@@ -492,9 +523,9 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
         for (int it = 0; it < n_it; ++it) {
             const int s = it % STAGES;
             const int hq = head_of(it), qt = tile_of(it), m0 = qt * BM;
-            FC_HOOK_SET_HEAD(hook, b, hq, nq, nk);
+            FC_HOOK_SET_HEAD(hook, b, hq, seq.nq, seq.nk);
             // masking: the range hook's (queries past nq, keys past nk, the causal edge)
-            const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, nq, nk, n0 + BN > nk);
+            const bool need_mask = FC_QUERY_TILE_MASKED(m0, BM, BN, n0, seq.nq, seq.nk, n0 + BN > seq.nk);
             const u32 sq = s_q(s), sdo = s_do(s);
             const u32 kr = opaque_u32(k_rows), vr = opaque_u32(v_rows), kd = opaque_u32(sK);  // not hoisted
             const u32 sds = base + OFF_DS + (it & 1) * DS_BYTES;
@@ -546,7 +577,7 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                             p[e] = fc_softmax_p(ts, scale_log2, lq[e]);
                             if constexpr (decltype(masked)::value) {  // query qc + e sees key key_g + 8 hf
                                 const int query = m0 + qc + e;
-                                p[e] = (query < nq && query >= q_first_vis[hf] &&
+                                p[e] = (query < seq.nq && query >= q_first_vis[hf] &&
                                         (!FC_BOUND_LEFT || query <= q_last_vis[hf])) ? p[e] : 0.f;
                             }
                             pg[e] = fc_hook_ds(p[e], gs);  // P hook'(t)
@@ -760,40 +791,45 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
             // Every consumer's last products have read K (dQ reads all BN rows) and V: this warpgroup's
             // rows of both tiles take its dk and dv, laid out as TMA loaded them (row r % 8 = g: columns
             // 8i + 2t, 8i + 2t + 1 in 16-byte chunk (i % 8) ^ g of panel i / 8), then one thread stores
-            // them (rows past nk are not written) and waits for the reads before the CTA ends.
+            // them (rows past nk are not written) and waits for the reads before the CTA ends. Packed
+            // sequences: only a warpgroup whose 64 keys all lie in its sequence; one that holds the
+            // sequence's last, partial rows stores them from registers below (the box would write into
+            // the next sequence's rows).
             named_bar_sync(1, NCTHR);
+            if (!FC_VARLEN || n0 + 64 * (cw + 1) <= seq.nk) {
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const u32 row = (16 * wq + g + 8 * hf) * 128 + 4 * t;
+                for (int hf = 0; hf < 2; ++hf) {
+                    const u32 row = (16 * wq + g + 8 * hf) * 128 + 4 * t;
 #pragma unroll
-                for (int i = 0; i < HD / 8; ++i) {
-                    const u32 off = (i >> 3) * KV_PANEL + row + (((i & 7) ^ g) << 4);
-                    st_shared_b32(k_rows + off, pack_elem2(acc_get(wg_tile(dk_acc, i), 2 * hf) * scale,
-                                                           acc_get(wg_tile(dk_acc, i), 2 * hf + 1) * scale));
-                    st_shared_b32(v_rows + off, pack_elem2(acc_get(wg_tile(dv_acc, i), 2 * hf),
-                                                           acc_get(wg_tile(dv_acc, i), 2 * hf + 1)));
+                    for (int i = 0; i < HD / 8; ++i) {
+                        const u32 off = (i >> 3) * KV_PANEL + row + (((i & 7) ^ g) << 4);
+                        st_shared_b32(k_rows + off, pack_elem2(acc_get(wg_tile(dk_acc, i), 2 * hf) * scale,
+                                                               acc_get(wg_tile(dk_acc, i), 2 * hf + 1) * scale));
+                        st_shared_b32(v_rows + off, pack_elem2(acc_get(wg_tile(dv_acc, i), 2 * hf),
+                                                               acc_get(wg_tile(dv_acc, i), 2 * hf + 1)));
+                    }
                 }
-            }
-            fence_proxy_async();
-            named_bar_sync(KV_OUT + cw, 128);
-            if ((tid & 127) == 0) {
+                fence_proxy_async();
+                named_bar_sync(KV_OUT + cw, 128);
+                if ((tid & 127) == 0) {
 #pragma unroll
-                for (int p = 0; p < PANELS; ++p) {
-                    tma_store_4d(&tm_dk, k_rows + p * KV_PANEL, 64 * p, n0 + 64 * cw, hk, b);
-                    tma_store_4d(&tm_dv, v_rows + p * KV_PANEL, 64 * p, n0 + 64 * cw, hk, b);
+                    for (int p = 0; p < PANELS; ++p) {
+                        tma_store_4d(&tm_dk, k_rows + p * KV_PANEL, 64 * p, seq.k0 + n0 + 64 * cw, hk, seq.b);
+                        tma_store_4d(&tm_dv, v_rows + p * KV_PANEL, 64 * p, seq.k0 + n0 + 64 * cw, hk, seq.b);
+                    }
+                    tma_commit();
+                    tma_wait_read();
                 }
-                tma_commit();
-                tma_wait_read();
+                return;
             }
-            return;
         }
-        const long long kb = ((long long)b * heads_kv + hk) * nk;
+        const FcRows out = fc_key_rows(seq, hk, heads_kv, nk);  // where this head's rows of dk and dv go
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const int key = key_g + 8 * hf;
-            if (key < nk) {
-                elem_t *dkr = dk + (kb + key) * HD + 2 * t;
-                elem_t *dvr = dv + (kb + key) * HD + 2 * t;
+            if (key < seq.nk) {
+                elem_t *dkr = dk + (out.o0 + key * out.o_step) * HD + 2 * t;
+                elem_t *dvr = dv + (out.o0 + key * out.o_step) * HD + 2 * t;
 #pragma unroll
                 for (int i = 0; i < HD / 8; ++i) {
                     *reinterpret_cast<u32 *>(dkr + 8 * i) = pack_elem2(acc_get(wg_tile(dk_acc, i), 2 * hf) * scale,

@@ -149,9 +149,9 @@ def _interpret(program, values):
 
 def _backward_plan(tma, atomic, sem, tiled):
     plan = object.__new__(_launch._BackwardPlan)
-    plan.alibi = plan.varlen = False  # (the compiled node's plans: no ALiBi, no packed sequences)
+    plan.alibi = plan.varlen = plan.tiled_varlen = False  # (the compiled node: no ALiBi, no packed sequences)
     plan.tma, plan.atomic = tma, atomic
-    plan.q_shape, plan.delta_size, plan.ld_size = (2, 3, 5, 8), 48, (48 if tiled else 0)
+    plan.dq_accum_shape, plan.delta_size, plan.ld_size = (2, 3, 5, 8), 48, (48 if tiled else 0)
     plan.sem_shape = (2, 3, 4) if sem else None
     plan.map_slots = tuple(_Map() for _ in range(7)) if tma else ()
     plan.prep_launch, plan.kv_launch, plan.q_launch = _Recorder(), _Recorder(), _Recorder()

@@ -98,8 +98,10 @@ def test_attention_varlen_takes_the_packed_launch_and_the_walks_change_sequences
         assert bool((o == o3).all()) and bool((lse == lse3).all()), causal
 
 
-BWD_COMBOS = [("mma", "bf16", "fp32", (64, 128)), ("mma", "f16", "fp16", (64, 64)),
-              ("simt", "f32", "fp32", (64, 64)), ("simt", "f16", "fp16", (32, 64))]
+BWD_COMBOS = [("wgmma", "f16", "fp32", (64, 128)), ("wgmma", "bf16", "fp32", (128, 128)),
+              ("wgmma", "f16", "fp32", (64, 64)), ("mma", "bf16", "fp32", (64, 128)),
+              ("mma", "f16", "fp16", (64, 64)), ("simt", "f32", "fp32", (64, 64)),
+              ("simt", "f16", "fp16", (32, 64))]
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "atomic"])
@@ -107,13 +109,16 @@ BWD_COMBOS = [("mma", "bf16", "fp32", (64, 128)), ("mma", "f16", "fp16", (64, 64
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("combo", BWD_COMBOS, ids=lambda c: f"{c[0]}-{c[1]}-acc{c[2][2:]}-bm{c[3][0]}")
 def test_packed_backward_is_each_sequence_alone(rng, combo, mask, d, deterministic):
-    """The mma and simt backwards' varlen kernels: dq, dk, dv of each sequence are the bits of its own
-    attention_backward call on the same tile (the atomic dQ path: dk, dv; dq within two roundings of the
-    element type, its fp32 sums running in another order), every element written; d sinks the sum of the
-    sequences' within float32 rounding."""
+    """The backwards' varlen kernels: dq, dk, dv of each sequence are the bits of its own
+    attention_backward call on the same tile and path (the atomic dQ path: dk, dv; dq within two
+    roundings of the element type, its fp32 sums running in another order), every element written; d
+    sinks the sum of the sequences' within float32 rounding. wgmma: its three dQ forms (by columns, by
+    rows at block_m 128, transposed at block_m 80), ordered and atomic (rotated without a mask)."""
     import cupy
 
     kernel, dname, accum, (bm, bn) = combo
+    if kernel == "wgmma" and d == 128 and bm == 128:
+        bm = 80  # (the 128-query tile is D = 64's; D = 128 takes 80, dQ formed transposed)
     (q, k, v), (cq, ck) = _packed(rng, dname, d)
     do = cupy.asarray(rng.standard_normal(q.shape).astype(numpy_dtype(dname)))
     kw = {key: val for key, val in MASKS[mask].items() if key not in ("alibi", "sinks")}
@@ -143,7 +148,8 @@ def test_packed_backward_is_each_sequence_alone(rng, combo, mask, d, determinist
         one = {**kw, "alibi_slopes": kw["alibi_slopes"][i]} if "alibi_slopes" in kw else kw
         views = [_varlen._view(x, qa, qb) for x in (do, q)] + [_varlen._view(x, ka, kb) for x in (k, v)]
         lse_i = cupy.ascontiguousarray(lse[None, :, qa:qb])
-        ref = flashcupy.attention_backward(*views, _varlen._view(o, qa, qb), lse_i, deterministic=True, **one)
+        ref = flashcupy.attention_backward(*views, _varlen._view(o, qa, qb), lse_i,
+                                           deterministic=deterministic, **one)
         for name, g, r, (a, b) in (("dk", got[1], ref[1], (ka, kb)), ("dv", got[2], ref[2], (ka, kb)),
                                    ("dq", got[0], ref[0], (qa, qb))):
             want = r[0].transpose(1, 0, 2)
@@ -158,9 +164,8 @@ def test_packed_backward_is_each_sequence_alone(rng, combo, mask, d, determinist
         cupy.testing.assert_allclose(got[3], dsinks, rtol=1e-5, atol=1e-6)
 
 
-def test_attention_varlen_backward_takes_the_packed_launches_where_the_family_has_them(rng, monkeypatch):
-    """kernel='mma' runs the packed backward (one call of the launcher); kernel='wgmma' runs one call per
-    sequence, with the bits of the mma path's per-sequence reference elsewhere tested."""
+def test_attention_varlen_backward_takes_the_packed_launches(rng, monkeypatch):
+    """attention_varlen_backward runs the packed backward (one call of the launcher) in every family."""
     import cupy
 
     from flashcupy import _launch
@@ -170,16 +175,12 @@ def test_attention_varlen_backward_takes_the_packed_launches_where_the_family_ha
     calls = []
     real = _launch.backward
     monkeypatch.setattr(_launch, "backward", lambda *a, **kw: calls.append(kw.get("cu")) or real(*a, **kw))
-    for kernel, packed in (("mma", True), ("wgmma", False)):
+    for kernel in ("mma", "wgmma", "simt"):
         calls.clear()
         o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, causal=True, kernel=kernel, return_lse=True)
         flashcupy.attention_varlen_backward(do, q, k, v, o, lse, cq, ck, causal=True, kernel=kernel,
                                             deterministic=True)
-        runs = int(((np.diff(cq) > 0) & (np.diff(ck) > 0)).sum())
-        if packed:
-            assert len(calls) == 1 and calls[0] is not None, (kernel, calls)
-        else:
-            assert len(calls) == runs and all(c is None for c in calls), (kernel, calls)
+        assert len(calls) == 1 and calls[0] is not None, (kernel, calls)
 
 
 def test_packed_backward_refuses_what_attention_backward_refuses(rng):

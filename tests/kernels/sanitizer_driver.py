@@ -91,19 +91,20 @@ def main() -> None:
                 flashcupy.attention(q, k, k, causal=causal, kernel="wgmma", block_m=128, block_n=64,
                                     window_size=window, alibi_slopes=cupy.full(4, 0.125, cupy.float32))
         # packed sequences (one launch for the batch): lengths 0, 1 and ragged, a sequence without keys,
-        # every family, causal, none, a window with ALiBi per sequence, forward and backward; the wgmma
-        # walks on 3 CTAs
+        # every family (wgmma at D 64 and 128: the backward's three dQ forms), causal, none, a window with
+        # ALiBi per sequence, forward and backward; the wgmma walks on 3 CTAs
         lq, lk = [5, 0, 130, 1, 77, 64], [9, 4, 140, 0, 77, 200]
         cq, ck = (cupy.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lq, lk))
-        for kernel, dt in (("wgmma", np.float16), ("mma", np.float16), ("simt", np.float32)):
-            q = cupy.asarray(rng.standard_normal((sum(lq), 4, 64)).astype(dt))
-            k = cupy.asarray(rng.standard_normal((sum(lk), 2, 64)).astype(dt))
+        for kernel, dt, d in (("wgmma", np.float16, 64), ("wgmma", np.float16, 128), ("mma", np.float16, 64),
+                              ("simt", np.float32, 64)):
+            q = cupy.asarray(rng.standard_normal((sum(lq), 4, d)).astype(dt))
+            k = cupy.asarray(rng.standard_normal((sum(lk), 2, d)).astype(dt))
             do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
             for causal, window, slopes in ((False, (-1, -1), None), (True, (-1, -1), None),
                                            (False, (20, 5), cupy.full((6, 4), 0.125, cupy.float32))):
                 o, lse = flashcupy.attention_varlen(q, k, k, cq, ck, causal=causal, kernel=kernel,
                                                     window_size=window, alibi_slopes=slopes, return_lse=True)
-                for det in (False, True):  # (mma, simt: the packed backward; wgmma: a call per sequence)
+                for det in (False, True):  # (the packed backward: atomic and ordered dQ)
                     flashcupy.attention_varlen_backward(do, q, k, k, o, lse, cq, ck, causal=causal,
                                                         kernel=kernel, window_size=window,
                                                         alibi_slopes=slopes, deterministic=det)
