@@ -98,16 +98,20 @@ def test_attention_varlen_takes_the_packed_launch_and_the_walks_change_sequences
         assert bool((o == o3).all()) and bool((lse == lse3).all()), causal
 
 
-BWD_COMBOS = [("wgmma", "f16", "fp32", (64, 128)), ("wgmma", "bf16", "fp32", (128, 128)),
-              ("wgmma", "f16", "fp32", (64, 64)), ("mma", "bf16", "fp32", (64, 128)),
-              ("mma", "f16", "fp16", (64, 64)), ("simt", "f32", "fp32", (64, 64)),
-              ("simt", "f16", "fp16", (32, 64))]
+# (kernel, dtype, accumulator, the backward's tile at D = 64, at D = 128); the wgmma tiles cover its
+# three dQ forms: by columns (64 x 128, 64 x 64), by rows (128 x 128, D = 64), transposed (80 x 128, D = 128)
+BWD_COMBOS = [("wgmma", "f16", "fp32", (64, 128), (64, 128)),
+              ("wgmma", "bf16", "fp32", (128, 128), (80, 128)),
+              ("wgmma", "f16", "fp32", (64, 64), (80, 128)),
+              ("mma", "bf16", "fp32", (64, 128), (64, 128)), ("mma", "f16", "fp16", (64, 64), (64, 64)),
+              ("simt", "f32", "fp32", (64, 64), (64, 64)), ("simt", "f16", "fp16", (32, 64), (32, 64))]
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "atomic"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("combo", BWD_COMBOS, ids=lambda c: f"{c[0]}-{c[1]}-acc{c[2][2:]}-bm{c[3][0]}")
+@pytest.mark.parametrize("combo", BWD_COMBOS,
+                         ids=lambda c: f"{c[0]}-{c[1]}-acc{c[2][2:]}-{c[3][0]}x{c[3][1]}-{c[4][0]}")
 def test_packed_backward_is_each_sequence_alone(rng, combo, mask, d, deterministic):
     """The backwards' varlen kernels: dq, dk, dv of each sequence are the bits of its own
     attention_backward call on the same tile and path (the atomic dQ path: dk, dv; dq within two
@@ -116,9 +120,11 @@ def test_packed_backward_is_each_sequence_alone(rng, combo, mask, d, determinist
     rows at block_m 128, transposed at block_m 80), ordered and atomic (rotated without a mask)."""
     import cupy
 
-    kernel, dname, accum, (bm, bn) = combo
-    if kernel == "wgmma" and d == 128 and bm == 128:
-        bm = 80  # (the 128-query tile is D = 64's; D = 128 takes 80, dQ formed transposed)
+    kernel, dname, accum, tile64, tile128 = combo
+    bm, bn = tile64 if d == 64 else tile128
+    refused = kernel == "wgmma" and mask == "softcap-alibi" and d == 128  # (the family's limit)
+    if kernel == "wgmma" and mask == "softcap-alibi":
+        bm, bn = 64, 128  # (its softcap runs at block_m 64)
     (q, k, v), (cq, ck) = _packed(rng, dname, d)
     do = cupy.asarray(rng.standard_normal(q.shape).astype(numpy_dtype(dname)))
     kw = {key: val for key, val in MASKS[mask].items() if key not in ("alibi", "sinks")}
@@ -126,10 +132,16 @@ def test_packed_backward_is_each_sequence_alone(rng, combo, mask, d, determinist
         kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.3, (len(LENGTHS_Q), 4)).astype(np.float32))
     if MASKS[mask].get("sinks"):
         kw["sinks"] = cupy.asarray(rng.uniform(-1.0, 3.0, 4).astype(np.float32))
-    kw.update(kernel=kernel, accum=accum, block_m=bm, block_n=bn)
+    kw.update(kernel=kernel, accum=accum)
     kw = {"causal": False, **kw}
-    o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, return_lse=True, **kw)
+    o, lse = flashcupy.attention_varlen(q, k, v, cq, ck, return_lse=True, **kw)  # (the forward's own tile)
+    kw.update(block_m=bm, block_n=bn)
     grads = tuple(_poisoned(x.shape, x.dtype) for x in (q, k, v))
+    if refused:  # by name, before any launch, as attention_backward refuses it
+        with pytest.raises(ValueError, match="softcap with ALiBi at D=64 only"):
+            _varlen._backward_packed(do, q, k, v, o, lse, cq, ck, deterministic=deterministic, grads=grads,
+                                     **kw)
+        return
     got = _varlen._backward_packed(do, q, k, v, o, lse, cq, ck, deterministic=deterministic, grads=grads,
                                    **kw)
     assert got is not None, "the packed backward did not run"
