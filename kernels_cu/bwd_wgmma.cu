@@ -51,7 +51,8 @@
 //   (FC_BWD_SKEW: only after the other's DS_READY of tile i - 1, which it arrives at after its dQ
 //   product of tile i - 2 has completed).
 //
-// Deterministic dQ, flash_bwd_dkdvdq_ordered_wgmma (dq_sem: int32 (B, Hq, ceil(nq / BM)) zeroed): the
+// Deterministic dQ, flash_bwd_dkdvdq_ordered_wgmma (dq_sem: int32 (B, Hq, ceil(nq / BM)) zeroed; packed
+// sequences: per head, each sequence's tiles as in the tiled L and delta buffer, below): the
 // additions into query tile i's rows happen in a fixed key-tile order. A CTA's writer warp waits until
 // the tile's counter reads its place in that order, issues its reduce-adds, and increments the counter
 // (acquire / release at GPU scope) once they are performed: before its next tile's wait (or at the end).
@@ -92,10 +93,12 @@
 // ordered path's counters hold each sequence's rows padded to whole query tiles (bwd_prep.cuh's
 // fc_prep_tile0: the reduce-adds of a tile's rows past the sequence's end land in its padding), and a
 // consumer warpgroup stores its 64 rows of dk and dv by TMA only if they all lie in the sequence (else
-// from registers). The rotated start uses the sequence's own key tile count, so the bits are those of
-// one call per sequence.
+// from registers). The rotated start uses the sequence's own key tile count, so on the same tile and
+// path (the packed call picks both from the longest sequence) the bits are those of the sequence's own
+// call.
 //
-// Kernel parameters: seven CUtensorMap (q, k, v, dout, dq_accum: fp32 (B, Hq, nq, D), zeroed, and dk, dv:
+// Kernel parameters: seven CUtensorMap (q, k, v, dout, dq_accum: fp32 (B, Hq, nq, D), zeroed (packed
+// sequences: (1, Hq, padded rows, D), padding rows not zeroed and never read), and dk, dv:
 // box (64, 64), read only by FC_BWD_KV_STAGE 1),
 // FC_BWD_PARAMS (the pointers and strides of q, k, v, dout are not read: the maps carry them; lse is not
 // read and delta is flash_bwd_prep's tiled buffer of L and delta; dq is not touched); flash_bwd_dkdvdq_ordered_wgmma also dq_sem and dq_heads (>= 1; read without a causal mask).
@@ -353,13 +356,15 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
     const int kt = blk.kt, n0 = blk.n0, hk = blk.hk, b = blk.b;
     const FcSeq seq = FC_ENTRIES(b);  // this CTA's batch entry (flash_common.cuh)
     if (FC_VARLEN && n0 >= seq.nk) return;  // (packed sequences shorter than the longest: no keys here)
-    const int heads_kv = gridDim.y, heads_q = heads_kv * group;
+    const int heads_kv = gridDim.y;
+    [[maybe_unused]] const int heads_q = heads_kv * group;  // (packed sequences: not read)
 
     // The query tiles of each of the group's heads this key tile visits and masks (the range hook,
     // flash_common.cuh): [qt0, qtiles.end) of the n_qt query tiles of a head (the tiled L and delta
     // buffer and the counters have n_qt per head).
     const FcQueryTiles qtiles = fc_query_tiles<BM, BN>(n0, seq.nq, seq.nk);
-    const int n_qt = (seq.nq + BM - 1) / BM, qt0 = qtiles.first, qt_per_head = qtiles.end - qt0;
+    [[maybe_unused]] const int n_qt = (seq.nq + BM - 1) / BM;  // (read by the rotation and the unpacked layout)
+    const int qt0 = qtiles.first, qt_per_head = qtiles.end - qt0;
     // query tile qt of head hq in the tiled L and delta buffer and among the counters (n_qt per head and
     // batch entry; packed sequences: sequence b's first tile is fc_prep_tile0 of a head's fc_prep_tiles,
     // bwd_prep.cuh), and the fp32 dQ buffer's first row of the entry (packed: that tile's first row)

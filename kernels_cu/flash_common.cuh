@@ -642,11 +642,12 @@ __device__ __forceinline__ float fc_hook_lq(const FcScoreHook &hook, float lq, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// Batch entries (the forwards, the mma and simt backwards). Entry b of a call is, by default, slice b of
+// Batch entries (the forwards and the backwards). Entry b of a call is, by default, slice b of
 // (B, H, N, D) arrays: nq queries and nk keys. With FC_VARLEN 1 (packed sequences,
 // flashcupy.attention_varlen) it is sequence b of packed arrays, flash_attn's (total, H, D) seen as
 // (1, H, total, D): its queries are the tokens cu_q[b] .. cu_q[b + 1] - 1 of q, o, dO (and those columns
-// of lse, delta and the backward's fp32 dQ buffer, all (Hq, total_q) in rows), its keys the tokens
+// of lse, delta and the mma and simt backwards' fp32 dQ buffer, all (Hq, total_q) in rows; the wgmma
+// backward pads its buffers per sequence: bwd_prep.cuh), its keys the tokens
 // cu_k[b] .. cu_k[b + 1] - 1 of k and v (or the first used_k[b] of them). The kernel's nq and nk are
 // then the packed totals, max_nq and max_nk the longest sequence's lengths (the extent of the grid and
 // of the tile walks: FC_GRID_NQ, FC_GRID_NK), and the outputs o, dq (total_q, Hq, FC_HEAD_DIM) and dk, dv (total_k, Hkv, FC_HEAD_DIM)
