@@ -6,20 +6,24 @@ cache is (B, capacity, Hkv, D); a paged one is (num_blocks, page_size, Hkv, D) w
 (B, max_blocks) int32 naming the pages of entry b in order (key j lives in page block_table[b, j // page]
 at row j % page). The mask is bottom-right aligned: query i sits at position L_b - Nq + i.
 
-How it runs. On CuPy arrays without key splits, every entry in one launch of the packed forward
-(``_varlen``): the queries as B sequences of Nq, a contiguous cache read in place (entry b's keys the
-first L_b of its capacity: the kernels' used_k, flash_attn's seqused_k), a paged one gathered into one
-packed array of every entry's keys (one copy). Otherwise (NumPy inputs, ``num_splits`` > 1) one
-``attention`` call per entry: its keys a (1, Hkv, L, D) view of the contiguous cache or a gather of its
-pages; ``num_splits`` = S > 1 cuts the keys into S ranges, runs one call per range with return_lse and
-combines them with ``merge_states``: flash-decoding's arithmetic, with the partial outputs in the inputs'
-dtype (a split-KV kernel keeps them in float32; the merge experiment measures what the dtype of the
-partials costs). A causal range [a, b) that ends before the cache does sees keys up to i' + (L - b) of
-its own i' = i + (b - a) - Nq: the window (-1, L - b).
+How it runs. On CuPy arrays, every entry in one launch of the packed forward (``_varlen``): the queries
+as B sequences of Nq, a contiguous cache read in place (entry b's keys the first L_b of its capacity:
+the kernels' used_k, flash_attn's seqused_k), a paged one gathered into one packed array of every
+entry's keys (one copy). Decoding (Nq = 1) without a window or ALiBi packs the query heads of each KV
+head into the rows of one tile (GQA packing: each KV head's keys read once for its Hq / Hkv query
+heads). ``num_splits`` = S > 1 cuts each entry's keys into S ranges, run as S packed entries of the same
+launch (decoding, or no causal mask), and combines them with ``merge_states``: flash-decoding's
+arithmetic, with the partial outputs in the inputs' dtype (a split-KV kernel keeps them in float32; the
+merge experiment measures what the dtype of the partials costs).
+
+Otherwise (NumPy inputs; S > 1 with a causal mask and Nq > 1) one ``attention`` call per entry (and per
+range): its keys a (1, Hkv, L, D) view of the contiguous cache or a gather of its pages. A causal range
+[a, b) that ends before the cache does sees keys up to i' + (L - b) of its own i' = i + (b - a) - Nq:
+the window (-1, L - b).
 
 The lengths and the page table are read on the host (a synchronization with CuPy inputs: such a call
-cannot be captured in a CUDA graph). The native decoding kernel (GQA packing, split-KV in one launch,
-pages read by the producer) is the next step.
+cannot be captured in a CUDA graph). A native decoding kernel (float32 partials, pages read by the
+producer, the wgmma kernel reading a cache in place) is the next step.
 """
 from __future__ import annotations
 
@@ -115,14 +119,19 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v, num_splits, kn
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: the policy's choice), got {num_splits!r}")
     if num_splits > 1:
-        window = knobs.get("window_size")
-        used = [name for name in _NO_SPLIT_KNOBS
-                if (knobs.get(name) is not None if name != "window_size"
-                    else window is not None and tuple(window) != (-1, -1))]
+        used = _no_split_knobs(knobs)
         if used:
             raise ValueError(f"num_splits > 1 does not run with {', '.join(used)} yet (their positions "
                              "would move with each key range); use num_splits=1")
     return b, nq, nnew, capacity, page, lengths, table
+
+
+def _no_split_knobs(knobs) -> list[str]:
+    """The knobs of a call whose positions a key split would move (``_NO_SPLIT_KNOBS``) that it uses."""
+    window = knobs.get("window_size")
+    return [name for name in _NO_SPLIT_KNOBS
+            if (knobs.get(name) is not None if name != "window_size"
+                else window is not None and tuple(window) != (-1, -1))]
 
 
 def _check_knobs(q, k_cache, causal, return_lse, knobs) -> None:
@@ -163,8 +172,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         advances it, as with flash_attn).
     causal : bottom-right aligned over the L = cache_seqlens + Nnew keys (query i at L - Nq + i).
     num_splits : S >= 1 key ranges merged by ``merge_states`` (flash-decoding's arithmetic; partial
-        outputs in the inputs' dtype); 0 picks one split, the policy until the split-KV kernel exists.
-        S > 1 does not take window_size or alibi_slopes yet. Sinks are merged once, after the splits
+        outputs in the inputs' dtype). On CuPy arrays the S ranges of every entry run in one launch when
+        Nq = 1 or causal=False, else one call each. 0: the policy's choice (``_policy.kvcache_splits``:
+        ranges only while one launch leaves SMs idle). S > 1 does not take window_size or alibi_slopes
+        yet. Sinks are merged once, after the splits
         (``flashcupy._sinks``), so they take any S.
     return_lse : also return the LSE, float32 (B, Hq, Nq).
     **knobs : ``flashcupy.attention``'s other knobs (``KNOBS``: scale, block_m, block_n, accum, kernel,
@@ -191,7 +202,17 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     _check_knobs(q, k_cache, causal, return_lse, knobs)
     sinks = None if knobs.get("sinks") is None else _sinks.check(knobs["sinks"], q.shape[2], q)
     knobs = {name: value for name, value in knobs.items() if name != "sinks"}  # merged once, at the end
-    splits = kvcache_splits(int(num_splits))
+    splits = int(num_splits)
+    # num_splits=0: the policy's ranges where they run in one launch (decoding or no causal mask; the twin
+    # and the per-entry path: one range)
+    if splits == 0 and xp is not np and (nq == 1 or not causal) and not _no_split_knobs(knobs):
+        from ._launch import _sm_count
+
+        hkv = k_cache.shape[2]
+        heads = hkv if _gqa_packed(nq, q.shape[2], hkv, knobs) else q.shape[2]
+        splits = kvcache_splits(0, ctas=b * heads * -(-nq // 64), longest=int((lengths + nnew).max()),
+                                sms=_sm_count(q.data.device_id))
+    splits = kvcache_splits(splits)
     if k is not None and nnew:  # the append, in place
         for i in range(b):
             pos = np.arange(lengths[i], lengths[i] + nnew)
@@ -203,8 +224,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
                 rows = xp.asarray(pos % page)
                 k_cache[pages, rows] = k[i]
                 v_cache[pages, rows] = v[i]
-    if xp is not np and splits == 1 and (lengths + nnew).max() > 0 and b <= _GRID_YZ_MAX:
-        o, lse = _packed(q, k_cache, v_cache, lengths + nnew, table, page, causal, knobs, sinks)
+    if xp is not np and (lengths + nnew).max() > 0 and _one_launch(nq, causal, splits, b):
+        o, lse = _packed(q, k_cache, v_cache, lengths + nnew, table, page, causal, knobs, sinks, splits)
         return (o, lse) if return_lse else o
     o, lse = _per_entry(q, k_cache, v_cache, lengths + nnew, table, page, causal, splits, knobs)
     if sinks is not None:  # after the ranges are merged, as after a kernel's key loop (empty entry: lse = z)
@@ -251,22 +272,59 @@ def _per_entry(q, k_cache, v_cache, used, table, page, causal, splits, knobs):
     return o, lse
 
 
-def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks):
+def _one_launch(nq: int, causal: bool, splits: int, batch: int) -> bool:
+    """Whether ``_packed`` runs a call (CuPy inputs): without key splits always; with them for decoding
+    (one query per entry: every range's mask is its own) or without a causal mask, and while the B x S
+    entries fit in the grid."""
+    return (splits == 1 or nq == 1 or not causal) and batch * splits <= _GRID_YZ_MAX
+
+
+def _gqa_packed(nq: int, hq: int, hkv: int, knobs) -> bool:
+    """Whether the query heads of one KV head run as the rows of one tile (GQA packing): decoding (one
+    query per entry, so every row sits at the same position) with more than one query head per KV head,
+    and no window or ALiBi (positions or slopes that would differ between the rows of a tile)."""
+    return nq == 1 and hq > hkv and not _no_split_knobs(knobs)
+
+
+def _entries(used: np.ndarray, starts: np.ndarray, splits: int):
+    """The packed entries of B cache entries, each cut into ``splits`` key ranges: entry e = b S + s takes
+    keys [edge_s, edge_{s + 1}) of entry b (edges = round(linspace(0, used[b], S + 1)), as the per-entry
+    path cuts them; ranges may be empty when used[b] < S), which start at row starts[b] of the keys'
+    array. Returns (first, count): entry e's first key row and its key count (int64, host)."""
+    edges = np.zeros((used.size, splits + 1), np.int64)
+    for i, n in enumerate(used):
+        edges[i] = np.linspace(0, n, splits + 1).round().astype(np.int64)
+    return (starts[:, None] + edges[:, :-1]).reshape(-1), np.diff(edges, axis=1).reshape(-1)
+
+
+def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits: int = 1):
     """Every entry in one launch of the packed forward (``_varlen``): the queries as B sequences of Nq;
     a contiguous cache whose entries lie capacity rows apart read in place, entry b's keys the first
     used[b] of its capacity (the kernels' used_k: ``_forward_packed`` gathers them for the wgmma kernel,
     whose TMA tiles would read the unwritten slots past them); any other cache gathered, every entry's
-    used keys one after another (one copy of them, as the per-entry path makes of a paged cache). Returns
-    o (B, Nq, Hq, D) (a reshape of the packed output) and lse (B, Hq, Nq), sinks merged."""
+    used keys one after another (one copy of them, as the per-entry path makes of a paged cache).
+
+    Decoding (Nq = 1) packs the query heads of each KV head into the rows of one tile where
+    ``_gqa_packed`` says so: the launch then sees Hkv heads of Hq / Hkv queries, reads each KV head's keys
+    once for all its query heads, and runs without a mask (the one query sees every key). ``splits`` = S
+    > 1 (``_one_launch``) makes each entry S packed entries over consecutive key ranges, with the entry's
+    queries repeated, in the same launch; their outputs and LSEs are merged by ``merge_states`` (partials
+    in the inputs' dtype, as the per-entry path's). Returns o (B, Nq, Hq, D) and lse (B, Hq, Nq), sinks
+    merged."""
+    from . import merge_states
     from ._varlen import _forward_packed
 
     xp = _xp(q)
     b, nq, hq, d = q.shape
-    cq = np.arange(b + 1, dtype=np.int64) * nq
+    hkv = k_cache.shape[2]
+    pack = _gqa_packed(nq, hq, hkv, knobs)
+    rows, heads = (hq // hkv, hkv) if pack else (nq, hq)  # each packed entry's queries and query heads
     cap = k_cache.shape[1]
-    if table is None and all(x.strides[0] == cap * x.strides[1] for x in (k_cache, v_cache)):
+    used = np.asarray(used, np.int64)
+    in_place = table is None and all(x.strides[0] == cap * x.strides[1] for x in (k_cache, v_cache))
+    if in_place:
         kp, vp = (x.reshape(b * cap, *x.shape[2:]) for x in (k_cache, v_cache))  # (views: read in place)
-        ck, used_k = np.arange(b + 1, dtype=np.int64) * cap, used
+        starts, total = np.arange(b, dtype=np.int64) * cap, b * cap
     else:
         keys = [np.arange(n) for n in used]
         if table is None:  # entry b, key j
@@ -277,7 +335,33 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks):
             second = np.concatenate([j % page for j in keys])
         first, second = xp.asarray(first), xp.asarray(second)
         kp, vp = (x[first, second] for x in (k_cache, v_cache))
-        ck, used_k = np.concatenate([[0], np.cumsum(used)]), None
-    o, lse = _forward_packed(q.reshape(b * nq, hq, d), kp, vp, cq, ck, causal=causal, used_k=used_k,
-                             sinks=sinks, **knobs)
-    return o.reshape(b, nq, hq, d), xp.ascontiguousarray(lse.reshape(hq, b, nq).transpose(1, 0, 2))
+        starts, total = np.concatenate([[0], np.cumsum(used)[:-1]]).astype(np.int64), int(used.sum())
+    ck, used_k = _entries(used, starts, splits)
+    ck = np.concatenate([ck, [total]])
+    if not in_place:
+        used_k = None  # (gathered: the ranges lie one after another, so the cumulative starts say it all)
+    entries = b * splits
+    cq = np.arange(entries + 1, dtype=np.int64) * rows
+    # the packed queries, (entries x rows, heads, D): entry b's once per key range; packed heads: row j
+    # of KV head hk is query head hk (Hq / Hkv) + j
+    qp = q.reshape(b, 1, hkv, rows, d).transpose(0, 1, 3, 2, 4) if pack else q[:, None]
+    if splits > 1 or pack:
+        qp = xp.ascontiguousarray(xp.broadcast_to(qp, (b, splits, rows, heads, d)))
+    qp = qp.reshape(entries * rows, heads, d)
+    plain = splits == 1 and not pack  # (else sinks after the ranges are merged and the heads unpacked)
+    o, lse = _forward_packed(qp, kp, vp, cq, ck, causal=causal and not pack, used_k=used_k,
+                             sinks=sinks if plain else None, **knobs)
+    if plain:
+        return o.reshape(b, nq, hq, d), xp.ascontiguousarray(lse.reshape(hq, b, nq).transpose(1, 0, 2))
+    # (S, B, Hq, Nq, D) partial outputs and (S, B, Hq, Nq) LSEs
+    o = o.reshape(b, splits, rows, heads, d).transpose(1, 0, 3, 2, 4)
+    lse = lse.reshape(heads, b, splits, rows).transpose(2, 1, 0, 3)
+    if pack:
+        o, lse = o.reshape(splits, b, hq, 1, d), lse.reshape(splits, b, hq, 1)
+    if splits > 1:
+        o, lse = merge_states(o, lse)
+    else:
+        o, lse = xp.ascontiguousarray(o[0]), xp.ascontiguousarray(lse[0])
+    if sinks is not None:  # after the ranges are merged, as after a kernel's key loop
+        _sinks.apply(o, lse, sinks)
+    return o.transpose(0, 2, 1, 3), lse

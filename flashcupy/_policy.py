@@ -291,8 +291,14 @@ def launch_roles(var, deterministic: bool = False, n: int | None = None) -> tupl
 # decoding against a KV cache
 
 
-def kvcache_splits(num_splits: int) -> int:
-    """The key ranges ``attention_with_kvcache`` runs for ``num_splits`` (0: the policy's choice). One
-    range for 0: each range is a separate call and launch until the split-KV kernel exists, so splitting
-    only adds work; the rule will pick by the batch, heads and cache length once one launch runs them."""
-    return num_splits if num_splits > 0 else 1
+def kvcache_splits(num_splits: int, *, ctas: int = 0, longest: int = 0, sms: int = 0) -> int:
+    """The key ranges ``attention_with_kvcache`` runs for ``num_splits`` (0: the policy's choice), where
+    one launch without splits would run ``ctas`` CTAs on a GPU of ``sms`` SMs and the longest entry has
+    ``longest`` keys (0: unknown, one range). The rule, a prediction not yet measured: split only while
+    the launch leaves SMs idle, into as many ranges as fill them once, each of at least 512 keys (a range
+    costs its queries' load and a merge), at most 64."""
+    if num_splits > 0:
+        return num_splits
+    if ctas <= 0 or sms <= 0 or ctas >= sms:
+        return 1
+    return max(1, min(-(-sms // ctas), longest // 512, 64))

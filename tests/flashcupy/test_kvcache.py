@@ -270,3 +270,119 @@ def test_kvcache_in_one_launch_is_the_per_entry_path(rng, kernel, bm, bn, paged)
                                                block_table=dev[3], causal=causal, return_lse=True,
                                                sinks=sinks, **knobs)
         assert bool((got[0] == o).all()) and bool((got[1] == lse).all()), (nq, causal)
+
+
+def _emulated_packed_launch(q, k, v, cq, ck, *, causal, used_k=None, sinks=None, **knobs):
+    """The contract of ``_varlen._forward_packed`` on NumPy arrays: entry e's queries are rows cq[e] ..
+    cq[e + 1] of q (total_q, H, D), its keys rows ck[e] .. of k and v, used_k[e] of them (or up to
+    ck[e + 1]); o (total_q, H, D) in q's dtype and lse (H, total_q) float32, each entry by
+    ``reference.attention`` (float64, then rounded as the kernels' outputs are)."""
+    o = np.zeros(q.shape)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for e in range(cq.size - 1):
+        a, z = int(cq[e]), int(cq[e + 1])
+        n = int(used_k[e]) if used_k is not None else int(ck[e + 1] - ck[e])
+        if n == 0 and sinks is not None:  # (rows without keys: the sink)
+            lse[:, a:z] = sinks[:, None]
+        if z == a or n == 0:
+            continue
+        kk, vv = (x[int(ck[e]):int(ck[e]) + n].transpose(1, 0, 2)[None].astype(np.float64) for x in (k, v))
+        qq = q[a:z].transpose(1, 0, 2)[None].astype(np.float64)
+        oe, le = reference.attention(qq, kk, vv, causal=causal, return_lse=True, sinks=sinks,
+                                     **{n_: x for n_, x in knobs.items() if n_ in ("scale", "softcap")})
+        o[a:z], lse[:, a:z] = oe[0].transpose(1, 0, 2), le[0]
+    return o.astype(q.dtype), lse.astype(np.float32)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("nq,causal,splits", [(1, True, 1), (1, True, 3), (1, False, 4), (6, False, 3),
+                                              (6, True, 1)])
+def test_one_launch_layout_packs_heads_and_splits_keys(rng, monkeypatch, paged, nq, causal, splits):
+    """The host side of the one-launch path (``_kvcache._packed``) with the packed launch replaced by its
+    float64 contract (above): GQA packing (decoding: the query heads of a KV head as one entry's rows),
+    S key ranges per entry as S packed entries merged by merge_states, sinks merged after, entries of
+    0 keys, fewer keys than ranges, and ranges of unequal lengths. Every entry must equal the float64
+    reference of its queries over its keys within float32 rounding: a wrong row, head or range order
+    would not."""
+    from flashcupy import _kvcache, _varlen
+
+    monkeypatch.setattr(_varlen, "_forward_packed", _emulated_packed_launch)
+    lengths = np.array([0, 2, 97], np.int64)  # (97 in 4 ranges: 24, 24, 25, 24 keys)
+    q, kc, vc, table, _, _, seen = _case(rng, np.float32, lengths, 0, nq, 112, page=16 if paged else None)
+    sinks = rng.standard_normal(HQ).astype(np.float32)
+    for knobs, with_sinks in (({}, False), ({"softcap": 3.0}, True)):
+        tol = 1e-5  # (float32 outputs and merges; a row, head or range out of place is off by O(1))
+        o, lse = _kvcache._packed(q, kc, vc, lengths, table, 16, causal, knobs,
+                                  sinks if with_sinks else None, splits)
+        assert o.shape == (B, nq, HQ, D) and lse.shape == (B, HQ, nq)
+        for i, (ks, vs) in enumerate(seen):
+            if ks.shape[0] == 0:  # no key: o = 0, lse = -inf (with sinks: the sink)
+                want = np.broadcast_to(sinks[:, None] if with_sinks else -np.inf, (HQ, nq))
+                assert (o[i] == 0).all() and (lse[i] == want).all(), i
+                continue
+            want_o, want_lse = reference.attention(
+                q[i].transpose(1, 0, 2)[None], ks.transpose(1, 0, 2)[None], vs.transpose(1, 0, 2)[None],
+                causal=causal, return_lse=True, sinks=sinks if with_sinks else None, **knobs)
+            np.testing.assert_allclose(o[i].transpose(1, 0, 2), want_o[0], rtol=tol, atol=tol)
+            np.testing.assert_allclose(lse[i], want_lse[0], rtol=tol, atol=tol)
+
+
+def test_the_split_rule_fills_idle_sms_only():
+    """num_splits=0's rule (_policy.kvcache_splits): one range when the launch fills the SMs or the cache
+    is short; else ranges of at least 512 keys up to one CTA per SM, at most 64; a given S is kept."""
+    from flashcupy._policy import kvcache_splits
+
+    assert kvcache_splits(3, ctas=1000, longest=10, sms=132) == 3
+    assert kvcache_splits(0, ctas=132, longest=1 << 17, sms=132) == 1
+    assert kvcache_splits(0, ctas=8, longest=300, sms=132) == 1
+    assert kvcache_splits(0, ctas=8, longest=4096, sms=132) == 8
+    assert kvcache_splits(0, ctas=8, longest=1 << 17, sms=132) == 17
+    assert kvcache_splits(0, ctas=1, longest=1 << 20, sms=132) == 64
+    assert kvcache_splits(0) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("kernel,bm,bn", [("wgmma", 128, 128), ("mma", 128, 64), ("simt", 64, 64)])
+def test_decoding_packs_heads_and_splits_in_one_launch(rng, monkeypatch, kernel, bm, bn, paged):
+    """Decoding on the kernels in one launch (counted): GQA packing (the query heads of a KV head as one
+    tile's rows) gives each head the bits of the per-entry path on the same tile without a mask (a row's
+    arithmetic does not depend on the other rows; one query sees every key, so the packed launch runs
+    unmasked), and S = 3 key ranges as packed entries of one launch, merged, give the per-entry path's
+    ranges merged. NaN in the cache's unused slots, an entry of no key, sinks, the softcap; through
+    attention_with_kvcache (causal, as decoding calls it) the float64 reference holds every entry by the
+    accuracy rule."""
+    import cupy
+    import ml_dtypes
+
+    from flashcupy import _kvcache, _varlen
+
+    dt = np.float32 if kernel == "simt" else ml_dtypes.bfloat16
+    dname = "f32" if kernel == "simt" else "bf16"
+    lengths = np.array([0, 100, 256], np.int32)
+    q, kc, vc, table, _, _, seen = _case(rng, dt, lengths, 0, 1, 256, page=64 if paged else None, d=64)
+    if not paged:
+        for i, n in enumerate(lengths):
+            kc[i, n:], vc[i, n:] = np.nan, np.nan
+    dev = [None if x is None else cupy.asarray(x) for x in (q, kc, vc, table)]
+    sinks = cupy.asarray(rng.standard_normal(HQ).astype(np.float32))
+    knobs = dict(kernel=kernel, block_m=bm, block_n=bn, softcap=20.0)
+    used, pages = lengths.astype(np.int64), None if table is None else table.astype(np.int64)
+    launches = []
+    real = _varlen._forward_packed
+    monkeypatch.setattr(_varlen, "_forward_packed", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    for splits in (1, 3):
+        launches.clear()
+        o, lse = _kvcache._packed(*dev[:3], used, pages, 64, False, knobs, sinks, splits)
+        assert len(launches) == 1, splits
+        o_e, lse_e = _kvcache._per_entry(*dev[:3], used, pages, 64, False, splits, knobs)
+        flashcupy._sinks.apply(o_e, lse_e, sinks)
+        assert bool((o == o_e.transpose(0, 2, 1, 3)).all()), splits
+        assert bool((lse == lse_e).all()), splits
+        launches.clear()
+        got_o, got_lse = flashcupy.attention_with_kvcache(
+            *dev[:3], cache_seqlens=cupy.asarray(lengths), block_table=dev[3], num_splits=splits,
+            return_lse=True, sinks=sinks, **knobs)
+        assert len(launches) == 1, splits
+        _check(q, cupy.asnumpy(got_o), cupy.asnumpy(got_lse), seen, True, dname, sinks=cupy.asnumpy(sinks),
+               softcap=20.0)
