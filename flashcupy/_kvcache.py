@@ -300,8 +300,8 @@ def _entries(used: np.ndarray, starts: np.ndarray, splits: int):
 def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits: int = 1):
     """Every entry in one launch of the packed forward (``_varlen``): the queries as B sequences of Nq;
     a contiguous cache whose entries lie capacity rows apart read in place, entry b's keys the first
-    used[b] of its capacity (the kernels' used_k: ``_forward_packed`` gathers them for the wgmma kernel,
-    whose TMA tiles would read the unwritten slots past them); any other cache gathered, every entry's
+    used[b] of its capacity (the kernels' used_k: the mma and simt loads stop there, and the wgmma kernel
+    zeroes the rows of V past them that its TMA tiles read); any other cache gathered, every entry's
     used keys one after another (one copy of them, as the per-entry path makes of a paged cache).
 
     Decoding (Nq = 1) packs the query heads of each KV head into the rows of one tile where

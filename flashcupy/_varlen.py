@@ -232,17 +232,6 @@ def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_
               block_m=block_m, block_n=block_n, accum=accum, kernel=kernel, ablate=ablate,
               window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None)
     p = _memoized(_packed_problem, (q, k, v), _knobs(kw), kw)
-    if used_k is not None and p.variant.fam.kind == "wgmma":
-        # the wgmma kernel's TMA loads take whole key tiles, so they would read the slots past an entry's
-        # used keys (a cache's unwritten rows: any bits), which meet P = 0 in P V, and 0 x NaN is NaN;
-        # the used keys gathered one after another instead (mma and simt zero-fill past them)
-        import cupy
-
-        with cupy.cuda.Device(p.device):
-            index = cupy.asarray(np.concatenate([np.arange(a, a + u) for a, u in zip(ck[:-1], used_k)]))
-            k, v = k[index], v[index]
-        ck, used_k, cu = np.concatenate([[0], np.cumsum(used_k)]), None, (cu[0], None)
-        p = _memoized(_packed_problem, (q, k, v), _knobs(kw), kw)
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, q.shape[1], q)
     sinks = None if sinks is None else _sinks.check(sinks, q.shape[1], q)
     lengths = tuple(_device_lengths(c, host, p.device) for c, host in zip(cu, (cq, ck)))

@@ -628,6 +628,31 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
             auto turn_pass = [&](bool last) {
                 if (PINGPONG && !(last && cw == 1)) named_bar_arrive(2 - cw, 256);
             };
+            // Packed sequences: a V tile's rows past its sequence's keys hold the next sequence's keys or a
+            // cache's unwritten slots (any bits; attention_with_kvcache reads a cache in place), and P = 0
+            // does not cancel a NaN or an inf there in P V. So before the P V of key tile jt when it is the
+            // sequence's last, partial one (always the last of a tile's key tiles), the consumers zero those
+            // rows of V's stage s, fence them to the async proxy and meet at a barrier of all consumer
+            // warpgroups (which all reach it on the same tile), outside the pingpong turn, so that no
+            // warpgroup waits inside its turn. (K's rows there are masked: S = -inf whatever they hold.)
+            auto clear_v_tail = [&](int s, int jt) {
+                if constexpr (FC_VARLEN) {
+                    // (named barriers: 1 and 2 the pingpong turns, 3 + cw the warpgroups' epilogues)
+                    constexpr int V_CLEAR_BAR = 3 + NCWG;
+                    static_assert(V_CLEAR_BAR < 16, "named barriers");
+                    const int valid = tl.seq.nk - jt * BN;  // (>= 1: a visited tile starts inside the keys)
+                    if (valid < BN) {
+                        const int chunks = (BN - valid) * 8;  // 16-byte chunks of a panel's rows past the keys
+                        for (int c = tid - 128; c < chunks * PANELS; c += NCWG * 128) {
+                            const u32 row = valid + (c % chunks) / 8;
+                            const u32 addr = sV + s * KV_BYTES + (c / chunks) * KV_PANEL + row * 128 + (c % 8) * 16;
+                            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0u) : "memory");
+                        }
+                        fence_proxy_async();
+                        named_bar_sync(V_CLEAR_BAR, NCWG * 128);
+                    }
+                }
+            };
             // after the last S of the tile has landed, this warp is done with Q
             auto release_q = [&](int j) {
                 if (j == n_tiles - 1) release(bar_q_empty);
@@ -724,6 +749,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                     const int s = stage(it0 + j), sp = stage(it0 + j - 1);
                     mbar_wait(k_full(s), phase(it0 + j));
                     mbar_wait(v_full(sp), phase(it0 + j - 1));
+                    clear_v_tail(sp, j0 + j - 1);
                     turn_wait();
                     issue_s(s_acc, s);      // S_j = Q K_j^T
                     rescale(alpha);         // alpha of tile j - 1, while S_j runs
@@ -743,6 +769,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 }
                 const int sl = stage(it0 + n_tiles - 1);
                 mbar_wait(v_full(sl), phase(it0 + n_tiles - 1));
+                clear_v_tail(sl, j0 + n_tiles - 1);
                 turn_wait();
                 if (n_tiles > 1) rescale(alpha);
                 issue_pv(p_frag, sl);
@@ -772,6 +799,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
                 pack_p(s_acc, p_frag);
                 rescale(alpha);
                 mbar_wait(v_full(s), phase(it0 + j));
+                clear_v_tail(s, j0 + j);
                 turn_wait();
                 issue_pv(p_frag, s);
                 turn_pass(j == n_tiles - 1);

@@ -243,7 +243,7 @@ def test_kvcache_in_one_launch_is_the_per_entry_path(rng, kernel, bm, bn, paged)
     entry b's first L_b keys of its capacity; a paged one gathered): the bits of one call per entry on
     the same tile, with decoding and a chunk of queries, causal or not, GQA, the softcap, ALiBi per
     entry and sinks, an entry of length 0 and one at capacity; NaN in the slots past the keys stays out
-    (the wgmma kernel, whose TMA tiles would read them, takes the used keys gathered)."""
+    (the wgmma kernel, whose TMA tiles read them, zeroes those rows of V and masks those keys)."""
     import cupy
     import ml_dtypes
 

@@ -108,6 +108,17 @@ def main() -> None:
                     flashcupy.attention_varlen_backward(do, q, k, k, o, lse, cq, ck, causal=causal,
                                                         kernel=kernel, window_size=window,
                                                         alibi_slopes=slopes, deterministic=det)
+        # decoding against a contiguous cache read in place (NaN in its unused slots; the wgmma kernel
+        # zeroes the V rows past each entry's keys), GQA-packed, with 1 and 3 key ranges in one launch
+        cache = cupy.full((3, 300, 2, 64), np.nan, np.float16)
+        lengths = np.array([0, 77, 300], np.int32)
+        for i, n in enumerate(lengths):
+            cache[i, :n] = cupy.asarray(rng.standard_normal((n, 2, 64)).astype(np.float16))
+        qd = cupy.asarray(rng.standard_normal((3, 1, 8, 64)).astype(np.float16))
+        for kernel in ("wgmma", "mma"):
+            for splits in (1, 3):
+                flashcupy.attention_with_kvcache(qd, cache, cache, cache_seqlens=cupy.asarray(lengths),
+                                                 kernel=kernel, num_splits=splits)
     finally:
         _launch._wgmma_ctas = ctas
     # fp8 (e4m3) forward: both accumulations, k descales per tile and per key, every tile, GQA, ragged
