@@ -183,14 +183,16 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         cache is written.
 
     Where it differs from flash_attn_with_kvcache: ``causal`` defaults to True (flash_attn: False);
-    ``cache_seqlens`` is an int32 array of q's kind, not an int; ``num_splits`` defaults to 1 and 0 means
-    one split; there is no ``cache_batch_idx``, ``cache_leftpad`` or rotary embedding; appends into a
-    page that another entry reads, or two appends into one slot, are refused (flash_attn leaves them
-    undefined); shared pages may be read.
+    ``cache_seqlens`` is an int32 array of q's kind, not an int; ``num_splits`` defaults to 1, and 0 is
+    this package's rule (it depends on the GPU's SM count, and so do the bits); there is no
+    ``cache_batch_idx``, ``cache_leftpad`` or rotary embedding; appends into a page that another entry
+    reads, or two appends into one slot, are refused (flash_attn leaves them undefined); shared pages
+    may be read.
 
-    Returns o (B, Nq, Hq, D) in q's dtype (one call per entry: a view of a (B, Hq, Nq, D) array; one
-    launch: contiguous), and the LSE with ``return_lse``. An entry with no key (L = 0) gets o = 0 and
-    LSE -inf (with sinks: the sink). Everything is checked before the cache is written.
+    Returns o (B, Nq, Hq, D) in q's dtype (contiguous from one launch of one range and one query head a
+    row; else a view of a (B, Hq, Nq, D) array), and the LSE with ``return_lse``. An entry with no key
+    (L = 0) gets o = 0 and LSE -inf (with sinks: the sink). Everything is checked before the cache is
+    written.
     """
     xp = _xp(q)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),

@@ -93,6 +93,10 @@ extern "C" __global__ void flash_bwd_prep(const elem_t *__restrict__ dout, const
     const long long r = rp, dq_row = r;
     const bool real = r < rows;
 #endif
+    auto zero_dq_row = [&] {  // this thread's chunks of the fp32 dQ buffer's row
+        for (int c = c0; c < FC_HEAD_DIM / 4; c += G)
+            reinterpret_cast<float4 *>(dq_accum + dq_row * FC_HEAD_DIM)[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    };
     float acc = 0.f;
     if (real) {
 #if FC_BWD_PREP_TILE
@@ -111,11 +115,13 @@ extern "C" __global__ void flash_bwd_prep(const elem_t *__restrict__ dout, const
 #pragma unroll
             for (int e = 0; e < EPC; ++e) acc = fmaf(fc_to_float(ex[e]), fc_to_float(ey[e]), acc);
         }
-        if (dq_accum != nullptr) {
-            for (int c = c0; c < FC_HEAD_DIM / 4; c += G)
-                reinterpret_cast<float4 *>(dq_accum + dq_row * FC_HEAD_DIM)[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+        if (dq_accum != nullptr) zero_dq_row();
     }
+#if FC_BWD_PREP_TILE && FC_VARLEN
+    // (packed sequences: the padding rows too, which take the reduce-adds of a tile's rows past its
+    // sequence's end and are never read, so that every row of the buffer is defined)
+    if (!real && rp < rows && dq_accum != nullptr) zero_dq_row();
+#endif
 #pragma unroll
     for (int s = G / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
 #if FC_BWD_PREP_TILE

@@ -277,6 +277,7 @@ def _emulated_packed_launch(q, k, v, cq, ck, *, causal, used_k=None, sinks=None,
     cq[e + 1] of q (total_q, H, D), its keys rows ck[e] .. of k and v, used_k[e] of them (or up to
     ck[e + 1]); o (total_q, H, D) in q's dtype and lse (H, total_q) float32, each entry by
     ``reference.attention`` (float64, then rounded as the kernels' outputs are)."""
+    assert set(knobs) <= {"scale", "softcap", "kernel", "block_m", "block_n", "accum"}, sorted(knobs)
     o = np.zeros(q.shape)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     for e in range(cq.size - 1):
@@ -290,6 +291,7 @@ def _emulated_packed_launch(q, k, v, cq, ck, *, causal, used_k=None, sinks=None,
         qq = q[a:z].transpose(1, 0, 2)[None].astype(np.float64)
         oe, le = reference.attention(qq, kk, vv, causal=causal, return_lse=True, sinks=sinks,
                                      **{n_: x for n_, x in knobs.items() if n_ in ("scale", "softcap")})
+        # (the tile knobs change no float64 value; windows and ALiBi are refused above: not emulated)
         o[a:z], lse[:, a:z] = oe[0].transpose(1, 0, 2), le[0]
     return o.astype(q.dtype), lse.astype(np.float32)
 
@@ -343,7 +345,8 @@ def test_the_split_rule_fills_idle_sms_only():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("kernel,bm,bn", [("wgmma", 128, 128), ("mma", 128, 64), ("simt", 64, 64)])
+@pytest.mark.parametrize("kernel,bm,bn", [("wgmma", 64, 128), ("wgmma", 128, 128), ("wgmma", 192, 128),
+                                          ("mma", 128, 64), ("simt", 64, 64)])
 def test_decoding_packs_heads_and_splits_in_one_launch(rng, monkeypatch, kernel, bm, bn, paged):
     """Decoding on the kernels in one launch (counted): GQA packing (the query heads of a KV head as one
     tile's rows) gives each head the bits of the per-entry path on the same tile without a mask (a row's
@@ -386,3 +389,14 @@ def test_decoding_packs_heads_and_splits_in_one_launch(rng, monkeypatch, kernel,
         assert len(launches) == 1, splits
         _check(q, cupy.asnumpy(got_o), cupy.asnumpy(got_lse), seen, True, dname, sinks=cupy.asnumpy(sinks),
                softcap=20.0)
+    # the rest by the float64 reference, one launch each: num_splits=0 (the policy's rule), one query head
+    # per KV head (no packing; causal ranges, each query at its range's end) and 5 queries without a mask
+    q5 = rng.standard_normal((B, 5, HQ, 64)).astype(dt)
+    for qh, causal, splits in ((q, True, 0), (q[:, :, :HKV], True, 3), (q5, False, 3)):
+        launches.clear()
+        got_o, got_lse = flashcupy.attention_with_kvcache(
+            cupy.asarray(qh), *dev[1:3], cache_seqlens=cupy.asarray(lengths), block_table=dev[3],
+            causal=causal, num_splits=splits, return_lse=True, sinks=sinks[:qh.shape[2]], **knobs)
+        assert len(launches) == 1, (qh.shape, splits)
+        _check(qh, cupy.asnumpy(got_o), cupy.asnumpy(got_lse), seen, causal, dname,
+               sinks=cupy.asnumpy(sinks[:qh.shape[2]]), softcap=20.0)

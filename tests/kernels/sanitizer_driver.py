@@ -117,8 +117,9 @@ def main() -> None:
         qd = cupy.asarray(rng.standard_normal((3, 1, 8, 64)).astype(np.float16))
         for kernel in ("wgmma", "mma"):
             for splits in (1, 3):
-                flashcupy.attention_with_kvcache(qd, cache, cache, cache_seqlens=cupy.asarray(lengths),
-                                                 kernel=kernel, num_splits=splits)
+                od = flashcupy.attention_with_kvcache(qd, cache, cache, cache_seqlens=cupy.asarray(lengths),
+                                                      kernel=kernel, num_splits=splits)
+                assert bool(cupy.isfinite(od).all()), (kernel, splits)  # (the NaN past the keys stays out)
     finally:
         _launch._wgmma_ctas = ctas
     # fp8 (e4m3) forward: both accumulations, k descales per tile and per key, every tile, GQA, ragged
