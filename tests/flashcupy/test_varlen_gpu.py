@@ -213,3 +213,39 @@ def test_packed_backward_refuses_what_attention_backward_refuses(rng):
         with pytest.raises(TypeError, match=words):
             flashcupy.attention_varlen_backward(args["do"], q, k, v, args["o"], args["lse"], cq, ck,
                                                 kernel="mma", **extra)
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "simt"])
+def test_packed_paths_take_broadcast_reversed_and_misaligned_views(rng, kernel):
+    """Everyday views on the packed forward and backward in every family: do broadcast over its tokens
+    (stride 0, torch's gradient of a sum), k and v reversed in their heads (negative strides), q
+    starting one element into a buffer (misaligned for 16-byte loads and TMA). Each gives the bits of
+    the same call on contiguous copies (copied where a kernel cannot read the view), and the context
+    survives (a plain call after)."""
+    import cupy
+
+    (q, k, v), (cq, ck) = _packed(rng, "f32" if kernel == "simt" else "f16", 64)
+    do = cupy.asarray(rng.standard_normal(q.shape[1:]).astype(q.dtype))
+    base = cupy.empty(q.size + 1, q.dtype)
+    q_mis = base[1:].reshape(q.shape)
+    q_mis[...] = q
+    views = dict(q=q_mis, k=k[:, ::-1], v=v[:, ::-1], do=cupy.broadcast_to(do, q.shape))
+    plain = {name: cupy.ascontiguousarray(x) for name, x in views.items()}
+    for det in (False, True):
+        outs = []
+        for args in (views, plain):
+            o, lse = flashcupy.attention_varlen(args["q"], args["k"], args["v"], cq, ck, causal=True,
+                                                kernel=kernel, return_lse=True)
+            grads = flashcupy.attention_varlen_backward(args["do"], args["q"], args["k"], args["v"], o, lse,
+                                                        cq, ck, causal=True, kernel=kernel, deterministic=det)
+            outs.append((o, lse, *grads))
+        for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *outs):
+            if name == "dq" and not det:  # (the atomic path's fp32 sums run in any order: two roundings)
+                eps = float(np.finfo(np.float32).eps) if kernel == "simt" else 2.0 ** -11
+                diff = float(cupy.abs(a.astype(cupy.float32) - b.astype(cupy.float32)).max())
+                assert diff <= 2 * eps * float(cupy.abs(b.astype(cupy.float32)).max()), (kernel, diff)
+            else:
+                assert bool((a == b).all()), (kernel, det, name)
+    cupy.cuda.get_current_stream().synchronize()
+    flashcupy.attention_varlen(q, k, v, cq, ck, kernel=kernel)  # (the context survives)
+    cupy.cuda.get_current_stream().synchronize()
