@@ -21,9 +21,11 @@ range): its keys a (1, Hkv, L, D) view of the contiguous cache or a gather of it
 [a, b) that ends before the cache does sees keys up to i' + (L - b) of its own i' = i + (b - a) - Nq:
 the window (-1, L - b).
 
-The lengths and the page table are read on the host (a synchronization with CuPy inputs: such a call
-cannot be captured in a CUDA graph). A native decoding kernel (float32 partials, pages read by the
-producer, the wgmma kernel reading a cache in place) is the next step.
+The lengths and the page table are read on the host: given as CuPy arrays they are copied there (a
+synchronization: such a call cannot be captured in a CUDA graph); given as NumPy arrays (CuPy q takes
+them) the host runs ahead. Past the checks, a call is a few launches: the queries' copy (GQA packing or
+splits), the lengths' one upload, the attention, the merge (one kernel), the sinks. Next: float32
+partials, and pages read through the table by the kernels (a paged cache is copied today).
 """
 from __future__ import annotations
 
@@ -164,9 +166,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     q : (B, Nq, Hq, D), NumPy (the twin) or CuPy (the kernels), float16, bfloat16 or float32.
     k_cache, v_cache : (B, capacity, Hkv, D) contiguous, or (num_blocks, page_size, Hkv, D) pages with
         ``block_table``; q's dtype; Hq a multiple of Hkv.
-    cache_seqlens : int32 (B,): the keys already in each entry's cache.
+    cache_seqlens : int32 (B,): the keys already in each entry's cache. With CuPy q it may be a NumPy
+        array: the lengths are read on the host, and a CuPy array's copy there waits for the GPU (a
+        decoding loop that keeps its lengths on the host lets the host run ahead of the GPU).
     block_table : int32 (B, max_blocks) or None: entry b's pages in order (only the pages that hold its
-        keys are read, and checked to name pages of the cache).
+        keys are read, and checked to name pages of the cache); NumPy or CuPy with CuPy q, as
+        cache_seqlens.
     k, v : (B, Nnew, Hkv, D) or None: new keys and values, written into the cache in place at positions
         cache_seqlens[b] .. + Nnew before the attention (cache_seqlens is not changed: the caller
         advances it, as with flash_attn).
@@ -183,7 +188,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         cache is written.
 
     Where it differs from flash_attn_with_kvcache: ``causal`` defaults to True (flash_attn: False);
-    ``cache_seqlens`` is an int32 array of q's kind, not an int; ``num_splits`` defaults to 1, and 0 is
+    ``cache_seqlens`` is an int32 array, not an int; ``num_splits`` defaults to 1, and 0 is
     this package's rule (it depends on the GPU's SM count, and so do the bits); there is no
     ``cache_batch_idx``, ``cache_leftpad`` or rotary embedding; appends into a page that another entry
     reads, or two appends into one slot, are refused (flash_attn leaves them undefined); shared pages
@@ -195,10 +200,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     written.
     """
     xp = _xp(q)
+    host_ok = ("block_table", "cache_seqlens") if xp is not np else ()  # (NumPy: read without a sync)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                     ("block_table", block_table), ("cache_seqlens", cache_seqlens)):
-        if x is not None and _xp(x) is not xp:
-            raise TypeError(f"{name} must be a {'NumPy' if xp is np else 'CuPy'} array like q")
+        if x is not None and _xp(x) is not xp and not (name in host_ok and isinstance(x, np.ndarray)):
+            kinds = "CuPy or NumPy" if name in host_ok else "NumPy" if xp is np else "CuPy"
+            raise TypeError(f"{name} must be a {kinds} array like q")
     b, nq, nnew, _, page, lengths, table = _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                                   num_splits, knobs)
     _check_knobs(q, k_cache, causal, return_lse, knobs)
@@ -252,9 +259,8 @@ def _per_entry(q, k_cache, v_cache, used, table, page, causal, splits, knobs):
         if table is None:
             keys, values = k_cache[i, :n], v_cache[i, :n]
         else:
-            pages = xp.asarray(table[i, :-(-n // page)])
-            keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n]
-            values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n]
+            pages = table[i, :-(-n // page)]
+            keys, values = (_gather_pages(x, pages)[:n] for x in (k_cache, v_cache))
         qb = q[i].transpose(1, 0, 2)[None]
         edges = np.linspace(0, n, min(splits, n) + 1).round().astype(int)
         parts = []
@@ -293,18 +299,31 @@ def _entries(used: np.ndarray, starts: np.ndarray, splits: int):
     keys [edge_s, edge_{s + 1}) of entry b (edges = round(linspace(0, used[b], S + 1)), as the per-entry
     path cuts them; ranges may be empty when used[b] < S), which start at row starts[b] of the keys'
     array. Returns (first, count): entry e's first key row and its key count (int64, host)."""
-    edges = np.zeros((used.size, splits + 1), np.int64)
-    for i, n in enumerate(used):
-        edges[i] = np.linspace(0, n, splits + 1).round().astype(np.int64)
+    edges = np.linspace(0, used, splits + 1, axis=1).round().astype(np.int64)  # (each row's own linspace)
     return (starts[:, None] + edges[:, :-1]).reshape(-1), np.diff(edges, axis=1).reshape(-1)
+
+
+def _gather_pages(x, pages: np.ndarray):
+    """Pages ``pages`` of a paged cache x (num_blocks, page, Hkv, D), one after another, as one packed
+    (len(pages) page, Hkv, D) array: one copy of them (16 bytes a thread where each page is whole
+    16-byte units of a C-contiguous cache, the units copied as complex128)."""
+    xp = _xp(x)
+    rows = xp.asarray(pages)
+    flat = x.reshape(x.shape[0], -1)
+    if xp is not np and x.flags.c_contiguous and flat.shape[1] * x.itemsize % 16 == 0:
+        out = flat.view(xp.complex128)[rows].view(x.dtype)
+    else:
+        out = x[rows]
+    return out.reshape(-1, *x.shape[2:])
 
 
 def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits: int = 1):
     """Every entry in one launch of the packed forward (``_varlen``): the queries as B sequences of Nq;
-    a contiguous cache whose entries lie capacity rows apart read in place, entry b's keys the first
-    used[b] of its capacity (the kernels' used_k: the mma and simt loads stop there, and the wgmma kernel
-    zeroes the rows of V past them that its TMA tiles read); any other cache gathered, every entry's
-    used keys one after another (one copy of them, as the per-entry path makes of a paged cache).
+    a contiguous cache read in place as (B capacity, Hkv, D) (copied first where its entries do not lie
+    capacity rows apart), entry b's keys the first used[b] of its capacity (the kernels' used_k: the mma
+    and simt loads stop there, and the wgmma kernel zeroes the rows of V past them that its TMA tiles
+    read); a paged cache's pages in use gathered entry after entry (``_gather_pages``: one copy, as the
+    per-entry path makes), entry b's keys the first used[b] from its first page.
 
     Decoding (Nq = 1) packs the query heads of each KV head into the rows of one tile where
     ``_gqa_packed`` says so: the launch then sees Hkv heads of Hq / Hkv queries, reads each KV head's keys
@@ -323,25 +342,18 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
     rows, heads = (hq // hkv, hkv) if pack else (nq, hq)  # each packed entry's queries and query heads
     cap = k_cache.shape[1]
     used = np.asarray(used, np.int64)
-    in_place = table is None and all(x.strides[0] == cap * x.strides[1] for x in (k_cache, v_cache))
-    if in_place:
+    if table is None:  # entry b's keys at rows b cap .. of the cache seen as (B cap, Hkv, D)
+        if not all(x.strides[0] == cap * x.strides[1] for x in (k_cache, v_cache)):
+            k_cache, v_cache = xp.ascontiguousarray(k_cache), xp.ascontiguousarray(v_cache)
         kp, vp = (x.reshape(b * cap, *x.shape[2:]) for x in (k_cache, v_cache))  # (views: read in place)
         starts, total = np.arange(b, dtype=np.int64) * cap, b * cap
-    else:
-        keys = [np.arange(n) for n in used]
-        if table is None:  # entry b, key j
-            first = np.concatenate([np.full(n, i) for i, n in enumerate(used)])
-            second = np.concatenate(keys)
-        else:  # page table[b, j // page], row j % page
-            first = np.concatenate([table[i, j // page] for i, j in enumerate(keys)])
-            second = np.concatenate([j % page for j in keys])
-        first, second = xp.asarray(first), xp.asarray(second)
-        kp, vp = (x[first, second] for x in (k_cache, v_cache))
-        starts, total = np.concatenate([[0], np.cumsum(used)[:-1]]).astype(np.int64), int(used.sum())
+    else:  # the pages in use, entry after entry, copied once; entry b's keys from its first page's row
+        counts = -(-used // page)
+        pages = np.concatenate([table[i, :c] for i, c in enumerate(counts)]).astype(np.int64)
+        kp, vp = (_gather_pages(x, pages) for x in (k_cache, v_cache))
+        starts, total = (np.cumsum(counts) - counts) * page, int(counts.sum()) * page
     ck, used_k = _entries(used, starts, splits)
     ck = np.concatenate([ck, [total]])
-    if not in_place:
-        used_k = None  # (gathered: the ranges lie one after another, so the cumulative starts say it all)
     entries = b * splits
     cq = np.arange(entries + 1, dtype=np.int64) * rows
     # the packed queries, (entries x rows, heads, D): entry b's once per key range; packed heads: row j

@@ -199,16 +199,28 @@ def _packed_problem(q, k, v, *, b, nq, nk, **knobs):
                                total_k=k.shape[0])
 
 
-def _device_lengths(cu, host, device: int):
-    """The checked cumulative lengths as the kernels read them: ``cu`` itself when it is an int32
-    C-contiguous CuPy array on the device (what the host check read), else the host copy uploaded."""
+def _device_lengths(given: tuple, hosts: tuple, device: int) -> tuple:
+    """The checked lengths as the kernels read them (int32 on the device): each given array itself where
+    it is an int32 C-contiguous CuPy array on the device (what the host check read), the others' host
+    copies uploaded together (one copy, sliced)."""
     import cupy
 
-    if (isinstance(cu, cupy.ndarray) and cu.dtype == np.int32 and cu.flags.c_contiguous
-            and cu.data.device_id == device):
-        return cu
-    with cupy.cuda.Device(device):
-        return cupy.asarray(host.astype(np.int32))
+    def usable(c):
+        return (isinstance(c, cupy.ndarray) and c.dtype == np.int32 and c.flags.c_contiguous
+                and c.data.device_id == device)
+
+    upload = [h for c, h in zip(given, hosts) if not usable(c)]
+    if upload:
+        with cupy.cuda.Device(device):
+            flat = cupy.asarray(np.concatenate(upload).astype(np.int32))
+    out, at = [], 0
+    for c, h in zip(given, hosts):
+        if usable(c):
+            out.append(c)
+        else:
+            out.append(flat[at:at + h.size])
+            at += h.size
+    return tuple(out)
 
 
 def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",
@@ -234,9 +246,8 @@ def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_
     p = _memoized(_packed_problem, (q, k, v), _knobs(kw), kw)
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, q.shape[1], q)
     sinks = None if sinks is None else _sinks.check(sinks, q.shape[1], q)
-    lengths = tuple(_device_lengths(c, host, p.device) for c, host in zip(cu, (cq, ck)))
-    if used_k is not None:
-        lengths += (_device_lengths(None, used_k, p.device),)
+    lengths = _device_lengths(tuple(cu) + ((None,) if used_k is not None else ()),
+                              (cq, ck) + ((used_k,) if used_k is not None else ()), p.device)
     o, lse = forward(q, k, v, p, o=o, lse=lse, alibi=slopes, cu=lengths)
     return (o, lse) if sinks is None else _sinks.apply(o, lse, sinks, packed=True)
 
@@ -272,7 +283,7 @@ def _backward_packed(do, q, k, v, o, lse, cq, ck, *, causal, dlse=None, scale=No
         return None
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, q.shape[1], q)
     sinks = None if sinks is None else _sinks.check(sinks, q.shape[1], q)
-    lengths = tuple(_device_lengths(c, host, p.device) for c, host in zip(cu, (cq, ck)))
+    lengths = _device_lengths(tuple(cu), (cq, ck), p.device)
     grads = backward(do, q, k, v, o, lse, p, deterministic=bool(deterministic), grads=grads, dlse=dlse,
                      alibi=slopes, cu=lengths)
     if sinks is None:

@@ -109,16 +109,31 @@ def test_a_bf16_running_output_loses_what_a_float32_one_keeps(rng, form):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("dname", ["bf16", "f32"])
 @pytest.mark.parametrize("form", flashcupy._merge.FORMS)
-def test_merge_on_cupy_arrays_gives_the_numpy_result(rng, form):
+def test_merge_on_cupy_arrays_gives_the_numpy_result(rng, form, dname, out_dtype):
+    """CuPy's merge (form "exp": one kernel) against NumPy's on the same parts: strided views of the
+    parts, a part that saw nothing for some rows, rows no part saw (o = 0, lse = -inf), every output
+    dtype; within float32 rounding of the sums' order (one unit of a 16-bit output)."""
     import cupy
 
-    _, o_parts, lse_parts = _parts(rng, 5, dtype=numpy_dtype("bf16"))
-    o, lse = flashcupy.merge_states(cupy.asarray(o_parts), cupy.asarray(lse_parts), form=form,
-                                    out_dtype="float32")
-    oh, lh = flashcupy.merge_states(o_parts, lse_parts, form=form, out_dtype="float32")
-    np.testing.assert_allclose(cupy.asnumpy(o), oh, rtol=1e-6, atol=1e-7)
+    _, o_parts, lse_parts = _parts(rng, 5, dtype=numpy_dtype(dname))
+    o_parts[1, :, :, :4], lse_parts[1, :, :, :4] = 0, -np.inf
+    o_parts[:, :, :, 4:6], lse_parts[:, :, :, 4:6] = 0, -np.inf
+    # (S, B, H, N, D) views of (B, S, N, H, D) buffers, as the one-launch decoding path passes them
+    o_dev = cupy.asarray(np.ascontiguousarray(o_parts.transpose(1, 0, 3, 2, 4))).transpose(1, 0, 3, 2, 4)
+    lse_dev = cupy.asarray(np.ascontiguousarray(lse_parts.transpose(1, 0, 3, 2))).transpose(1, 0, 3, 2)
+    o, lse = flashcupy.merge_states(o_dev, lse_dev, form=form, out_dtype=out_dtype)
+    oh, lh = flashcupy.merge_states(o_parts, lse_parts, form=form, out_dtype=out_dtype)
+    assert o.dtype == oh.dtype and o.shape == oh.shape and lse.shape == lh.shape
+    ulp = {"float32": 1e-6, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}[out_dtype]
+    np.testing.assert_allclose(cupy.asnumpy(o).astype(np.float64), oh.astype(np.float64), rtol=ulp,
+                               atol=1e-7)
     np.testing.assert_allclose(cupy.asnumpy(lse), lh, rtol=1e-6)
+    got = cupy.asnumpy(o)
+    assert (got[:, :, 4:6] == 0).all() and np.isneginf(cupy.asnumpy(lse)[:, :, 4:6]).all()
+    assert np.isfinite(got.astype(np.float32)).all()
 
 
 def test_the_fold_without_the_stable_softplus_overflows_past_a_gap_of_88(rng):
