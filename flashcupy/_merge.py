@@ -140,9 +140,9 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", state
 # arrays index in C order), 16-bit arrays as their uint16 bits.
 _MERGE_BODY = r"""
     const long long r = i / D, d = i - r * D, R = _ind.size() / D;
-    float m = -INFINITY;
+    float m = FC_NEG_INF;
     for (int s = 0; s < S; ++s) m = fmaxf(m, lp[s * R + r]);
-    if (m == -INFINITY) m = 0.f;  // no part saw the row: every weight is exp(-inf) = 0
+    if (m == FC_NEG_INF) m = 0.f;  // no part saw the row: every weight is exp(-inf) = 0
     float total = 0.f, acc = 0.f;
     for (int s = 0; s < S; ++s) {
         const float w = expf(lp[s * R + r] - m);
@@ -150,7 +150,7 @@ _MERGE_BODY = r"""
         acc += w * FC_MERGE_LOAD(op[(s * R + r) * D + d]);
     }
     o[i] = FC_MERGE_STORE(acc / (total == 0.f ? 1.f : total));
-    if (d == 0) lse[r] = total == 0.f ? -INFINITY : m + logf(total);
+    if (d == 0) lse[r] = total == 0.f ? FC_NEG_INF : m + logf(total);
 """
 _MERGE_KERNELS: dict = {}
 
@@ -170,7 +170,8 @@ def _merge_exp_cupy(o_parts, lse_parts, out):
         bf16 = {"f16": "false", "bf16": "true"}
         load = "(h)" if src == "f32" else f"fc_load_bits(h, {bf16[src]})"
         store = "(x)" if dst == "f32" else f"fc_store_bits(x, {bf16[dst]})"
-        macros = f"#define FC_MERGE_LOAD(h) {load}\n#define FC_MERGE_STORE(x) {store}\n"
+        macros = (f"#define FC_MERGE_LOAD(h) {load}\n#define FC_MERGE_STORE(x) {store}\n"
+                  "#define FC_NEG_INF __int_as_float(0xff800000)\n")
         kern = cupy.ElementwiseKernel(f"raw {types[src]} op, raw float32 lp, int32 S, int64 D",
                                       f"raw {types[dst]} o, raw float32 lse", _MERGE_BODY,
                                       f"flashcupy_merge_exp_{src}_{dst}", preamble=_PREAMBLE + macros)
