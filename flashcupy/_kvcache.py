@@ -262,7 +262,7 @@ def _per_entry(q, k_cache, v_cache, used, table, page, causal, splits, knobs):
             pages = table[i, :-(-n // page)]
             keys, values = (_gather_pages(x, pages)[:n] for x in (k_cache, v_cache))
         qb = q[i].transpose(1, 0, 2)[None]
-        edges = np.linspace(0, n, min(splits, n) + 1).round().astype(int)
+        edges = _split_edges(np.array([n]), min(splits, n))[0]
         parts = []
         for a, e in zip(edges[:-1], edges[1:]):
             kb, vb = (x[a:e].transpose(1, 0, 2)[None] for x in (keys, values))
@@ -294,12 +294,22 @@ def _gqa_packed(nq: int, hq: int, hkv: int, knobs) -> bool:
     return nq == 1 and hq > hkv and not _no_split_knobs(knobs)
 
 
+def _split_edges(n: np.ndarray, splits: int) -> np.ndarray:
+    """The edges of ``splits`` key ranges of n[b] keys, (B, S + 1) int64: round(s n[b] / S), the values of
+    np.linspace(0, n[b], S + 1) (s times the step n / S, the last n itself), at NumPy's arithmetic cost
+    (linspace's own overhead is a decoding step's host time)."""
+    n = np.asarray(n, np.float64)[:, None]
+    edges = np.arange(splits + 1) * (n / splits)
+    edges[:, -1:] = n
+    return edges.round().astype(np.int64)
+
+
 def _entries(used: np.ndarray, starts: np.ndarray, splits: int):
     """The packed entries of B cache entries, each cut into ``splits`` key ranges: entry e = b S + s takes
-    keys [edge_s, edge_{s + 1}) of entry b (edges = round(linspace(0, used[b], S + 1)), as the per-entry
+    keys [edge_s, edge_{s + 1}) of entry b (``_split_edges``, as the per-entry
     path cuts them; ranges may be empty when used[b] < S), which start at row starts[b] of the keys'
     array. Returns (first, count): entry e's first key row and its key count (int64, host)."""
-    edges = np.linspace(0, used, splits + 1, axis=1).round().astype(np.int64)  # (each row's own linspace)
+    edges = _split_edges(used, splits)
     return (starts[:, None] + edges[:, :-1]).reshape(-1), np.diff(edges, axis=1).reshape(-1)
 
 
