@@ -150,7 +150,7 @@ def _tile_counter(stream: int, scratch: "_Scratch") -> int:
     if counter is None:
         if len(counters) >= _COUNTERS_LIMIT:
             counters.clear()
-        with cupy.cuda.ExternalStream(stream):  # zeroed, and one day freed, in that stream's order
+        with _external_stream(stream):  # zeroed, and one day freed, in that stream's order
             counter = counters[key] = cupy.zeros(2, dtype=cupy.int32)
     return counter.data.ptr
 
@@ -256,16 +256,35 @@ class _Launcher:
         return (int(kern.function.kernel.ptr), self._grid, kern.threads, kern.smem_bytes, args, kern.name)
 
     def _cupy_launch(self, stream: int, pointers, maps) -> None:
-        import cupy
 
         ptrs, tmaps = iter(pointers), iter(maps)
         args = tuple(np.uint64(next(ptrs)) if a is PTR else
                      np.frombuffer(next(tmaps), dtype=_MAP_DTYPE)[0] if a is MAP else a for a in self._layout)
-        with cupy.cuda.ExternalStream(stream):
+        with _external_stream(stream):
             self._kern(self._grid, args)
 
 
 _THREAD = threading.local()
+
+
+class _StreamHandle:
+    """A raw CUDA stream handle through the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``
+    (CuPy 14 deprecates ``ExternalStream``). The stream is the caller's, alive while it launches."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def _external_stream(handle: int):
+    """The stream with this handle as a CuPy stream (a context manager that makes it current)."""
+    import cupy
+
+    return cupy.cuda.Stream.from_external(_StreamHandle(handle))
 
 
 def _bind_context(device: int) -> None:

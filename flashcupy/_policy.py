@@ -295,12 +295,14 @@ def kvcache_splits(num_splits: int, *, ctas: int = 0, longest: int = 0, sms: int
     """The key ranges ``attention_with_kvcache`` runs for ``num_splits`` (0: the policy's choice), where
     one launch without splits would run ``ctas`` CTAs on a GPU of ``sms`` SMs and the longest entry has
     ``longest`` keys (0: unknown, one range). The rule: split only while the launch leaves SMs idle, into
-    enough ranges for two CTAs per SM, each of at least 1024 keys (a range costs its queries' load and
-    a merge), at most 64. Measured on an H200 (wgmma, D 128, Hkv 8, Hq 32, kernel time): one entry of
-    131,072 keys took 200 us at S = 8 and 135 us at S = 32 (the rule: 33); 8 of 32,768 took 392, 260
-    and 277 us at S = 1, 8, 32 (the rule: 5). docs/design/varlen.md has the table."""
+    as many ranges as fit two waves of CTAs (floor: a third, partial wave costs more than it spreads),
+    each of at least 1024 keys (a range costs its queries' load and a merge), at most 64. Measured on an
+    H200 (wgmma, D 128, Hkv 8, Hq 32; all kernels of the call): one entry of 131,072 keys took 212, 152
+    and 156 us at S = 8, 32 and the rule's 33; 8 entries of 32,768 took 395, 272 and 275 us at S = 1, 4
+    (the rule's) and 8, and 319 us at S = 5 (320 CTAs: 2.4 waves). docs/design/varlen.md has the table.
+    """
     if num_splits > 0:
         return num_splits
     if ctas <= 0 or sms <= 0 or ctas >= sms:
         return 1
-    return max(1, min(-(-2 * sms // ctas), longest // 1024, 64))
+    return max(1, min(2 * sms // ctas, longest // 1024, 64))

@@ -331,7 +331,7 @@ def test_one_launch_layout_packs_heads_and_splits_keys(rng, monkeypatch, paged, 
 
 def test_the_split_rule_fills_idle_sms_only():
     """num_splits=0's rule (_policy.kvcache_splits): one range when the launch fills the SMs or the cache
-    is short; else ranges of at least 1024 keys up to two CTAs per SM, at most 64; a given S is kept."""
+    is short; else ranges of at least 1024 keys, as many as fit two waves, at most 64; a given S is kept."""
     from flashcupy._policy import kvcache_splits
 
     assert kvcache_splits(3, ctas=1000, longest=10, sms=132) == 3
@@ -339,7 +339,8 @@ def test_the_split_rule_fills_idle_sms_only():
     assert kvcache_splits(0, ctas=8, longest=1000, sms=132) == 1
     assert kvcache_splits(0, ctas=8, longest=4096, sms=132) == 4
     assert kvcache_splits(0, ctas=8, longest=1 << 17, sms=132) == 33
-    assert kvcache_splits(0, ctas=64, longest=1 << 15, sms=132) == 5
+    assert kvcache_splits(0, ctas=64, longest=1 << 15, sms=132) == 4
+    assert kvcache_splits(0, ctas=100, longest=1 << 15, sms=132) == 2
     assert kvcache_splits(0, ctas=1, longest=1 << 20, sms=132) == 64
     assert kvcache_splits(0) == 1
 

@@ -48,7 +48,7 @@ def test_the_cupy_fallback_passes_the_layouts_bytes(monkeypatch):
     launcher = _launch._Launcher(Kernel(), (3, 2), layout)
     maps = (bytes(range(128)), bytes(range(128, 256)))
     streams = []
-    monkeypatch.setattr("cupy.cuda.ExternalStream",
+    monkeypatch.setattr(_launch, "_external_stream",
                         lambda ptr: streams.append(ptr) or contextlib.nullcontext())
     launcher(7, (0x1000, 0x2000), maps)
     assert streams == [7]
