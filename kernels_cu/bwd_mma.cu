@@ -316,9 +316,8 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
                         // (S^T's element: key n0 + kg 16 + g + 8 hf, query m0 + qcol + e; the score hook
                         // first, flash_common.cuh, and its derivative in dS)
                         float gs;  // hook'(t)
-                        const float ts = hook.apply(acc_get(acc_s[0][n], 2 * hf + e), m0 + qcol + e,
-                                                    n0 + kg * 16 + g + 8 * hf, gs);
-                        p[e] = fc_softmax_p(ts, scale_log2, lq[e]);
+                        p[e] = fc_hook_p(hook, acc_get(acc_s[0][n], 2 * hf + e), m0 + qcol + e,
+                                         n0 + kg * 16 + g + 8 * hf, scale_log2, lq[e], gs);
                         if (need_mask) {
                             const int key = n0 + kg * 16 + g + 8 * hf, query = m0 + qcol + e;
                             const bool vis = query < seq.nq && fc_visible(query, key, seq.nq, seq.nk);
@@ -507,8 +506,8 @@ extern "C" __global__ void __launch_bounds__(FC_NUM_THREADS, 1) flash_bwd_dq_mma
                         // flash_common.cuh, and its derivative in dS)
                         const int key = j * BN + kr0 + 2 * t + 8 * n + e;
                         float gs;  // hook'(t)
-                        const float ts = hook.apply(acc_get(acc_s[0][n], 2 * hf + e), row_g + 8 * hf, key, gs);
-                        float p = fc_softmax_p(ts, scale_log2, lrow[hf]);
+                        float p = fc_hook_p(hook, acc_get(acc_s[0][n], 2 * hf + e), row_g + 8 * hf, key, scale_log2,
+                                            lrow[hf], gs);
                         if (need_mask && (n * 8 + e > last || (FC_BOUND_LEFT && n * 8 + e < first))) p = 0.f;
                         ds[e] = fc_hook_ds(p * (acc_get(acc_p[0][n], 2 * hf + e) - drow[hf]), gs);
                     }

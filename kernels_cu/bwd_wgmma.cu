@@ -578,8 +578,8 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                         for (int e = 0; e < 2; ++e) {
                             // (the score hook first, flash_common.cuh: key key_g + 8 hf, query m0 + qc + e)
                             float gs;  // hook'(t)
-                            const float ts = hook.apply(acc_get(wg_tile(s_acc, i), 2 * hf + e), m0 + qc + e, key_g + 8 * hf, gs);
-                            p[e] = fc_softmax_p(ts, scale_log2, lq[e]);
+                            p[e] = fc_hook_p(hook, acc_get(wg_tile(s_acc, i), 2 * hf + e), m0 + qc + e, key_g + 8 * hf,
+                                             scale_log2, lq[e], gs);
                             if constexpr (decltype(masked)::value) {  // query qc + e sees key key_g + 8 hf
                                 const int query = m0 + qc + e;
                                 p[e] = (query < seq.nq && query >= q_first_vis[hf] &&

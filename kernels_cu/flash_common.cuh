@@ -641,6 +641,13 @@ __device__ __forceinline__ float fc_hook_lq(const FcScoreHook &hook, float lq, i
 #endif
 }
 
+// A backward's P of one score s (query row `row`, key `key`): the hook's t first, then exp2(t c - lq)
+// (fc_softmax_p, lq from fc_hook_lq); g = hook'(t) for dS (fc_hook_ds). The mask is the caller's.
+__device__ __forceinline__ float fc_hook_p(const FcScoreHook &hook, float s, int row, int key, float c, float lq,
+                                           float &g) {
+    return fc_softmax_p(hook.apply(s, row, key, g), c, lq);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Batch entries (the forwards and the backwards). Entry b of a call is, by default, slice b of
 // (B, H, N, D) arrays: nq queries and nk keys. With FC_VARLEN 1 (packed sequences,
