@@ -22,10 +22,11 @@ range): its keys a (1, Hkv, L, D) view of the contiguous cache or a gather of it
 the window (-1, L - b).
 
 The lengths and the page table are read on the host: given as CuPy arrays they are copied there (a
-synchronization: such a call cannot be captured in a CUDA graph); given as NumPy arrays (CuPy q takes
-them) the host runs ahead. Past the checks, a call is a few launches: the queries' copy (GQA packing or
-splits), the lengths' one upload, the attention, the merge (one kernel), the sinks. Next: float32
-partials, and pages read through the table by the kernels (a paged cache is copied today).
+synchronization); given as NumPy arrays (CuPy q takes them) the host runs ahead. A call under CUDA-graph
+capture is refused (RuntimeError): its uploads and temporaries come from CuPy's pool per call. Past the
+checks, a call is a few launches: the queries' copy (GQA packing or splits), the lengths' one upload,
+the attention, the merge (one kernel), the sinks. Next: float32 partials, and pages read through the
+table by the kernels (a paged cache is copied today).
 """
 from __future__ import annotations
 
@@ -206,6 +207,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         if x is not None and _xp(x) is not xp and not (name in host_ok and isinstance(x, np.ndarray)):
             kinds = "CuPy or NumPy" if name in host_ok else "NumPy" if xp is np else "CuPy"
             raise TypeError(f"{name} must be a {kinds} array like q")
+    from ._varlen import _refuse_capture
+
+    _refuse_capture("attention_with_kvcache", q)
     b, nq, nnew, _, page, lengths, table = _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                                   num_splits, knobs)
     _check_knobs(q, k_cache, causal, return_lse, knobs)

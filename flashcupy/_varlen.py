@@ -19,7 +19,8 @@ still checked once. The packed and per-sequence paths give the same bits on the 
 compare them).
 
 The lengths are read on the host: with CuPy inputs, ``cu_seqlens`` is copied to the host once per call
-(a synchronization; such a call cannot be captured in a CUDA graph).
+(a synchronization). A call under CUDA-graph capture is refused before any copy (``_refuse_capture``):
+its uploads and temporaries come from CuPy's pool per call, and a replay would find them reused.
 """
 from __future__ import annotations
 
@@ -73,6 +74,22 @@ def _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe one batch: {cq.size - 1} and "
                          f"{ck.size - 1} sequences")
     return cq, ck
+
+
+def _refuse_capture(fn: str, q) -> None:
+    """A packed call (and a KV-cache call) reads its lengths on the host and takes per-call uploads and
+    temporaries from CuPy's pool, which a CUDA graph would replay after the pool had handed them to
+    other arrays (and the lengths it saw at capture). Under stream capture it is refused, before any
+    copy: RuntimeError. (A CuPy array's copy to the host would otherwise fail inside the capture.)"""
+    if not type(q).__module__.startswith("cupy"):
+        return
+    import cupy
+
+    with cupy.cuda.Device(q.data.device_id):
+        if cupy.cuda.get_current_stream().is_capturing():
+            raise RuntimeError(f"{fn} cannot be captured into a CUDA graph: it reads its lengths on the "
+                               "host and uploads them, with its temporaries, per call; call it outside the "
+                               "capture")
 
 
 def _view(x, a: int, b: int):
@@ -149,8 +166,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     batch (every family; sinks add their two merge kernels after it; a batch of more than 65,535
     sequences runs one call per sequence); NumPy inputs run the twin one sequence at a time. The lengths
     are checked on the host before any launch: CuPy ``cu_seqlens`` are copied there (a device-to-host
-    copy that waits for the stream, so the call cannot be captured in a CUDA graph). How it runs:
-    ``flashcupy._varlen``.
+    copy that waits for the stream). A call under CUDA-graph capture is refused (RuntimeError: its
+    uploads and temporaries would not outlive the call). How it runs: ``flashcupy._varlen``.
     """
     import flashcupy
 
@@ -158,6 +175,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
 
     _check_bool("return_lse", return_lse)
     _check_knob_names("attention_varlen", knobs, _FORWARD_KNOBS)
+    _refuse_capture("attention_varlen", q)
     cq, ck = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_slopes(knobs, cq.size - 1, q.shape[1])
     xp = _xp(q)
@@ -310,6 +328,7 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
 
     dlse = knobs.pop("dlse", None)  # (Hq, total_q), as lse: cut per sequence like it
     _check_knob_names("attention_varlen_backward", knobs, _BACKWARD_KNOBS)
+    _refuse_capture("attention_varlen_backward", q)
     cq, ck = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_slopes(knobs, cq.size - 1, q.shape[1])
     for name, x, want in (("do", do, q.shape), ("o", o, q.shape), ("lse", lse, (q.shape[1], q.shape[0])),

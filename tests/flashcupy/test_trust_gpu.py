@@ -239,6 +239,42 @@ def test_captured_backward_replays_into_its_own_memory(rng, monkeypatch, kernel,
     _alive()
 
 
+def test_packed_and_kvcache_calls_refuse_capture_and_leave_it_clean(rng):
+    """attention_varlen (forward and backward) and attention_with_kvcache read their lengths on the host
+    and take per-call uploads and temporaries from CuPy's pool, which a replay would find reused: under
+    stream capture each raises RuntimeError before any copy (host lengths included, which would
+    otherwise capture without an error), the capture still ends cleanly, and the same calls run after."""
+    import cupy
+
+    d = 64
+    q, k, v, do = (cupy.asarray(rng.standard_normal((40, 2, d)).astype(np.float16)) for _ in range(4))
+    cu = np.array([0, 15, 40], np.int32)  # (host lengths: no device-to-host copy to fail on)
+    qc = cupy.asarray(rng.standard_normal((2, 1, 4, d)).astype(np.float16))
+    kc, vc = (cupy.asarray(rng.standard_normal((2, 32, 2, d)).astype(np.float16)) for _ in range(2))
+    lens = np.array([5, 32], np.int32)
+    o, lse = flashcupy.attention_varlen(q, k, v, cu, cu, return_lse=True)
+    calls = {"attention_varlen": lambda: flashcupy.attention_varlen(q, k, v, cu, cu),
+             "attention_varlen_backward": lambda: flashcupy.attention_varlen_backward(do, q, k, v, o, lse,
+                                                                                      cu, cu),
+             "attention_with_kvcache": lambda: flashcupy.attention_with_kvcache(qc, kc, vc,
+                                                                                cache_seqlens=lens)}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for name, call in calls.items():
+        call()  # (compiled, remembered)
+        with stream:
+            stream.begin_capture()
+            try:
+                with pytest.raises(RuntimeError, match=f"{name} cannot be captured into a CUDA graph"):
+                    call()
+            finally:
+                graph = stream.end_capture()
+        del graph
+        with stream:
+            call()
+        stream.synchronize()
+    _alive()
+
+
 # --------------------------------------------------------------------------------------------------
 # item 4: the deterministic backward needs no co-residency
 
