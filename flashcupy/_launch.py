@@ -256,7 +256,6 @@ class _Launcher:
         return (int(kern.function.kernel.ptr), self._grid, kern.threads, kern.smem_bytes, args, kern.name)
 
     def _cupy_launch(self, stream: int, pointers, maps) -> None:
-
         ptrs, tmaps = iter(pointers), iter(maps)
         args = tuple(np.uint64(next(ptrs)) if a is PTR else
                      np.frombuffer(next(tmaps), dtype=_MAP_DTYPE)[0] if a is MAP else a for a in self._layout)
