@@ -102,23 +102,26 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v, num_splits, kn
         raise ValueError(f"cache_seqlens + Nnew must lie in [0, {capacity}] (the cache's capacity); got "
                          f"cache_seqlens {shown}, Nnew = {nnew}")
     if table is not None:
-        used = [table[i, :-(-(n + nnew) // page)] for i, n in enumerate(lengths)]
-        flat = np.concatenate(used)
-        if flat.size and (flat.min() < 0 or flat.max() >= k_cache.shape[0]):
+        counts = -(-(lengths + nnew) // page)
+        owner, pages = _pages_in_use(table, counts)
+        if pages.size and (pages.min() < 0 or pages.max() >= k_cache.shape[0]):
             raise ValueError(f"block_table names pages outside [0, {k_cache.shape[0]}) among the pages in "
                              "use")
         if nnew:  # the appended slots: each written once, in no page another entry reads
-            written = [table[i, (n + np.arange(nnew)) // page] * page + (n + np.arange(nnew)) % page
-                       for i, n in enumerate(lengths)]
-            slots = np.concatenate(written)
+            pos = lengths[:, None] + np.arange(nnew)
+            written = table[np.arange(b)[:, None], pos // page]
+            slots = (written * page + pos % page).reshape(-1)
             if np.unique(slots).size != slots.size:
                 raise ValueError("block_table: two appended keys would land in one cache slot (a page listed "
                                  "twice); each entry's new keys need slots of their own")
-            for i, w in enumerate(written):
-                others = np.concatenate([u for j, u in enumerate(used) if j != i] or [np.empty(0, np.int64)])
-                if np.isin(w // page, others).any():
-                    raise ValueError(f"block_table: entry {i} would append into a page another entry reads "
-                                     "(shared pages may be read, not written)")
+            # readers[p]: how many entries read page p (an entry that lists a page twice counts once)
+            pairs = np.unique(pages * b + owner)
+            readers = np.bincount(pairs // b, minlength=k_cache.shape[0])
+            shared = readers[written] > 1  # (every appended page is read by its own entry)
+            if shared.any():
+                i = int(np.nonzero(shared.any(axis=1))[0][0])
+                raise ValueError(f"block_table: entry {i} would append into a page another entry reads "
+                                 "(shared pages may be read, not written)")
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: the policy's choice), got {num_splits!r}")
     if num_splits > 1:
@@ -127,6 +130,14 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v, num_splits, kn
             raise ValueError(f"num_splits > 1 does not run with {', '.join(used)} yet (their positions "
                              "would move with each key range); use num_splits=1")
     return b, nq, nnew, capacity, page, lengths, table
+
+
+def _pages_in_use(table: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pages the entries read, entry after entry: (owner, page) int64 arrays, entry b's first
+    counts[b] pages of its row of ``table`` (host arrays)."""
+    owner = np.repeat(np.arange(table.shape[0]), counts)
+    within = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, table[owner, within]
 
 
 def _no_split_knobs(knobs) -> list[str]:
@@ -139,22 +150,31 @@ def _no_split_knobs(knobs) -> list[str]:
 
 def _check_knobs(q, k_cache, causal, return_lse, knobs) -> None:
     """``attention``'s checks of the knobs, run once on views of q and the cache before the cache is
-    written (each entry's call checks them again on its own shapes)."""
-    from ._checks import _check_bool, forward_problem
+    written (each entry's call checks them again on its own shapes), remembered as ``attention``'s are
+    (``_checks._memoized``: a decoding loop checks its knobs once)."""
+    from ._checks import _check_bool, _knobs, _memoized
     from .reference import _variants
 
     unknown = sorted(set(knobs) - set(KNOBS))
     if unknown:
         raise TypeError(f"attention_with_kvcache got unknown knobs {unknown}; it takes {list(KNOBS)}")
     _check_bool("return_lse", return_lse)
-    qv, kv = q[0].transpose(1, 0, 2)[None], k_cache[0].transpose(1, 0, 2)[None]
-    forward_problem(qv, kv, kv, causal=causal, scale=knobs.get("scale"), block_m=knobs.get("block_m"),
-                    block_n=knobs.get("block_n"), accum=knobs.get("accum", "fp32"),
-                    kernel=knobs.get("kernel", "auto"), ablate=knobs.get("ablate"),
-                    window_size=knobs.get("window_size", (-1, -1)), softcap=knobs.get("softcap", 0.0))
+    kw = dict(causal=causal, scale=knobs.get("scale"), block_m=knobs.get("block_m"),
+              block_n=knobs.get("block_n"), accum=knobs.get("accum", "fp32"),
+              kernel=knobs.get("kernel", "auto"), ablate=knobs.get("ablate"),
+              window_size=knobs.get("window_size", (-1, -1)), softcap=knobs.get("softcap", 0.0))
+    _memoized(_entry_problem, (q, k_cache), _knobs(kw), kw)
     if knobs.get("sinks") is not None or knobs.get("alibi_slopes") is not None:
         hq, hkv = q.shape[2], k_cache.shape[2]
         _variants((q.shape[0], hkv, hq // hkv), (-1, -1), 0.0, knobs.get("sinks"), knobs.get("alibi_slopes"))
+
+
+def _entry_problem(q, k_cache, **knobs):
+    """``attention``'s checks on entry 0 of q and the cache seen as (1, H, N, D)."""
+    from ._checks import check_forward
+
+    qv, kv = q[0].transpose(1, 0, 2)[None], k_cache[0].transpose(1, 0, 2)[None]
+    return check_forward(qv, kv, kv, **knobs)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None, v=None,
@@ -226,25 +246,38 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         splits = kvcache_splits(0, ctas=b * heads * -(-nq // 64), longest=int((lengths + nnew).max()),
                                 sms=_sm_count(q.data.device_id))
     splits = kvcache_splits(splits)
-    if k is not None and nnew:  # the append, in place
-        for i in range(b):
-            pos = np.arange(lengths[i], lengths[i] + nnew)
-            if table is None:
-                k_cache[i, pos[0]:pos[-1] + 1] = k[i]
-                v_cache[i, pos[0]:pos[-1] + 1] = v[i]
-            else:
-                pages = xp.asarray(table[i, pos // page])
-                rows = xp.asarray(pos % page)
-                k_cache[pages, rows] = k[i]
-                v_cache[pages, rows] = v[i]
+    if k is not None and nnew:
+        _append(k_cache, v_cache, k, v, lengths, table, page)
     if xp is not np and (lengths + nnew).max() > 0 and _one_launch(nq, causal, splits, b):
-        o, lse = _packed(q, k_cache, v_cache, lengths + nnew, table, page, causal, knobs, sinks, splits)
+        import cupy
+
+        with cupy.cuda.Device(q.data.device_id):  # (its uploads and temporaries on q's device)
+            o, lse = _packed(q, k_cache, v_cache, lengths + nnew, table, page, causal, knobs, sinks, splits)
         return (o, lse) if return_lse else o
     o, lse = _per_entry(q, k_cache, v_cache, lengths + nnew, table, page, causal, splits, knobs)
     if sinks is not None:  # after the ranges are merged, as after a kernel's key loop (empty entry: lse = z)
         _sinks.apply(o, lse, sinks)
     o = o.transpose(0, 2, 1, 3)
     return (o, lse) if return_lse else o
+
+
+def _append(k_cache, v_cache, k, v, lengths: np.ndarray, table, page: int) -> None:
+    """Write the new keys and values k, v (B, Nnew, Hkv, D) into the cache in place, entry b's at its
+    positions lengths[b] .. + Nnew (through ``table`` into pages of ``page`` rows where paged): one
+    scatter per cache, its (cache entry or page, row) indices computed on the host and uploaded in one
+    copy (CuPy)."""
+    xp = _xp(k)
+    b, nnew = k.shape[:2]
+    pos = lengths[:, None] + np.arange(nnew)
+    if table is None:
+        index = np.stack([np.broadcast_to(np.arange(b)[:, None], pos.shape), pos])
+    else:
+        index = np.stack([table[np.arange(b)[:, None], pos // page], pos % page])
+    if xp is not np:
+        with xp.cuda.Device(k_cache.data.device_id):
+            index = xp.asarray(index)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        cache[index[0], index[1]] = new
 
 
 def _per_entry(q, k_cache, v_cache, used, table, page, causal, splits, knobs):
@@ -363,7 +396,7 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
         starts, total = np.arange(b, dtype=np.int64) * cap, b * cap
     else:  # the pages in use, entry after entry, copied once; entry b's keys from its first page's row
         counts = -(-used // page)
-        pages = np.concatenate([table[i, :c] for i, c in enumerate(counts)]).astype(np.int64)
+        pages = _pages_in_use(table, counts)[1]
         kp, vp = (_gather_pages(x, pages) for x in (k_cache, v_cache))
         starts, total = (np.cumsum(counts) - counts) * page, int(counts.sum()) * page
     ck, used_k = _entries(used, starts, splits)
@@ -378,18 +411,20 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
     qp = qp.reshape(entries * rows, heads, d)
     plain = splits == 1 and not pack  # (else sinks after the ranges are merged and the heads unpacked)
     o, lse = _forward_packed(qp, kp, vp, cq, ck, causal=causal and not pack, used_k=used_k,
+                             max_k=cap if table is None else page * table.shape[1],
                              sinks=sinks if plain else None, **knobs)
     if plain:
         return o.reshape(b, nq, hq, d), xp.ascontiguousarray(lse.reshape(hq, b, nq).transpose(1, 0, 2))
-    # (S, B, Hq, Nq, D) partial outputs and (S, B, Hq, Nq) LSEs
+    # (S, B, heads, rows, D) partial outputs and (S, B, heads, rows) LSEs: views of the launch's outputs
+    # (merged as they lie); packed heads then unpack as (B, Hq, 1, D), query head hk (Hq / Hkv) + j
     o = o.reshape(b, splits, rows, heads, d).transpose(1, 0, 3, 2, 4)
     lse = lse.reshape(heads, b, splits, rows).transpose(2, 1, 0, 3)
-    if pack:
-        o, lse = o.reshape(splits, b, hq, 1, d), lse.reshape(splits, b, hq, 1)
     if splits > 1:
         o, lse = merge_states(o, lse)
     else:
         o, lse = xp.ascontiguousarray(o[0]), xp.ascontiguousarray(lse[0])
+    if pack:
+        o, lse = o.reshape(b, hq, 1, d), lse.reshape(b, hq, 1)
     if sinks is not None:  # after the ranges are merged, as after a kernel's key loop
         _sinks.apply(o, lse, sinks)
     return o.transpose(0, 2, 1, 3), lse

@@ -243,7 +243,7 @@ def _device_lengths(given: tuple, hosts: tuple, device: int) -> tuple:
 
 def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",
                     kernel="auto", ablate=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    sinks=None, o=None, lse=None, cu=(None, None), used_k=None):
+                    sinks=None, o=None, lse=None, cu=(None, None), used_k=None, max_k=None):
     """The forward of a packed batch on CuPy arrays in one launch (the module docstring): the knobs
     checked as ``attention`` checks them, on the shape of B sequences of the longest lengths (at least
     one query and one key; remembered per arrays' shapes, lengths and knobs, as ``attention``'s checks
@@ -251,13 +251,19 @@ def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_
     in place where the kernels can. ``o``, ``lse``: preallocated outputs, as ``_launch.forward`` takes
     them (the tests poison them). ``used_k``: checked host ints (B,), the keys each entry uses from the
     start of its range (flash_attn's seqused_k; attention_with_kvcache's lengths in a cache of fixed
-    capacity per entry); None: all of them."""
+    capacity per entry); None: all of them. ``max_k``: a bound on every entry's keys (a cache's
+    capacity) that the checks take as the longest length in place of the longest ``used_k``, so that a
+    decoding loop, whose lengths grow by one a step, finds its Problem remembered (the longest length
+    decides nothing else without a window: it bounds only the tile walk's extent; with a window it
+    decides whether a side is unbounded, so there the longest itself is used)."""
     from . import _sinks
     from ._checks import _knobs, _memoized, check_alibi_slopes
     from ._launch import forward
 
     b = cq.size - 1
     nk = int(np.diff(ck).max()) if used_k is None else int(used_k.max())
+    if max_k is not None and (window_size is None or tuple(window_size) == (-1, -1)):
+        nk = max(int(max_k), nk)
     kw = dict(b=b, nq=int(np.diff(cq).max()), nk=nk, causal=causal, scale=scale,
               block_m=block_m, block_n=block_n, accum=accum, kernel=kernel, ablate=ablate,
               window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None)

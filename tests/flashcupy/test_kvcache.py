@@ -272,11 +272,13 @@ def test_kvcache_in_one_launch_is_the_per_entry_path(rng, kernel, bm, bn, paged)
         assert bool((got[0] == o).all()) and bool((got[1] == lse).all()), (nq, causal)
 
 
-def _emulated_packed_launch(q, k, v, cq, ck, *, causal, used_k=None, sinks=None, **knobs):
+def _emulated_packed_launch(q, k, v, cq, ck, *, causal, used_k=None, sinks=None, max_k=None, **knobs):
     """The contract of ``_varlen._forward_packed`` on NumPy arrays: entry e's queries are rows cq[e] ..
     cq[e + 1] of q (total_q, H, D), its keys rows ck[e] .. of k and v, used_k[e] of them (or up to
-    ck[e + 1]); o (total_q, H, D) in q's dtype and lse (H, total_q) float32, each entry by
-    ``reference.attention`` (float64, then rounded as the kernels' outputs are)."""
+    ck[e + 1]), at most ``max_k``; o (total_q, H, D) in q's dtype and lse (H, total_q) float32, each
+    entry by ``reference.attention`` (float64, then rounded as the kernels' outputs are)."""
+    lengths = used_k if used_k is not None else np.diff(ck)
+    assert max_k is None or lengths.max() <= max_k, (max_k, lengths)
     assert set(knobs) <= {"scale", "softcap", "kernel", "block_m", "block_n", "accum"}, sorted(knobs)
     o = np.zeros(q.shape)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
@@ -402,3 +404,76 @@ def test_decoding_packs_heads_and_splits_in_one_launch(rng, monkeypatch, kernel,
         assert len(launches) == 1, (qh.shape, splits)
         _check(qh, cupy.asnumpy(got_o), cupy.asnumpy(got_lse), seen, causal, dname,
                sinks=cupy.asnumpy(sinks[:qh.shape[2]]), softcap=20.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+def test_a_decoding_loop_checks_its_launch_once(rng, monkeypatch, page):
+    """A decoding loop as a user writes it: 40 steps, each appending one key per entry (crossing page
+    boundaries) with the lengths kept on the host and advanced by the caller, the policy's splits. Every
+    step matches the float64 reference of its entry's keys so far; the launch's checks run once for a
+    contiguous cache (its Problem bounded by the capacity, not by the lengths that grow each step) and
+    once per number of pages in use for a paged one (the gathered array's shape); the knobs' checks once."""
+    import cupy
+
+    from flashcupy import _checks, _kvcache, _varlen
+
+    cap, steps = 96, 40
+    lengths = np.array([0, 17, 50], np.int32)
+    q, kc, vc, table, _, _, _ = _case(rng, np.float16, lengths, 0, 1, cap, page=page, d=64)
+    ks = rng.standard_normal((steps, B, 1, HKV, 64)).astype(np.float16)
+    vs = rng.standard_normal((steps, B, 1, HKV, 64)).astype(np.float16)
+    # the keys each entry holds, as the loop should leave them (the cache's own first L_b rows, then appends)
+    if page is None:
+        held = [(kc[i, :n].copy(), vc[i, :n].copy()) for i, n in enumerate(lengths)]
+    else:
+        flat = [(np.concatenate([kc[p] for p in table[i]]), np.concatenate([vc[p] for p in table[i]]))
+                for i in range(B)]
+        held = [(fk[:n].copy(), fv[:n].copy()) for (fk, fv), n in zip(flat, lengths)]
+    dq, dkc, dvc = (cupy.asarray(x) for x in (q, kc, vc))
+    dtable = None if table is None else cupy.asarray(table)
+    calls = {"launch": 0, "knobs": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(_checks, "_MEMO", {})  # (a memo filled by earlier tests could be cleared mid-loop)
+    monkeypatch.setattr(_varlen, "_packed_problem", counted("launch", _varlen._packed_problem))
+    monkeypatch.setattr(_kvcache, "_entry_problem", counted("knobs", _kvcache._entry_problem))
+    totals = set()
+    for t in range(steps):
+        o, lse = flashcupy.attention_with_kvcache(
+            dq, dkc, dvc, cache_seqlens=lengths, block_table=dtable, k=cupy.asarray(ks[t]),
+            v=cupy.asarray(vs[t]), num_splits=0, return_lse=True)
+        held = [(np.concatenate([hk, ks[t, i]]), np.concatenate([hv, vs[t, i]])) for i, (hk, hv) in
+                enumerate(held)]
+        lengths = lengths + 1
+        if page is not None:
+            totals.add(int((-(-lengths // page)).sum()))
+        if t % 13 == 0 or t == steps - 1:
+            _check(q, cupy.asnumpy(o), cupy.asnumpy(lse), held, True, "f16")
+    assert calls["knobs"] == 1, calls
+    assert calls["launch"] == (1 if page is None else len(totals)), (calls, totals)
+
+
+@pytest.mark.gpu
+def test_a_cache_on_another_gpu_runs_there(rng):
+    """Arrays on GPU 1 while GPU 0 is current: the call's uploads, temporaries and launches go to the
+    arrays' device, and the result matches the one on GPU 0."""
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    lengths = np.array([5, 0, 70], np.int32)
+    q, kc, vc, table, k, v, seen = _case(rng, np.float16, lengths, 2, 1, 96, page=16, d=64)
+    with cupy.cuda.Device(1):
+        dev = [cupy.asarray(x) for x in (q, kc, vc, table, k, v)]
+    with cupy.cuda.Device(0):
+        o, lse = flashcupy.attention_with_kvcache(
+            dev[0], dev[1], dev[2], cache_seqlens=lengths, block_table=dev[3], k=dev[4], v=dev[5],
+            num_splits=2, return_lse=True)
+    assert o.data.device_id == 1 and lse.data.device_id == 1
+    _check(q, cupy.asnumpy(o), cupy.asnumpy(lse), seen, True, "f16")
