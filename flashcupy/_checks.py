@@ -70,6 +70,8 @@ class Problem:
     # k, v; batch is then the number of sequences and nq, nk the longest one's lengths (0: not packed)
     total_q: int = 0
     total_k: int = 0
+    # a paged variant's page size (the rows of k, v per page; 0: not paged)
+    page: int = 0
 
     @property
     def group(self) -> int:

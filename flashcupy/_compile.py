@@ -363,8 +363,8 @@ def compile_report(variant: Variant, arch: str | None = None) -> dict:
 def covering_variants(family: str) -> list[Variant]:
     """A covering set for the compile check: every value of every knob at least once, and the pairs
     dtype x accum, block_m x block_n, causal x ablate, window x ablate, softcap x dtype x accum,
-    alibi x dtype x accum and varlen x dtype x accum in full (variants that do not fit in shared memory
-    are left out)."""
+    alibi x dtype x accum, varlen x dtype x accum and (fwd_wgmma) paged x dtype in full (variants that
+    do not fit in shared memory are left out)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
     fam = FAMILIES[family]
@@ -457,6 +457,13 @@ def covering_variants(family: str) -> list[Variant]:
         if family == "fwd_wgmma":
             add(head_dim=128, causal=True, schedule="dynamic", varlen=True)
             add(head_dim=128, block_m=128, block_n=128, schedule="static", varlen=True)
+            # a paged cache read in place (FC_PAGED): every dtype on the decoding tile at D = 128, the
+            # 128-row tile with the softcap, and the dynamic tile loop with 64-key tiles
+            for dt in fam.dtypes:
+                add(dtype=dt, head_dim=128, block_m=64, block_n=128, varlen=True, paged=True)
+            add(head_dim=128, block_m=128, block_n=128, varlen=True, paged=True, softcap=30.0)
+            add(head_dim=128, block_m=64, block_n=64, causal=True, schedule="dynamic", varlen=True,
+                paged=True)
         if family == "bwd_wgmma":  # (its other tiles: dQ by columns, one consumer, dQ formed transposed)
             add(head_dim=128, block_m=64, block_n=128, causal=True, varlen=True)
             add(block_m=64, block_n=64, varlen=True)

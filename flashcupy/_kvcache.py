@@ -299,7 +299,8 @@ def _per_entry(q, k_cache, v_cache, used, table, page, causal, splits, knobs):
             pages = table[i, :-(-n // page)]
             keys, values = (_gather_pages(x, pages)[:n] for x in (k_cache, v_cache))
         qb = q[i].transpose(1, 0, 2)[None]
-        edges = _split_edges(np.array([n]), min(splits, n))[0]
+        unit = 1 if table is None else page  # (a paged cache's ranges start at pages, as _packed's)
+        edges = _split_edges(np.array([n]), min(splits, -(-n // unit)), unit)[0]
         parts = []
         for a, e in zip(edges[:-1], edges[1:]):
             kb, vb = (x[a:e].transpose(1, 0, 2)[None] for x in (keys, values))
@@ -331,23 +332,40 @@ def _gqa_packed(nq: int, hq: int, hkv: int, knobs) -> bool:
     return nq == 1 and hq > hkv and not _no_split_knobs(knobs)
 
 
-def _split_edges(n: np.ndarray, splits: int) -> np.ndarray:
+def _split_edges(n: np.ndarray, splits: int, unit: int = 1) -> np.ndarray:
     """The edges of ``splits`` key ranges of n[b] keys, (B, S + 1) int64: round(s n[b] / S), the values of
     np.linspace(0, n[b], S + 1) (s times the step n / S, the last n itself), at NumPy's arithmetic cost
-    (linspace's own overhead is a decoding step's host time)."""
-    n = np.asarray(n, np.float64)[:, None]
-    edges = np.arange(splits + 1) * (n / splits)
-    edges[:, -1:] = n
-    return edges.round().astype(np.int64)
+    (linspace's own overhead is a decoding step's host time). ``unit`` > 1: in whole units of that many
+    keys (a paged cache's pages: a range starts at a page), the last unit partial: the edges of
+    ceil(n / unit) units, times the unit, at most n."""
+    n = np.asarray(n, np.int64)
+    units = (-(-n // unit)).astype(np.float64)[:, None]
+    edges = np.arange(splits + 1) * (units / splits)
+    edges[:, -1:] = units
+    return np.minimum(edges.round().astype(np.int64) * unit, n[:, None])
 
 
-def _entries(used: np.ndarray, starts: np.ndarray, splits: int):
+def _entries(used: np.ndarray, starts: np.ndarray, splits: int, unit: int = 1):
     """The packed entries of B cache entries, each cut into ``splits`` key ranges: entry e = b S + s takes
     keys [edge_s, edge_{s + 1}) of entry b (``_split_edges``, as the per-entry
     path cuts them; ranges may be empty when used[b] < S), which start at row starts[b] of the keys'
     array. Returns (first, count): entry e's first key row and its key count (int64, host)."""
-    edges = _split_edges(used, splits)
+    edges = _split_edges(used, splits, unit)
     return (starts[:, None] + edges[:, :-1]).reshape(-1), np.diff(edges, axis=1).reshape(-1)
+
+
+def _reads_pages(qp, kp, vp, cq, ck, causal, used_k, max_k, page, knobs) -> bool:
+    """Whether the packed launch of these arguments (``_packed``'s, k and v a paged cache's pages as
+    (pages x page, Hkv, D)) reads the pages in place: CuPy arrays and a variant that can
+    (``_varlen.reads_pages``; its Problem is remembered for the launch)."""
+    from ._varlen import packed_problem
+
+    if _xp(qp) is np:
+        return False
+    plain = {n: x for n, x in knobs.items() if n != "alibi_slopes"}
+    p = packed_problem(qp, kp, vp, cq, ck, causal=causal, used_k=used_k, max_k=max_k,
+                       alibi=knobs.get("alibi_slopes") is not None, page=page, **plain)
+    return p.variant.paged
 
 
 def _gather_pages(x, pages: np.ndarray):
@@ -369,8 +387,11 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
     a contiguous cache read in place as (B capacity, Hkv, D) (copied first where its entries do not lie
     capacity rows apart), entry b's keys the first used[b] of its capacity (the kernels' used_k: the mma
     and simt loads stop there, and the wgmma kernel zeroes the rows of V past them that its TMA tiles
-    read); a paged cache's pages in use gathered entry after entry (``_gather_pages``: one copy, as the
-    per-entry path makes), entry b's keys the first used[b] from its first page.
+    read); a paged cache read in place through its block table where the launch's variant can
+    (``_varlen.reads_pages``: the wgmma forward, pages a multiple of its block_n, pages that lie page
+    rows apart), else its pages in use gathered entry after entry (``_gather_pages``: one copy, as the
+    per-entry path makes), entry b's keys the first used[b] from its first page. Key ranges (splits)
+    of a paged cache start at multiples of the page size (``_split_edges``' unit), in both paths.
 
     Decoding (Nq = 1) packs the query heads of each KV head into the rows of one tile where
     ``_gqa_packed`` says so: the launch then sees Hkv heads of Hq / Hkv queries, reads each KV head's keys
@@ -389,18 +410,6 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
     rows, heads = (hq // hkv, hkv) if pack else (nq, hq)  # each packed entry's queries and query heads
     cap = k_cache.shape[1]
     used = np.asarray(used, np.int64)
-    if table is None:  # entry b's keys at rows b cap .. of the cache seen as (B cap, Hkv, D)
-        if not all(x.strides[0] == cap * x.strides[1] for x in (k_cache, v_cache)):
-            k_cache, v_cache = xp.ascontiguousarray(k_cache), xp.ascontiguousarray(v_cache)
-        kp, vp = (x.reshape(b * cap, *x.shape[2:]) for x in (k_cache, v_cache))  # (views: read in place)
-        starts, total = np.arange(b, dtype=np.int64) * cap, b * cap
-    else:  # the pages in use, entry after entry, copied once; entry b's keys from its first page's row
-        counts = -(-used // page)
-        pages = _pages_in_use(table, counts)[1]
-        kp, vp = (_gather_pages(x, pages) for x in (k_cache, v_cache))
-        starts, total = (np.cumsum(counts) - counts) * page, int(counts.sum()) * page
-    ck, used_k = _entries(used, starts, splits)
-    ck = np.concatenate([ck, [total]])
     entries = b * splits
     cq = np.arange(entries + 1, dtype=np.int64) * rows
     # the packed queries, (entries x rows, heads, D): entry b's once per key range; packed heads: row j
@@ -409,10 +418,34 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
     if splits > 1 or pack:
         qp = xp.ascontiguousarray(xp.broadcast_to(qp, (b, splits, rows, heads, d)))
     qp = qp.reshape(entries * rows, heads, d)
+    in_place = None
+    if table is None:  # entry b's keys at rows b cap .. of the cache seen as (B cap, Hkv, D)
+        if not all(x.strides[0] == cap * x.strides[1] for x in (k_cache, v_cache)):
+            k_cache, v_cache = xp.ascontiguousarray(k_cache), xp.ascontiguousarray(v_cache)
+        kp, vp = (x.reshape(b * cap, *x.shape[2:]) for x in (k_cache, v_cache))  # (views: read in place)
+        ck, used_k = _entries(used, np.arange(b, dtype=np.int64) * cap, splits)
+        ck = np.concatenate([ck, [b * cap]])
+        max_k = cap
+    else:
+        max_k = page * table.shape[1]
+        counts = -(-used // page)
+        if k_cache.shape[0] * page < 2**31 and all(x.strides[0] == page * x.strides[1]
+                                                   for x in (k_cache, v_cache)):
+            # the pages as (pages x page, Hkv, D), read in place through the table if the variant can
+            kp, vp = (x.reshape(-1, *x.shape[2:]) for x in (k_cache, v_cache))
+            ck, used_k = _entries(used, np.zeros(b, np.int64), splits, unit=page)
+            ck = np.concatenate([ck, [0]])
+            if _reads_pages(qp, kp, vp, cq, ck, causal and not pack, used_k, max_k, page, knobs):
+                in_place = (table, np.repeat(np.arange(b), splits), page)
+        if in_place is None:  # the pages in use, entry after entry, copied once
+            pages = _pages_in_use(table, counts)[1]
+            kp, vp = (_gather_pages(x, pages) for x in (k_cache, v_cache))
+            starts = (np.cumsum(counts) - counts) * page  # entry b's keys from its first page's row
+            ck, used_k = _entries(used, starts, splits, unit=page)
+            ck = np.concatenate([ck, [int(counts.sum()) * page]])
     plain = splits == 1 and not pack  # (else sinks after the ranges are merged and the heads unpacked)
-    o, lse = _forward_packed(qp, kp, vp, cq, ck, causal=causal and not pack, used_k=used_k,
-                             max_k=cap if table is None else page * table.shape[1],
-                             sinks=sinks if plain else None, **knobs)
+    o, lse = _forward_packed(qp, kp, vp, cq, ck, causal=causal and not pack, used_k=used_k, max_k=max_k,
+                             pages=in_place, sinks=sinks if plain else None, **knobs)
     if plain:
         return o.reshape(b, nq, hq, d), xp.ascontiguousarray(lse.reshape(hq, b, nq).transpose(1, 0, 2))
     # (S, B, heads, rows, D) partial outputs and (S, B, heads, rows) LSEs: views of the launch's outputs

@@ -391,6 +391,8 @@ class _ForwardPlan:
         # packed sequences: the cumulative lengths (int32, B + 1) of q and of k, v, the keys each uses (or
         # null), and the longest lengths
         scalars += (PTR, PTR, PTR, np.int32(p.nq), np.int32(p.nk)) if var.varlen else ()
+        # a paged cache: the block table, each entry's row of it (int32) and the page size
+        scalars += (PTR, PTR, np.int32(p.page)) if var.paged else ()
         maps, tail, self.dynamic, self.map_slots = (), (), False, ()
         if self.tma:
             # The Hopper kernels load q, k, v by TMA from tensor maps over their real strides, passed
@@ -477,7 +479,9 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=
     (total, H, D), ``cu`` the two checked cumulative lengths (int32 (B + 1,) C-contiguous CuPy arrays on
     q's GPU: the kernels trust them) and, optionally, a third: the keys each entry uses from the start of
     its range (int32 (B,), flash_attn's seqused_k; None: all of them); o, lse are (total_q, Hq, D) and
-    (Hq, total_q).
+    (Hq, total_q). A paged variant's ``cu`` also holds the block table and each entry's row of it (int32
+    on q's GPU; k and v are the cache's pages as (pages x page size, Hkv, D), ``cu``'s second array each
+    entry's first key in its own sequence and the third its key count).
     """
     import cupy
 
@@ -488,7 +492,7 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=
     scratch = _Scratch(stream) if scratch is None else scratch
     if p.variant.varlen:  # (total, H, D) as the kernels' one batch (1, H, total, D)
         q, k, v = (x.transpose(1, 0, 2)[None] for x in (q, k, v))
-        cu = tuple(0 if c is None else c.data.ptr for c in (*cu, None)[:3])
+        cu = tuple(0 if c is None else c.data.ptr for c in (*cu, None)[:5 if p.variant.paged else 3])
     plan = _forward_plan(p, q, k, v)
     if not plan.readable or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
         q, k, v = (_as_readable(x, plan.tma, scratch) for x in (q, k, v))

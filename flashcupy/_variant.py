@@ -156,6 +156,10 @@ class Variant:
     # packed (total, H, D) arrays, bounded by int32 cumulative lengths given at launch (four more kernel
     # parameters: kernels_cu/flash_common.cuh's batch entries); flashcupy.attention_varlen runs them
     varlen: bool = False
+    # a paged KV cache read in place (FC_PAGED; fwd_wgmma varlen variants): the keys of each packed entry
+    # through its row of a block table (three more kernel parameters: the table, each entry's row of
+    # it, the page size, a multiple of block_n); attention_with_kvcache runs them
+    paged: bool = False
     # compiled otherwise than the package does (experiments on the kernels; see Build). None: the
     # Build of the enclosing kernel_build block, if any
     build: Build | None = None
@@ -216,6 +220,11 @@ class Variant:
         if self.varlen and (self.family not in VARLEN_FAMILIES or self.fp8 is not None):
             raise ValueError(f"packed sequences (varlen) run in {', '.join(VARLEN_FAMILIES)}, not in "
                              f"{self.family}" + (" with fp8 operands" if self.fp8 else ""))
+        if not isinstance(self.paged, bool):
+            raise TypeError(f"paged must be a bool, got {type(self.paged).__name__}")
+        if self.paged and not (self.varlen and self.family == "fwd_wgmma"):
+            raise ValueError(f"a paged cache is read in place by fwd_wgmma's varlen variants, not by "
+                             f"{self.family}" + ("" if self.varlen else " without varlen"))
         problem = fam.limits(self)
         if problem:
             raise ValueError(problem)
@@ -282,6 +291,8 @@ class Variant:
             parts.append("alibi")
         if self.varlen:
             parts.append("varlen")
+        if self.paged:
+            parts.append("paged")
         if self.ablate:
             parts.append("ablate_" + self.ablate)
         if self.fp8:
@@ -312,6 +323,7 @@ class Variant:
             **({"FC_SCORE_HOOK": 2, "FC_SOFTCAP_BITS": _float32_bits(self.softcap)} if self.softcap else {}),
             **({"FC_ALIBI": 1} if self.alibi else {}),
             **({"FC_VARLEN": 1} if self.varlen else {}),
+            **({"FC_PAGED": 1} if self.paged else {}),
             "FC_ABLATE_MAX_SUBTRACTION": int(self.ablate == "max_subtraction"),
             "FC_ABLATE_RESCALING": int(self.ablate == "rescaling"),
             **{f"FC_SMEM_{role.upper()}": self.smem_for(role) for role in self.roles},

@@ -199,10 +199,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     return (o, lse) if return_lse else o
 
 
-def _packed_problem(q, k, v, *, b, nq, nk, **knobs):
+def _packed_problem(q, k, v, *, b, nq, nk, page=0, **knobs):
     """The Problem of a packed call (``direction`` "bwd" among the knobs: a backward): ``attention``'s
     checks of the knobs, made on the shape of b sequences of the longest lengths nq, nk, then the family's
-    varlen variant and the packed lengths; a family without one (VARLEN_FAMILIES) keeps its Problem."""
+    varlen variant and the packed lengths; a family without one (VARLEN_FAMILIES) keeps its Problem.
+    ``page`` > 0: k and v are a paged cache's pages, read in place where the variant can
+    (``reads_pages``): its paged variant, else the varlen one (the caller then gathers the pages)."""
     import cupy
 
     from ._checks import check_forward
@@ -213,8 +215,15 @@ def _packed_problem(q, k, v, *, b, nq, nk, **knobs):
     p = check_forward(shaped(q, nq), shaped(k, nk), shaped(v, nk), **knobs)
     if p.variant.family not in VARLEN_FAMILIES:  # (a family without one: one call per sequence)
         return p
-    return dataclasses.replace(p, variant=dataclasses.replace(p.variant, varlen=True), total_q=q.shape[0],
-                               total_k=k.shape[0])
+    paged = reads_pages(p.variant, page)
+    return dataclasses.replace(p, variant=dataclasses.replace(p.variant, varlen=True, paged=paged),
+                               total_q=q.shape[0], total_k=k.shape[0], page=page if paged else 0)
+
+
+def reads_pages(variant, page: int) -> bool:
+    """Whether ``variant``'s varlen kernel reads a paged cache of ``page``-row pages in place: the wgmma
+    forward (its key tiles are TMA boxes, each inside one page when block_n divides the page)."""
+    return bool(page) and variant.family == "fwd_wgmma" and page % variant.block_n == 0
 
 
 def _device_lengths(given: tuple, hosts: tuple, device: int) -> tuple:
@@ -243,7 +252,7 @@ def _device_lengths(given: tuple, hosts: tuple, device: int) -> tuple:
 
 def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",
                     kernel="auto", ablate=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    sinks=None, o=None, lse=None, cu=(None, None), used_k=None, max_k=None):
+                    sinks=None, o=None, lse=None, cu=(None, None), used_k=None, max_k=None, pages=None):
     """The forward of a packed batch on CuPy arrays in one launch (the module docstring): the knobs
     checked as ``attention`` checks them, on the shape of B sequences of the longest lengths (at least
     one query and one key; remembered per arrays' shapes, lengths and knobs, as ``attention``'s checks
@@ -255,25 +264,48 @@ def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_
     capacity) that the checks take as the longest length in place of the longest ``used_k``, so that a
     decoding loop, whose lengths grow by one a step, finds its Problem remembered (the longest length
     decides nothing else without a window: it bounds only the tile walk's extent; with a window it
-    decides whether a side is unbounded, so there the longest itself is used)."""
+    decides whether a side is unbounded, so there the longest itself is used). ``pages``: (block table
+    (B', max_blocks), each entry's row of it (B,), page size) on the host: k and v are a paged cache's
+    pages as (pages x page size, Hkv, D), ``ck[e]`` entry e's first key in its own sequence (a multiple of
+    the page size) and ``used_k`` its key count; the call's Problem must read them in place (the caller
+    asks ``packed_problem`` first, ``reads_pages``)."""
     from . import _sinks
-    from ._checks import _knobs, _memoized, check_alibi_slopes
+    from ._checks import check_alibi_slopes
     from ._launch import forward
 
     b = cq.size - 1
+    p = packed_problem(q, k, v, cq, ck, causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                       accum=accum, kernel=kernel, ablate=ablate, window_size=window_size, softcap=softcap,
+                       alibi=alibi_slopes is not None, used_k=used_k, max_k=max_k,
+                       page=0 if pages is None else pages[2])
+    if pages is not None and not p.variant.paged:
+        raise ValueError(f"{p.variant.key} does not read a paged cache of {pages[2]}-row pages in place")
+    slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, q.shape[1], q)
+    sinks = None if sinks is None else _sinks.check(sinks, q.shape[1], q)
+    given, hosts = tuple(cu), (cq, ck)
+    if used_k is not None:
+        given, hosts = given + (None,), hosts + (used_k,)
+    if pages is not None:
+        given, hosts = given + (None, None), hosts + (pages[0].reshape(-1), pages[1] * pages[0].shape[1])
+    lengths = _device_lengths(given, hosts, p.device)
+    o, lse = forward(q, k, v, p, o=o, lse=lse, alibi=slopes, cu=lengths)
+    return (o, lse) if sinks is None else _sinks.apply(o, lse, sinks, packed=True)
+
+
+def packed_problem(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",
+                   kernel="auto", ablate=None, window_size=(-1, -1), softcap=0.0, alibi=False, used_k=None,
+                   max_k=None, page=0):
+    """The Problem of ``_forward_packed``'s launch (its arguments), remembered per arrays' shapes and
+    knobs (``_checks._memoized``)."""
+    from ._checks import _knobs, _memoized
+
     nk = int(np.diff(ck).max()) if used_k is None else int(used_k.max())
     if max_k is not None and (window_size is None or tuple(window_size) == (-1, -1)):
         nk = max(int(max_k), nk)
-    kw = dict(b=b, nq=int(np.diff(cq).max()), nk=nk, causal=causal, scale=scale,
+    kw = dict(b=cq.size - 1, nq=int(np.diff(cq).max()), nk=nk, causal=causal, scale=scale,
               block_m=block_m, block_n=block_n, accum=accum, kernel=kernel, ablate=ablate,
-              window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None)
-    p = _memoized(_packed_problem, (q, k, v), _knobs(kw), kw)
-    slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, q.shape[1], q)
-    sinks = None if sinks is None else _sinks.check(sinks, q.shape[1], q)
-    lengths = _device_lengths(tuple(cu) + ((None,) if used_k is not None else ()),
-                              (cq, ck) + ((used_k,) if used_k is not None else ()), p.device)
-    o, lse = forward(q, k, v, p, o=o, lse=lse, alibi=slopes, cu=lengths)
-    return (o, lse) if sinks is None else _sinks.apply(o, lse, sinks, packed=True)
+              window_size=window_size, softcap=softcap, alibi=alibi, page=int(page))
+    return _memoized(_packed_problem, (q, k, v), _knobs(kw), kw)
 
 
 def _backward_packed(do, q, k, v, o, lse, cq, ck, *, causal, dlse=None, scale=None, block_m=None,

@@ -663,14 +663,55 @@ __device__ __forceinline__ float fc_hook_p(const FcScoreHook &hook, float s, int
 #ifndef FC_VARLEN
 #define FC_VARLEN 0
 #endif
+// FC_PAGED 1 (with FC_VARLEN; fwd_wgmma): the keys are read in place from a paged KV cache, k and v
+// (num_pages page_size, Hkv, D) seen as packed arrays; entry b's key j (counted from its k0, then a
+// position in the entry's own sequence, a multiple of FC_BLOCK_N) lives at row
+// pages[j / page_size] page_size + j % page_size, pages its row of the block table (table_row[b]
+// entries into block_table). page_size is a multiple of FC_BLOCK_N, so no key tile spans two pages.
+#ifndef FC_PAGED
+#define FC_PAGED 0
+#endif
+static_assert(!FC_PAGED || FC_VARLEN, "FC_PAGED reads a paged cache through the packed entries: FC_VARLEN 1");
+#if FC_PAGED && !defined(FC_READS_PAGES)
+#error "FC_PAGED: only a kernel that reads its key tiles through fc_key_token (fwd_wgmma) runs a paged cache"
+#endif
 struct FcSeq {
     int b;       // the batch index of the arrays (0 for packed arrays: one batch of every token)
     int q0, k0;  // the entry's first query token and first key token (0 but for packed arrays)
     int nq, nk;  // its query and key counts
+#if FC_PAGED
+    const int *pages;  // its row of the block table
+    int page_size;
+#endif
 };
+// The token of k and v (a row of the packed arrays) that holds key `key` (from 0) of entry s.
+__device__ __forceinline__ int fc_key_token(const FcSeq &s, int key) {
+#if FC_PAGED
+    const int j = s.k0 + key;
+    return s.pages[j / s.page_size] * s.page_size + j % s.page_size;
+#else
+    return s.k0 + key;
+#endif
+}
 #if FC_VARLEN
 // used_k (may be null; flash_attn's seqused_k): entry b uses only the first used_k[b] keys of its range,
 // so that a cache of a fixed capacity per entry is read in place (attention_with_kvcache)
+#if FC_PAGED
+// (paged: cu_k[b] is the entry's first key in its own sequence and used_k its key count)
+#define FC_VARLEN_PARAMS , const int *__restrict__ cu_q, const int *__restrict__ cu_k, \
+    const int *__restrict__ used_k, const int max_nq, const int max_nk, \
+    const int *__restrict__ block_table, const int *__restrict__ table_row, const int page_size
+#define FC_VARLEN_ARGS , cu_q, cu_k, used_k, max_nq, max_nk, block_table, table_row, page_size
+struct FcEntries {
+    const int *cu_q, *cu_k, *used_k, *block_table, *table_row;
+    int page_size;
+    __device__ __forceinline__ FcSeq operator()(int b) const {
+        const int q0 = cu_q[b];
+        return FcSeq{0, q0, cu_k[b], cu_q[b + 1] - q0, used_k[b], block_table + table_row[b], page_size};
+    }
+};
+#define FC_ENTRIES (FcEntries{cu_q, cu_k, used_k, block_table, table_row, page_size})
+#else
 #define FC_VARLEN_PARAMS , const int *__restrict__ cu_q, const int *__restrict__ cu_k, \
     const int *__restrict__ used_k, const int max_nq, const int max_nk
 #define FC_VARLEN_ARGS , cu_q, cu_k, used_k, max_nq, max_nk
@@ -682,6 +723,7 @@ struct FcEntries {
     }
 };
 #define FC_ENTRIES (FcEntries{cu_q, cu_k, used_k})
+#endif
 #define FC_GRID_NQ max_nq
 #define FC_GRID_NK max_nk
 #else

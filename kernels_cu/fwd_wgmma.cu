@@ -77,6 +77,8 @@
 //     accumulation), instead of the tensor core's 14-bit truncating accumulator carrying O across tiles.
 // Rounding model: flashcupy._twin.forward_fp8 (tests/flashcupy/test_fp8_gpu.py checks the agreement).
 
+// (this kernel reads its key tiles through fc_key_token: it may be built with FC_PAGED)
+#define FC_READS_PAGES 1
 #include "flash_common.cuh"
 #include "wgmma_common.cuh"
 
@@ -341,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
                         tma_load_4d(sK + s * KV_BYTES + p * KV_PANEL, &tm_k, k_full(s), PANEL_ELEMS * p,
-                                    tl.seq.k0 + j * BN, hk, tl.seq.b);
+                                    fc_key_token(tl.seq, j * BN), hk, tl.seq.b);
                     if (it >= STAGES) mbar_wait(v_empty(s), ph ^ 1u);
                     mbar_arrive_expect_tx(v_full(s), KV_BYTES);
 #if FC_FP8
@@ -351,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p)
                         tma_load_4d(sV + s * KV_BYTES + p * KV_PANEL, &tm_v, v_full(s), 64 * p,
-                                    tl.seq.k0 + j * BN, hk, tl.seq.b);
+                                    fc_key_token(tl.seq, j * BN), hk, tl.seq.b);
 #endif
                 }
             };

@@ -272,11 +272,14 @@ def test_kvcache_in_one_launch_is_the_per_entry_path(rng, kernel, bm, bn, paged)
         assert bool((got[0] == o).all()) and bool((got[1] == lse).all()), (nq, causal)
 
 
-def _emulated_packed_launch(q, k, v, cq, ck, *, causal, used_k=None, sinks=None, max_k=None, **knobs):
+def _emulated_packed_launch(q, k, v, cq, ck, *, causal, used_k=None, sinks=None, max_k=None, pages=None,
+                            **knobs):
     """The contract of ``_varlen._forward_packed`` on NumPy arrays: entry e's queries are rows cq[e] ..
     cq[e + 1] of q (total_q, H, D), its keys rows ck[e] .. of k and v, used_k[e] of them (or up to
-    ck[e + 1]), at most ``max_k``; o (total_q, H, D) in q's dtype and lse (H, total_q) float32, each
-    entry by ``reference.attention`` (float64, then rounded as the kernels' outputs are)."""
+    ck[e + 1]), at most ``max_k``; with ``pages`` (table, row, page) k and v are a paged cache's pages
+    and entry e's key j (from ck[e], a multiple of the page) the row table[row[e], j // page] page +
+    j % page; o (total_q, H, D) in q's dtype and lse (H, total_q) float32, each entry by
+    ``reference.attention`` (float64, then rounded as the kernels' outputs are)."""
     lengths = used_k if used_k is not None else np.diff(ck)
     assert max_k is None or lengths.max() <= max_k, (max_k, lengths)
     assert set(knobs) <= {"scale", "softcap", "kernel", "block_m", "block_n", "accum"}, sorted(knobs)
@@ -289,7 +292,12 @@ def _emulated_packed_launch(q, k, v, cq, ck, *, causal, used_k=None, sinks=None,
             lse[:, a:z] = sinks[:, None]
         if z == a or n == 0:
             continue
-        kk, vv = (x[int(ck[e]):int(ck[e]) + n].transpose(1, 0, 2)[None].astype(np.float64) for x in (k, v))
+        rows = np.arange(int(ck[e]), int(ck[e]) + n)
+        if pages is not None:
+            table, row, page = pages
+            assert ck[e] % page == 0, (e, ck[e], page)
+            rows = table[row[e], rows // page] * page + rows % page
+        kk, vv = (x[rows].transpose(1, 0, 2)[None].astype(np.float64) for x in (k, v))
         qq = q[a:z].transpose(1, 0, 2)[None].astype(np.float64)
         oe, le = reference.attention(qq, kk, vv, causal=causal, return_lse=True, sinks=sinks,
                                      **{n_: x for n_, x in knobs.items() if n_ in ("scale", "softcap")})
@@ -298,7 +306,7 @@ def _emulated_packed_launch(q, k, v, cq, ck, *, causal, used_k=None, sinks=None,
     return o.astype(q.dtype), lse.astype(np.float32)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("paged", [False, "gathered", "in_place"])
 @pytest.mark.parametrize("nq,causal,splits", [(1, True, 1), (1, True, 3), (1, False, 4), (6, False, 3),
                                               (6, True, 1)])
 def test_one_launch_layout_packs_heads_and_splits_keys(rng, monkeypatch, paged, nq, causal, splits):
@@ -311,6 +319,8 @@ def test_one_launch_layout_packs_heads_and_splits_keys(rng, monkeypatch, paged, 
     from flashcupy import _kvcache, _varlen
 
     monkeypatch.setattr(_varlen, "_forward_packed", _emulated_packed_launch)
+    # a paged cache gathered, or read in place through its table (as the wgmma kernel does)
+    monkeypatch.setattr(_kvcache, "_reads_pages", lambda *a: paged == "in_place")
     lengths = np.array([0, 2, 97], np.int64)  # (97 in 4 ranges: 24, 24, 25, 24 keys)
     q, kc, vc, table, _, _, seen = _case(rng, np.float32, lengths, 0, nq, 112, page=16 if paged else None)
     sinks = rng.standard_normal(HQ).astype(np.float32)
@@ -407,19 +417,21 @@ def test_decoding_packs_heads_and_splits_in_one_launch(rng, monkeypatch, kernel,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("page", [None, 16, 128], ids=["contiguous", "paged16", "paged128"])
 def test_a_decoding_loop_checks_its_launch_once(rng, monkeypatch, page):
     """A decoding loop as a user writes it: 40 steps, each appending one key per entry (crossing page
-    boundaries) with the lengths kept on the host and advanced by the caller, the policy's splits. Every
-    step matches the float64 reference of its entry's keys so far; the launch's checks run once for a
-    contiguous cache (its Problem bounded by the capacity, not by the lengths that grow each step) and
-    once per number of pages in use for a paged one (the gathered array's shape); the knobs' checks once."""
+    boundaries) with the lengths kept on the host and advanced by the caller, the policy's splits, the
+    wgmma kernel with 128-key tiles. Every step matches the float64 reference of its entry's keys so far;
+    the launch's checks run once for a contiguous cache (its Problem bounded by the capacity, not by the
+    lengths that grow each step) and for pages of 128 rows (read in place: the cache's shape), and for
+    16-row pages once to find that they are not read in place, then once per number of pages in use (the
+    gathered array's shape); the knobs' checks once."""
     import cupy
 
     from flashcupy import _checks, _kvcache, _varlen
 
-    cap, steps = 96, 40
-    lengths = np.array([0, 17, 50], np.int32)
+    cap, steps = 256, 40
+    lengths = np.array([0, 17, 100], np.int32)
     q, kc, vc, table, _, _, _ = _case(rng, np.float16, lengths, 0, 1, cap, page=page, d=64)
     ks = rng.standard_normal((steps, B, 1, HKV, 64)).astype(np.float16)
     vs = rng.standard_normal((steps, B, 1, HKV, 64)).astype(np.float16)
@@ -447,7 +459,7 @@ def test_a_decoding_loop_checks_its_launch_once(rng, monkeypatch, page):
     for t in range(steps):
         o, lse = flashcupy.attention_with_kvcache(
             dq, dkc, dvc, cache_seqlens=lengths, block_table=dtable, k=cupy.asarray(ks[t]),
-            v=cupy.asarray(vs[t]), num_splits=0, return_lse=True)
+            v=cupy.asarray(vs[t]), num_splits=0, return_lse=True, kernel="wgmma", block_n=128)
         held = [(np.concatenate([hk, ks[t, i]]), np.concatenate([hv, vs[t, i]])) for i, (hk, hv) in
                 enumerate(held)]
         lengths = lengths + 1
@@ -456,7 +468,7 @@ def test_a_decoding_loop_checks_its_launch_once(rng, monkeypatch, page):
         if t % 13 == 0 or t == steps - 1:
             _check(q, cupy.asnumpy(o), cupy.asnumpy(lse), held, True, "f16")
     assert calls["knobs"] == 1, calls
-    assert calls["launch"] == (1 if page is None else len(totals)), (calls, totals)
+    assert calls["launch"] == (1 + len(totals) if page == 16 else 1), (calls, totals)
 
 
 @pytest.mark.gpu
@@ -477,3 +489,41 @@ def test_a_cache_on_another_gpu_runs_there(rng):
             num_splits=2, return_lse=True)
     assert o.data.device_id == 1 and lse.data.device_id == 1
     _check(q, cupy.asnumpy(o), cupy.asnumpy(lse), seen, True, "f16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page,bn", [(128, 128), (128, 64), (256, 128)])
+def test_a_paged_cache_is_read_in_place_by_the_wgmma_kernel(rng, monkeypatch, page, bn):
+    """Pages of a multiple of block_n: the wgmma kernel reads them through the shuffled block table (no
+    gather: counted), with the bits of the gathered path on the same tile (each key tile is one TMA box
+    inside one page either way); NaN in each entry's slots past its keys and in the pages no entry
+    names; decoding with 1 and 3 key ranges (starting at pages), a chunk of queries without a mask, a
+    causal chunk, the softcap and sinks; every entry by the float64 reference (accuracy rule)."""
+    import cupy
+
+    from flashcupy import _kvcache
+
+    lengths = np.array([1, 129, 300], np.int32)
+    for nq, causal, splits in ((1, True, 1), (1, True, 3), (5, False, 2), (40, True, 1)):
+        q, kc, vc, table, _, _, seen = _case(rng, np.float16, lengths, 0, nq, 512, page=page, d=128)
+        for i, n in enumerate(lengths):  # NaN past the keys: in the entry's last page and its later ones
+            for j in range(n, 512):
+                kc[table[i, j // page], j % page] = vc[table[i, j // page], j % page] = np.nan
+        spare = np.setdiff1d(np.arange(kc.shape[0]), table)
+        kc[spare], vc[spare] = np.nan, np.nan
+        dev = [cupy.asarray(x) for x in (q, kc, vc)]
+        sinks = cupy.asarray(rng.standard_normal(HQ).astype(np.float32))
+        knobs = dict(kernel="wgmma", block_n=bn, softcap=20.0)
+        used, pages = lengths.astype(np.int64), table.astype(np.int64)
+        gathers = []
+        real_gather = _kvcache._gather_pages
+        monkeypatch.setattr(_kvcache, "_gather_pages", lambda *a: gathers.append(1) or real_gather(*a))
+        o, lse = _kvcache._packed(*dev, used, pages, page, causal, knobs, sinks, splits)
+        assert not gathers, (nq, splits)
+        with monkeypatch.context() as m:
+            m.setattr(_kvcache, "_reads_pages", lambda *a: False)
+            o_g, lse_g = _kvcache._packed(*dev, used, pages, page, causal, knobs, sinks, splits)
+        assert gathers, (nq, splits)
+        assert bool((o == o_g).all()) and bool((lse == lse_g).all()), (nq, causal, splits)
+        _check(q, cupy.asnumpy(o), cupy.asnumpy(lse), seen, causal, "f16", sinks=cupy.asnumpy(sinks),
+               softcap=20.0)

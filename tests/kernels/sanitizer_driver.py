@@ -120,6 +120,18 @@ def main() -> None:
                 od = flashcupy.attention_with_kvcache(qd, cache, cache, cache_seqlens=cupy.asarray(lengths),
                                                       kernel=kernel, num_splits=splits)
                 assert bool(cupy.isfinite(od).all()), (kernel, splits)  # (the NaN past the keys stays out)
+        # a paged cache of 128-row pages read in place by the wgmma kernel through a shuffled table
+        # (NaN in the unused slots and in the pages no entry names; the last page of each entry partial)
+        pages = cupy.full((9, 128, 2, 64), np.nan, np.float16)
+        table = np.random.default_rng(1).permutation(9)[:6].reshape(3, 2).astype(np.int32)
+        for i, n in enumerate(lengths):
+            for j in range(-(-int(n) // 128)):
+                rows = min(128, int(n) - 128 * j)
+                pages[int(table[i, j]), :rows] = cache[i, 128 * j:128 * j + rows]
+        for splits in (1, 3):
+            od = flashcupy.attention_with_kvcache(qd, pages, pages, cache_seqlens=lengths, block_table=table,
+                                                  kernel="wgmma", block_n=128, num_splits=splits)
+            assert bool(cupy.isfinite(od).all()), ("paged", splits)
     finally:
         _launch._wgmma_ctas = ctas
     # fp8 (e4m3) forward: both accumulations, k descales per tile and per key, every tile, GQA, ragged
