@@ -32,6 +32,7 @@ EXPERIMENTS = {
     "merge": ("merge", "run_merge", "merged partial softmaxes: error against the number of parts"),
     "ring": ("ring", "run_ring", "ring attention simulated: error against the number of ranks"),
     "fp8_backward": ("fp8_backward", "run_fp8_backward", "which backward products can take fp8 operands"),
+    "decode": ("decode", "run_decode", "decoding: share of the copy bandwidth, host time, peers (KV cache)"),
     "bench": ("bench", "run_bench", "speed against naive CuPy and torch SDPA, same run"),
 }
 # Reports that python -m analysis.profile_ncu writes into a report folder, listed in its index.md when they

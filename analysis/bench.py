@@ -570,20 +570,28 @@ def _wall_us(ctx: Context, fns, calls: int = SMALL_CALLS, rounds: int = SMALL_RO
     return [(float(np.median(t)), float(np.min(t))) for t in out]
 
 
-def _device_us(fn, calls: int = 50) -> float:
+def _device_us(fn, calls: int = 50, *, host_us: bool = False, hold_ms_per_call: float = 0.3):
     """Device time per call: ``calls`` calls enqueued behind a GPU-holding kernel long enough to cover
-    their dispatch, between two CUDA events (the GPU's own time, with no host gaps)."""
+    their dispatch, between two CUDA events (the GPU's own time, with no host gaps). The hold lasts
+    ``hold_ms_per_call`` per call (at least ``HOLD_MS``): about 300 us of enqueue per call by default, more
+    for a call whose host path is longer (a call that takes longer to enqueue than its share of the hold
+    is timed partly as host time). With ``host_us``, returns (device us, host us): the host's time per
+    call is time.perf_counter around the same ``calls`` calls as they are enqueued, nothing synchronized
+    before the end (the GPU is held, so the host never waits for it)."""
     import cupy
 
     fn()
     a, b = cupy.cuda.Event(), cupy.cuda.Event()
-    _hold_gpu(max(HOLD_MS, calls * 0.3))  # about 300 us of enqueue per call at most
+    _hold_gpu(max(HOLD_MS, calls * hold_ms_per_call))
     a.record()
+    t0 = time.perf_counter()
     for _ in range(calls):
         fn()
+    host = (time.perf_counter() - t0) * 1e6 / calls
     b.record()
     b.synchronize()
-    return cupy.cuda.get_elapsed_time(a, b) * 1e3 / calls
+    device = cupy.cuda.get_elapsed_time(a, b) * 1e3 / calls
+    return (device, host) if host_us else device
 
 
 def _small_calls(ctx: Context, torch) -> list:

@@ -421,3 +421,57 @@ def test_sinks_collapse_p_only_when_they_start_the_softmax(reports):
 
     doc = reports[1]["sinks"]
     assert_sinks_findings(table(doc, "Forward: relative error of o"), table(doc, "Backward (merge order"))
+
+
+def test_decode_twin_paths_within_the_rule(reports):
+    """The decode experiment on the NumPy backend: the twin's decoding calls, contiguous and paged (pages of
+    64 and 256 tokens, shuffled), every entry within the accuracy rule against float64, and the paged
+    outputs the contiguous ones' bits; no speed table (the timing is the CUDA backend's)."""
+    from analysis import decode
+
+    doc = reports[1]["decode"]
+    rows = table(doc, "Accuracy against float64")
+    assert [(r["dtype"], r["B"], r["L"], r["layout"]) for r in rows] == \
+        [(d, b, n, lay) for d in decode.DTYPES for b, n in decode.TWIN_CASES
+         for lay in ("contiguous", "paged 64", "paged 256")]
+    for r in rows:
+        assert r["entries checked"] == r["B"] and 0 < r["max abs error"] <= r["rule bound"], r
+        assert r["within the rule"] is True and r["max abs difference from the contiguous o"] == 0
+    assert [t["title"] for t in doc["tables"]] == [t["title"] for t in doc["tables"]
+                                                   if t["title"].startswith("Accuracy")]
+    assert "CUDA backend only" in doc["finding"]
+
+
+def test_decode_tables_from_measurements(tmp_path):
+    """The CUDA side's tables, finding and figure from measurements made up here (no GPU): the best peer is
+    the fastest that agreed, the ratios are of this run's times, a wrong or refused peer is not timed."""
+    from types import SimpleNamespace
+
+    from analysis import decode
+
+    def fc(layout, us):
+        return {"dtype": "f16", "B": 8, "L": 4096, "layout": layout, "kv_bytes": 2 ** 26, "device_us": us,
+                "host_us": 300.0, "step_us": 310.0, "tb_s": 2 ** 26 / us / 1e6,
+                "fraction": 2 ** 26 / us / 1e6 / 4.0, "covered": True}
+
+    fc_rows = [fc("contiguous", 20.0), fc("paged 64", 50.0), fc("paged 256", 30.0)]
+    peer = ["f16", 8, 4096]
+    peers = [peer + ["torch flash", "enable_gqa", "ok", 1e-4, 1e-3, 0.3, 0.5, 25.0, 30.0, 40.0, 2.7, 0.67],
+             peer + ["torch math", "enable_gqa", "ok", 1e-4, 1e-3, 0.3, 0.1, 80.0, 50.0, 90.0, 0.8, 0.2],
+             peer + ["torch cudnn", "-", "refused: RuntimeError: no kernel"] + [None] * 9,
+             peer + [decode.FLEX, "enable_gqa", "wrong: not timed", 1.0, 1e-3, 9.0, 30.0] + [None] * 5]
+    rows = decode._fc_table(fc_rows, peers)
+    assert [r[10] for r in rows] == ["torch flash"] * 3
+    assert [r[12] for r in rows] == pytest.approx([20 / 25, 50 / 25, 30 / 25])
+    assert [r[13] for r in rows] == pytest.approx([1.0, 2.5, 1.5])
+    acc = [["f16", 8, 4096, lay, 2, 1e-4, 1e-4, 4e-4, 0.25, True, 0.0]
+           for lay in ("contiguous", "paged 64", "paged 256")]
+    ctx = SimpleNamespace(backend="cuda")
+    copy = {"tb_s": 4.0}
+    finding = decode._finding(ctx, "NVIDIA H200", copy, acc, rows, peers, "torch 2.9")
+    assert finding.startswith("On NVIDIA H200 (copy bandwidth 4.00 TB/s)")
+    assert "0.80x the best peer's time (torch flash)" in finding and "1 peer calls disagreed" in finding
+    assert "pages of 64 take 2.50x" in finding and "3 of 3 checks" in finding
+    fig = decode._figure(ctx, "NVIDIA H200", copy, acc, rows, peers)
+    assert "NVIDIA H200" in fig._suptitle.get_text()
+    fig.savefig(tmp_path / "decode.png")
