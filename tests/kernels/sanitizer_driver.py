@@ -122,8 +122,8 @@ def main() -> None:
                 assert bool(cupy.isfinite(od).all()), (kernel, splits)  # (the NaN past the keys stays out)
         # a paged cache of 128-row pages read in place by the wgmma kernel through a shuffled table
         # (NaN in the unused slots and in the pages no entry names; the last page of each entry partial)
-        pages = cupy.full((9, 128, 2, 64), np.nan, np.float16)
-        table = np.random.default_rng(1).permutation(9)[:6].reshape(3, 2).astype(np.int32)
+        pages = cupy.full((12, 128, 2, 64), np.nan, np.float16)
+        table = np.random.default_rng(1).permutation(12)[:9].reshape(3, 3).astype(np.int32)
         for i, n in enumerate(lengths):
             for j in range(-(-int(n) // 128)):
                 rows = min(128, int(n) - 128 * j)
