@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import assert_cost_ratios
+
 pytestmark = pytest.mark.gpu
 
 
@@ -28,5 +30,4 @@ def test_alibi_experiment_on_the_kernels(tmp_path):
     assert max(shifted) < 4 * shifted[0]
     assert max(r["fp16 accumulators, measured from i' (twin)"] for r in far) > 3 * max(shifted)
     assert len(cost) == 2
-    for r in cost:  # (no tight bounds: the GPU suite shares the GPU between workers)
-        assert 0 < r["fwd / plain"] < 3 and 0 < r["bwd / plain"] < 3, r
+    assert_cost_ratios(cost)  # (bounded in a lone run only: tests/helpers.py)
