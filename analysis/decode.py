@@ -433,7 +433,8 @@ def _figure(ctx, card, copy, acc_rows, fc_table, peer_rows):
         ax.set_xlabel("batch entries x cached tokens")
         ax.set_ylabel(ylabel)
         ax.set_title(f"{dname}, Hq {HQ}, Hkv {HKV}, D {D}", fontsize=10)
-        ax.legend(fontsize=6)
+    handles, labels = axes[0].get_legend_handles_labels()  # (one legend for both panels, below them)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False)
     if ctx.backend == "cuda":
         cont = [r[9] for r in fc_table if r[3] == "contiguous"]
         ratios = [r[12] for r in fc_table if r[3] == "contiguous" and r[12] is not None]
@@ -443,7 +444,8 @@ def _figure(ctx, card, copy, acc_rows, fc_table, peer_rows):
     else:
         title = "NumPy twin: the decoding paths within the accuracy rule (no timing on this backend)"
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    rows = -(-len(labels) // min(len(labels), 5))
+    fig.tight_layout(rect=(0, 0.05 + 0.045 * rows, 1, 1))
     return fig
 
 
