@@ -300,15 +300,22 @@ def backward(do, q, k, v, o, lse, dlse, group, causal, knobs, grad_dtype, determ
     return grads
 
 
+def _keep(ctx, saved, meta: tuple) -> None:
+    """What both context-parallel Functions keep for their backward: the tensors, the call's other
+    arguments (``ctx.meta``), and no zero-filled gradient for an unused output (None reaches the
+    backward, which then skips that term or returns no gradient at all)."""
+    ctx.save_for_backward(*saved)
+    ctx.meta = meta
+    ctx.set_materialize_grads(False)
+
+
 class _Ring(torch.autograd.Function):
     """apply(q, k, v, group, causal, knobs, state_dtype, grad_dtype, deterministic) -> (o, lse)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal, knobs, state_dtype, grad_dtype, deterministic):
         o, lse = forward(q, k, v, group, causal, knobs, state_dtype)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.meta = (group, causal, knobs, grad_dtype, deterministic)
-        ctx.set_materialize_grads(False)
+        _keep(ctx, (q, k, v, o, lse), (group, causal, knobs, grad_dtype, deterministic))
         return o, lse
 
     @staticmethod
@@ -398,9 +405,7 @@ class _Ulysses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, knobs, deterministic):
         o, lse, saved = _ulysses_forward(q, k, v, group, causal, knobs)
-        ctx.save_for_backward(*saved)
-        ctx.meta = (group, causal, knobs, deterministic)
-        ctx.set_materialize_grads(False)
+        _keep(ctx, saved, (group, causal, knobs, deterministic))
         return o, lse
 
     @staticmethod

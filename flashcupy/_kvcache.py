@@ -8,13 +8,15 @@ at row j % page). The mask is bottom-right aligned: query i sits at position L_b
 
 How it runs. On CuPy arrays, every entry in one launch of the packed forward (``_varlen``): the queries
 as B sequences of Nq, a contiguous cache read in place (entry b's keys the first L_b of its capacity:
-the kernels' used_k, flash_attn's seqused_k), a paged one gathered into one packed array of every
-entry's keys (one copy). Decoding (Nq = 1) without a window or ALiBi packs the query heads of each KV
-head into the rows of one tile (GQA packing: each KV head's keys read once for its Hq / Hkv query
-heads). ``num_splits`` = S > 1 cuts each entry's keys into S ranges, run as S packed entries of the same
-launch (decoding, or no causal mask), and combines them with ``merge_states``: flash-decoding's
-arithmetic, with the partial outputs in the inputs' dtype (a split-KV kernel keeps them in float32; the
-merge experiment measures what the dtype of the partials costs).
+the kernels' used_k, flash_attn's seqused_k), a paged one read in place through its block table by the
+wgmma kernel where its pages hold a multiple of the tile's keys (``_pages_in_place``), else its
+pages in use gathered into one packed array (one copy). Decoding (Nq = 1) without a window or ALiBi
+packs the query heads of each KV head into the rows of one tile (GQA packing: each KV head's keys read
+once for its Hq / Hkv query heads). ``num_splits`` = S > 1 cuts each entry's keys into S ranges,
+run as S packed entries of the same launch (decoding, or no causal mask), and combines them with
+``merge_states``: flash-decoding's arithmetic, with the partial outputs in the inputs' dtype (a
+split-KV kernel keeps them in float32; the merge experiment measures what the dtype of the partials
+costs).
 
 Otherwise (NumPy inputs; S > 1 with a causal mask and Nq > 1) one ``attention`` call per entry (and per
 range): its keys a (1, Hkv, L, D) view of the contiguous cache or a gather of its pages. A causal range
@@ -24,9 +26,10 @@ the window (-1, L - b).
 The lengths and the page table are read on the host: given as CuPy arrays they are copied there (a
 synchronization); given as NumPy arrays (CuPy q takes them) the host runs ahead. A call under CUDA-graph
 capture is refused (RuntimeError): its uploads and temporaries come from CuPy's pool per call. Past the
-checks, a call is a few launches: the queries' copy (GQA packing or splits), the lengths' one upload,
-the attention, the merge (one kernel), the sinks. Next: float32 partials, and pages read through the
-table by the kernels (a paged cache is copied today).
+checks (remembered across a decoding loop), a call is a few launches on q's device: the append (one
+scatter per cache), the queries' copy (GQA packing or splits), one upload of the lengths (and of a
+paged cache's table), the attention, the merge (one kernel), the sinks. Next: the host's time per call
+(``docs/design/varlen.md``), float32 partials.
 """
 from __future__ import annotations
 
@@ -114,10 +117,12 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v, num_splits, kn
             if np.unique(slots).size != slots.size:
                 raise ValueError("block_table: two appended keys would land in one cache slot (a page listed "
                                  "twice); each entry's new keys need slots of their own")
-            # readers[p]: how many entries read page p (an entry that lists a page twice counts once)
-            pairs = np.unique(pages * b + owner)
-            readers = np.bincount(pairs // b, minlength=k_cache.shape[0])
-            shared = readers[written] > 1  # (every appended page is read by its own entry)
+            # how many entries read each written page (an entry that lists a page twice counts once):
+            # the distinct (page, entry) pairs sorted, then each written page's run of them
+            pairs = np.sort(pages * b + owner)
+            pairs = pairs[np.r_[True, pairs[1:] != pairs[:-1]]] // b
+            readers = np.searchsorted(pairs, written, "right") - np.searchsorted(pairs, written, "left")
+            shared = readers > 1  # (every appended page is read by its own entry)
             if shared.any():
                 i = int(np.nonzero(shared.any(axis=1))[0][0])
                 raise ValueError(f"block_table: entry {i} would append into a page another entry reads "
@@ -198,7 +203,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         advances it, as with flash_attn).
     causal : bottom-right aligned over the L = cache_seqlens + Nnew keys (query i at L - Nq + i).
     num_splits : S >= 1 key ranges merged by ``merge_states`` (flash-decoding's arithmetic; partial
-        outputs in the inputs' dtype). On CuPy arrays the S ranges of every entry run in one launch when
+        outputs in the inputs' dtype; a paged cache's ranges are whole pages, so ranges past its pages
+        are empty). On CuPy arrays the S ranges of every entry run in one launch when
         Nq = 1 or causal=False, else one call each. 0: the policy's choice (``_policy.kvcache_splits``:
         ranges only while one launch leaves SMs idle). S > 1 does not take window_size or alibi_slopes
         yet. Sinks are merged once, after the splits
@@ -230,6 +236,19 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     from ._varlen import _refuse_capture
 
     _refuse_capture("attention_with_kvcache", q)
+    if xp is np:
+        return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal,
+                                       num_splits, return_lse, knobs)
+    with xp.cuda.Device(q.data.device_id):  # (every upload, temporary and launch on q's device)
+        return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal,
+                                       num_splits, return_lse, knobs)
+
+
+def _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits,
+                            return_lse, knobs):
+    """``attention_with_kvcache``'s body past the array kinds and the capture check (CuPy: inside q's
+    device)."""
+    xp = _xp(q)
     b, nq, nnew, _, page, lengths, table = _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                                   num_splits, knobs)
     _check_knobs(q, k_cache, causal, return_lse, knobs)
@@ -243,16 +262,16 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
 
         hkv = k_cache.shape[2]
         heads = hkv if _gqa_packed(nq, q.shape[2], hkv, knobs) else q.shape[2]
-        splits = kvcache_splits(0, ctas=b * heads * -(-nq // 64), longest=int((lengths + nnew).max()),
+        longest = int((lengths + nnew).max())
+        splits = kvcache_splits(0, ctas=b * heads * -(-nq // 64), longest=longest,
                                 sms=_sm_count(q.data.device_id))
+        if page:  # (a paged cache's ranges are whole pages: no more ranges than the longest has pages)
+            splits = max(1, min(splits, -(-longest // page)))
     splits = kvcache_splits(splits)
     if k is not None and nnew:
         _append(k_cache, v_cache, k, v, lengths, table, page)
     if xp is not np and (lengths + nnew).max() > 0 and _one_launch(nq, causal, splits, b):
-        import cupy
-
-        with cupy.cuda.Device(q.data.device_id):  # (its uploads and temporaries on q's device)
-            o, lse = _packed(q, k_cache, v_cache, lengths + nnew, table, page, causal, knobs, sinks, splits)
+        o, lse = _packed(q, k_cache, v_cache, lengths + nnew, table, page, causal, knobs, sinks, splits)
         return (o, lse) if return_lse else o
     o, lse = _per_entry(q, k_cache, v_cache, lengths + nnew, table, page, causal, splits, knobs)
     if sinks is not None:  # after the ranges are merged, as after a kernel's key loop (empty entry: lse = z)
@@ -354,14 +373,20 @@ def _entries(used: np.ndarray, starts: np.ndarray, splits: int, unit: int = 1):
     return (starts[:, None] + edges[:, :-1]).reshape(-1), np.diff(edges, axis=1).reshape(-1)
 
 
-def _reads_pages(qp, kp, vp, cq, ck, causal, used_k, max_k, page, knobs) -> bool:
+def _pages_in_place(qp, kp, vp, cq, ck, causal, used_k, max_k, page, knobs) -> bool:
     """Whether the packed launch of these arguments (``_packed``'s, k and v a paged cache's pages as
-    (pages x page, Hkv, D)) reads the pages in place: CuPy arrays and a variant that can
-    (``_varlen.reads_pages``; its Problem is remembered for the launch)."""
+    (pages x page, Hkv, D)) reads the pages in place: CuPy arrays that the kernels' TMA reads as they lie
+    (else ``_launch.forward`` would copy the whole cache, where the gather copies the pages in use) and a
+    variant that can (``_varlen.reads_pages``; its Problem is remembered for the launch)."""
+    from ._launch import _strides_readable
     from ._varlen import packed_problem
 
     if _xp(qp) is np:
         return False
+    for x in (kp, vp):  # (the kernels' (1, Hkv, rows, D) view of the pages)
+        view = x.transpose(1, 0, 2)[None]
+        if x.data.ptr % 16 or not _strides_readable(view.shape, view.strides, x.itemsize, True):
+            return False
     plain = {n: x for n, x in knobs.items() if n != "alibi_slopes"}
     p = packed_problem(qp, kp, vp, cq, ck, causal=causal, used_k=used_k, max_k=max_k,
                        alibi=knobs.get("alibi_slopes") is not None, page=page, **plain)
@@ -388,10 +413,11 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
     capacity rows apart), entry b's keys the first used[b] of its capacity (the kernels' used_k: the mma
     and simt loads stop there, and the wgmma kernel zeroes the rows of V past them that its TMA tiles
     read); a paged cache read in place through its block table where the launch's variant can
-    (``_varlen.reads_pages``: the wgmma forward, pages a multiple of its block_n, pages that lie page
-    rows apart), else its pages in use gathered entry after entry (``_gather_pages``: one copy, as the
-    per-entry path makes), entry b's keys the first used[b] from its first page. Key ranges (splits)
-    of a paged cache start at multiples of the page size (``_split_edges``' unit), in both paths.
+    (``_pages_in_place``: the wgmma forward, pages a multiple of its block_n that lie page rows apart and
+    that TMA reads as they lie, fewer than 2^31 rows in all), else its pages in use gathered entry
+    after entry (``_gather_pages``: one copy, as the per-entry path makes), entry b's keys the first
+    used[b] from its first page. Key ranges (splits) of a paged cache start at multiples of the page
+    size (``_split_edges``' unit), in both paths.
 
     Decoding (Nq = 1) packs the query heads of each KV head into the rows of one tile where
     ``_gqa_packed`` says so: the launch then sees Hkv heads of Hq / Hkv queries, reads each KV head's keys
@@ -435,7 +461,7 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
             kp, vp = (x.reshape(-1, *x.shape[2:]) for x in (k_cache, v_cache))
             ck, used_k = _entries(used, np.zeros(b, np.int64), splits, unit=page)
             ck = np.concatenate([ck, [0]])
-            if _reads_pages(qp, kp, vp, cq, ck, causal and not pack, used_k, max_k, page, knobs):
+            if _pages_in_place(qp, kp, vp, cq, ck, causal and not pack, used_k, max_k, page, knobs):
                 in_place = (table, np.repeat(np.arange(b), splits), page)
         if in_place is None:  # the pages in use, entry after entry, copied once
             pages = _pages_in_use(table, counts)[1]

@@ -104,31 +104,33 @@ _SCALE = {
 """}
 # per row i of C-contiguous do, o (rows of d, 16-byte aligned, d a multiple of 8): the sink's share of
 # d z, -exp(z - lse) (rowsum(dO o) - dlse), the row sum in float32 in order, 16 bytes per load
-_GRAD_ROW = {
-    "f32": r"""
-    const float4 *a = reinterpret_cast<const float4 *>(&dout[(size_t)i * d]);
-    const float4 *b = reinterpret_cast<const float4 *>(&out[(size_t)i * d]);
+_GRAD_ROW = r"""
+    const VEC *a = reinterpret_cast<const VEC *>(&dout[(size_t)i * d]);
+    const VEC *b = reinterpret_cast<const VEC *>(&out[(size_t)i * d]);
     float acc = 0.f;
-    for (int j = 0; j < d / 4; ++j) {
-        const float4 x = a[j], y = b[j];
-        acc += x.x * y.x; acc += x.y * y.y; acc += x.z * y.z; acc += x.w * y.w;
+    for (int j = 0; j < d / PER_LOAD; ++j) {
+        const VEC x = a[j], y = b[j];
+        DOT
     }
     t = -expf(z - lse) * (acc - dl);
-""",
-    "16": r"""
-    const uint4 *a = reinterpret_cast<const uint4 *>(&dout[(size_t)i * d]);
-    const uint4 *b = reinterpret_cast<const uint4 *>(&out[(size_t)i * d]);
-    float acc = 0.f;
-    for (int j = 0; j < d / 8; ++j) {
-        const uint4 x = a[j], y = b[j];
-        const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+"""
+# each 16-byte load's products, added to acc in order: (VEC, PER_LOAD, DOT) of float32 and 16-bit rows
+_GRAD_LOADS = {
+    "f32": ("float4", 4, "acc += x.x * y.x; acc += x.y * y.y; acc += x.z * y.z; acc += x.w * y.w;"),
+    "16": ("uint4", 8, r"""const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
         for (int e = 0; e < 4; ++e) {
             acc += fc_load_bits(xs[e] & 0xFFFF, BF16) * fc_load_bits(ys[e] & 0xFFFF, BF16);
             acc += fc_load_bits(xs[e] >> 16, BF16) * fc_load_bits(ys[e] >> 16, BF16);
-        }
-    }
-    t = -expf(z - lse) * (acc - dl);
-"""}
+        }"""),
+}
+
+
+def _grad_row(kind: str) -> str:
+    """``_GRAD_ROW`` for float32 ("f32") or 16-bit ("16") rows."""
+    vec, per_load, dot = _GRAD_LOADS[kind]
+    return _GRAD_ROW.replace("PER_LOAD", str(per_load)).replace("VEC", vec).replace("DOT", dot)
+
+
 _KERNELS: dict = {}
 
 
@@ -150,7 +152,7 @@ def _kernel(name: str):
     else:  # grad_<dname>
         dname = name[5:]
         t = "float32" if dname == "f32" else "uint16"
-        body = _GRAD_ROW["f32" if dname == "f32" else "16"].replace("BF16", str(dname == "bf16").lower())
+        body = _grad_row("f32" if dname == "f32" else "16").replace("BF16", str(dname == "bf16").lower())
         params = f"raw {t} dout, raw {t} out, float32 lse, float32 z, float32 dl, int32 d"
         kern = cupy.ElementwiseKernel(params, "float32 t", body, f"flashcupy_sink_{name}", preamble=_PREAMBLE)
     _KERNELS[name] = kern

@@ -262,13 +262,14 @@ def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_
     start of its range (flash_attn's seqused_k; attention_with_kvcache's lengths in a cache of fixed
     capacity per entry); None: all of them. ``max_k``: a bound on every entry's keys (a cache's
     capacity) that the checks take as the longest length in place of the longest ``used_k``, so that a
-    decoding loop, whose lengths grow by one a step, finds its Problem remembered (the longest length
-    decides nothing else without a window: it bounds only the tile walk's extent; with a window it
-    decides whether a side is unbounded, so there the longest itself is used). ``pages``: (block table
+    decoding loop, whose lengths grow by one a step, finds its Problem remembered (without a window the
+    longest length decides nothing else: the kernels take it only to size the dynamic tile walk's L2
+    sections; with a window it decides whether a side is unbounded, so there the longest itself is
+    used). ``pages``: (block table
     (B', max_blocks), each entry's row of it (B,), page size) on the host: k and v are a paged cache's
     pages as (pages x page size, Hkv, D), ``ck[e]`` entry e's first key in its own sequence (a multiple of
-    the page size) and ``used_k`` its key count; the call's Problem must read them in place (the caller
-    asks ``packed_problem`` first, ``reads_pages``)."""
+    the page size where the entry has keys) and ``used_k`` its key count; the call's Problem must read
+    them in place (the caller asks ``packed_problem`` first, ``reads_pages``)."""
     from . import _sinks
     from ._checks import check_alibi_slopes
     from ._launch import forward
@@ -301,7 +302,7 @@ def packed_problem(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n
 
     nk = int(np.diff(ck).max()) if used_k is None else int(used_k.max())
     if max_k is not None and (window_size is None or tuple(window_size) == (-1, -1)):
-        nk = max(int(max_k), nk)
+        nk = max(min(int(max_k), 2**31 - 1), nk)  # (an int32 of the kernels)
     kw = dict(b=cq.size - 1, nq=int(np.diff(cq).max()), nk=nk, causal=causal, scale=scale,
               block_m=block_m, block_n=block_n, accum=accum, kernel=kernel, ablate=ablate,
               window_size=window_size, softcap=softcap, alibi=alibi, page=int(page))

@@ -664,10 +664,11 @@ __device__ __forceinline__ float fc_hook_p(const FcScoreHook &hook, float s, int
 #define FC_VARLEN 0
 #endif
 // FC_PAGED 1 (with FC_VARLEN; fwd_wgmma): the keys are read in place from a paged KV cache, k and v
-// (num_pages page_size, Hkv, D) seen as packed arrays; entry b's key j (counted from its k0, then a
-// position in the entry's own sequence, a multiple of FC_BLOCK_N) lives at row
-// pages[j / page_size] page_size + j % page_size, pages its row of the block table (table_row[b]
-// entries into block_table). page_size is a multiple of FC_BLOCK_N, so no key tile spans two pages.
+// (num_pages page_size, Hkv, D) seen as packed arrays. Entry b's k0 is then a position in its own
+// sequence (a multiple of page_size where the entry has keys), and its key k0 + j lives at row
+// pages[(k0 + j) / page_size] page_size + (k0 + j) % page_size, `pages` its row of the block table
+// (table_row[b] entries into block_table). page_size is a multiple of FC_BLOCK_N, so no key tile spans
+// two pages.
 #ifndef FC_PAGED
 #define FC_PAGED 0
 #endif
@@ -677,7 +678,8 @@ static_assert(!FC_PAGED || FC_VARLEN, "FC_PAGED reads a paged cache through the 
 #endif
 struct FcSeq {
     int b;       // the batch index of the arrays (0 for packed arrays: one batch of every token)
-    int q0, k0;  // the entry's first query token and first key token (0 but for packed arrays)
+    int q0, k0;  // the entry's first query token and first key token (0 but for packed arrays; FC_PAGED:
+                 // its first key's position in its own sequence)
     int nq, nk;  // its query and key counts
 #if FC_PAGED
     const int *pages;  // its row of the block table

@@ -322,7 +322,7 @@ def test_one_launch_layout_packs_heads_and_splits_keys(rng, monkeypatch, paged, 
 
     monkeypatch.setattr(_varlen, "_forward_packed", _emulated_packed_launch)
     # a paged cache gathered, or read in place through its table (as the wgmma kernel does)
-    monkeypatch.setattr(_kvcache, "_reads_pages", lambda *a: paged == "in_place")
+    monkeypatch.setattr(_kvcache, "_pages_in_place", lambda *a: paged == "in_place")
     lengths = np.array([0, 2, 97], np.int64)  # (97 in 4 ranges: 24, 24, 25, 24 keys)
     q, kc, vc, table, _, _, seen = _case(rng, np.float32, lengths, 0, nq, 112, page=16 if paged else None)
     sinks = rng.standard_normal(HQ).astype(np.float32)
@@ -524,7 +524,7 @@ def test_a_paged_cache_is_read_in_place_by_the_wgmma_kernel(rng, monkeypatch, pa
         o, lse = _kvcache._packed(*dev, used, pages, page, causal, knobs, sinks, splits)
         assert not gathers, (nq, splits)
         with monkeypatch.context() as m:
-            m.setattr(_kvcache, "_reads_pages", lambda *a: False)
+            m.setattr(_kvcache, "_pages_in_place", lambda *a: False)
             o_g, lse_g = _kvcache._packed(*dev, used, pages, page, causal, knobs, sinks, splits)
         assert gathers, (nq, splits)
         assert bool((o == o_g).all()) and bool((lse == lse_g).all()), (nq, causal, splits)
