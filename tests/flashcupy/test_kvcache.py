@@ -475,22 +475,25 @@ def test_a_decoding_loop_checks_its_launch_once(rng, monkeypatch, page):
 
 @pytest.mark.gpu
 def test_a_cache_on_another_gpu_runs_there(rng):
-    """Arrays on GPU 1 while GPU 0 is current: the call's uploads, temporaries and launches go to the
-    arrays' device, and the result matches the one on GPU 0."""
+    """Arrays on GPU 1 while GPU 0 is current: the call's uploads, temporaries and launches (the append,
+    the launch, the merge, the sinks; the one-launch path and the per-entry one) go to the arrays' device,
+    and every entry holds the float64 reference."""
     import cupy
 
     if cupy.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs")
     lengths = np.array([5, 0, 70], np.int32)
-    q, kc, vc, table, k, v, seen = _case(rng, np.float16, lengths, 2, 1, 96, page=16, d=64)
-    with cupy.cuda.Device(1):
-        dev = [cupy.asarray(x) for x in (q, kc, vc, table, k, v)]
-    with cupy.cuda.Device(0):
-        o, lse = flashcupy.attention_with_kvcache(
-            dev[0], dev[1], dev[2], cache_seqlens=lengths, block_table=dev[3], k=dev[4], v=dev[5],
-            num_splits=2, return_lse=True)
-    assert o.data.device_id == 1 and lse.data.device_id == 1
-    _check(q, cupy.asnumpy(o), cupy.asnumpy(lse), seen, True, "f16")
+    sinks = rng.standard_normal(HQ).astype(np.float32)  # (NumPy: taken onto q's device by the call)
+    for nq, splits in ((1, 2), (6, 2)):  # decoding in one launch; a causal chunk with ranges: per entry
+        q, kc, vc, table, k, v, seen = _case(rng, np.float16, lengths, 2, nq, 96, page=16, d=64)
+        with cupy.cuda.Device(1):
+            dev = [cupy.asarray(x) for x in (q, kc, vc, table, k, v)]
+        with cupy.cuda.Device(0):
+            o, lse = flashcupy.attention_with_kvcache(
+                dev[0], dev[1], dev[2], cache_seqlens=lengths, block_table=dev[3], k=dev[4], v=dev[5],
+                num_splits=splits, return_lse=True, sinks=sinks)
+        assert o.data.device_id == 1 and lse.data.device_id == 1
+        _check(q, cupy.asnumpy(o), cupy.asnumpy(lse), seen, True, "f16", sinks=sinks)
 
 
 @pytest.mark.gpu
