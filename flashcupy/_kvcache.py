@@ -69,6 +69,8 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v, num_splits, kn
         raise TypeError(f"q, k_cache, v_cache must have one dtype; got {q.dtype}, {k_cache.dtype}, "
                         f"{v_cache.dtype}")
     b, nq, hq, d = q.shape
+    if b < 1 or nq < 1:
+        raise ValueError(f"q must be (B, Nq, Hq, D) with B >= 1 and Nq >= 1; got shape {tuple(q.shape)}")
     _, rows, hkv, dk = k_cache.shape
     if dk != d or hq % hkv:
         raise ValueError(f"the cache must be (..., Hkv, D) with q's D = {d} and Hq = {hq} a multiple of "
@@ -79,26 +81,31 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v, num_splits, kn
     if k is not None:
         for name, x in (("k", k), ("v", v)):
             if getattr(x, "ndim", None) != 4 or x.shape[0] != b or x.shape[2:] != (hkv, d):
-                raise ValueError(f"{name} must be (B, Nnew, Hkv, D) = ({b}, Nnew, {hkv}, {d}); got "
-                                 f"{tuple(getattr(x, 'shape', ()))}")
+                raise ValueError(f"{name} must be (B, Nnew, Hkv, D) = ({b}, Nnew, {hkv}, {d}), B from q and "
+                                 f"Hkv, D from the cache; got {tuple(getattr(x, 'shape', ()))}")
             if x.dtype != q.dtype:
                 raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have one shape; got {tuple(k.shape)} and {tuple(v.shape)}")
         nnew = k.shape[1]
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if isinstance(x, np.ndarray) and nnew and not x.flags.writeable:
+                raise ValueError(f"{name} is read-only (a broadcast view?): k and v are appended into it "
+                                 "in place")
     lengths = _host_ints("cache_seqlens", cache_seqlens)
     if lengths.shape != (b,):
-        raise ValueError(f"cache_seqlens must be (B,) = ({b},); got {tuple(lengths.shape)}")
+        raise ValueError(f"cache_seqlens must be (B,) = ({b},), B from q; got {tuple(lengths.shape)}")
     table = None
     if block_table is None:
         if k_cache.shape[0] != b:
-            raise ValueError(f"a contiguous cache must be (B, capacity, Hkv, D) with B = {b}; got "
+            raise ValueError(f"a contiguous cache must be (B, capacity, Hkv, D) with B = {b} from q; got "
                              f"{tuple(k_cache.shape)}")
         page, capacity = 0, rows
     else:
         table = _host_ints("block_table", block_table)
         if table.ndim != 2 or table.shape[0] != b:
-            raise ValueError(f"block_table must be (B, max_blocks) with B = {b}; got {tuple(table.shape)}")
+            raise ValueError(f"block_table must be (B, max_blocks) with B = {b} from q; got "
+                             f"{tuple(table.shape)}")
         page, capacity = rows, rows * table.shape[1]
     if (lengths < 0).any() or (lengths + nnew > capacity).any():
         shown = lengths.tolist() if lengths.size <= 16 else lengths
@@ -116,18 +123,28 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v, num_splits, kn
             slots = (written * page + pos % page).reshape(-1)
             if np.unique(slots).size != slots.size:
                 raise ValueError("block_table: two appended keys would land in one cache slot (a page listed "
-                                 "twice); each entry's new keys need slots of their own")
-            # how many entries read each written page (an entry that lists a page twice counts once):
-            # the distinct (page, entry) pairs sorted, then each written page's run of them
+                                 "twice, or shared by entries that both append); each entry's new keys need "
+                                 "slots of their own")
+            # how many entries read each written page, and how many times it is listed among the pages
+            # in use: the (page, entry) pairs sorted, then each written page's run of them (every
+            # appended page is read by its own entry, once or more)
             pairs = np.sort(pages * b + owner)
-            pairs = pairs[np.r_[True, pairs[1:] != pairs[:-1]]] // b
-            readers = np.searchsorted(pairs, written, "right") - np.searchsorted(pairs, written, "left")
-            shared = readers > 1  # (every appended page is read by its own entry)
-            if shared.any():
-                i = int(np.nonzero(shared.any(axis=1))[0][0])
-                raise ValueError(f"block_table: entry {i} would append into a page another entry reads "
-                                 "(shared pages may be read, not written)")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
+            listed = pairs // b
+            distinct = pairs[np.r_[True, pairs[1:] != pairs[:-1]]] // b
+            def runs(sorted_pages):
+                return (np.searchsorted(sorted_pages, written, "right")
+                        - np.searchsorted(sorted_pages, written, "left"))
+            for bad, why in ((runs(distinct) > 1, "a page another entry reads (shared pages may be read, "
+                              "not written)"),
+                             (runs(listed) > 1, "a page it lists twice among its pages in use (the append "
+                              "would overwrite a key it reads)")):
+                if bad.any():
+                    i = int(np.nonzero(bad.any(axis=1))[0][0])
+                    raise ValueError(f"block_table: entry {i} would append into {why}")
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be an int >= 0 (0: the policy's choice), got "
+                        f"{type(num_splits).__name__} {num_splits!r}")
+    if num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: the policy's choice), got {num_splits!r}")
     if num_splits > 1:
         used = _no_split_knobs(knobs)
@@ -206,7 +223,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         outputs in the inputs' dtype; a paged cache's ranges are whole pages, so ranges past its pages
         are empty). On CuPy arrays the S ranges of every entry run in one launch when
         Nq = 1 or causal=False, else one call each. 0: the policy's choice (``_policy.kvcache_splits``:
-        ranges only while one launch leaves SMs idle). S > 1 does not take window_size or alibi_slopes
+        ranges only while one launch leaves SMs idle; on NumPy inputs, and where the call cannot run in
+        one launch, one range). S > 1 does not take window_size or alibi_slopes
         yet. Sinks are merged once, after the splits
         (``flashcupy._sinks``), so they take any S.
     return_lse : also return the LSE, float32 (B, Hq, Nq).
@@ -226,6 +244,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     (L = 0) gets o = 0 and LSE -inf (with sinks: the sink). Everything is checked before the cache is
     written.
     """
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("block_table", block_table), ("cache_seqlens", cache_seqlens)):
+        if x is not None and not (isinstance(x, np.ndarray) or type(x).__module__.startswith("cupy")):
+            raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(x).__name__}")
     xp = _xp(q)
     host_ok = ("block_table", "cache_seqlens") if xp is not np else ()  # (NumPy: read without a sync)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),

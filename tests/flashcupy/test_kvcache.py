@@ -115,6 +115,37 @@ def test_kvcache_refuses_bad_tables_and_lengths_before_writing(rng):
         flashcupy.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, block_table=table, k=k)
 
 
+def test_kvcache_names_what_a_user_got_wrong_before_writing(rng):
+    """Mistakes a new user makes (a trial of the API found them): each refused with the argument named,
+    and the cache untouched: a read-only value cache under an append (the keys must not be written
+    first), lists and NumPy scalars for arrays, a float num_splits, an empty batch, q's batch against
+    the lengths', and an append into a page the entry itself lists twice (it would overwrite a key the
+    entry reads)."""
+    q, kc, vc, table, k, v, _ = _case(rng, np.float32, np.array([3, 3, 3], np.int32), 2, 1, 32, page=16)
+    lengths = np.array([3, 3, 3], np.int32)
+    before = kc.copy()
+    read_only = np.broadcast_to(vc[:1], vc.shape)
+    cases = [
+        (dict(v_cache=read_only), ValueError, "v_cache is read-only"),
+        (dict(cache_seqlens=[3, 3, 3]), TypeError, "cache_seqlens must be a NumPy or CuPy array, got list"),
+        (dict(cache_seqlens=np.int32(3)), TypeError, "cache_seqlens must be a NumPy or CuPy array"),
+        (dict(k=k.tolist()), TypeError, "k must be a NumPy or CuPy array"),
+        (dict(num_splits=2.0), TypeError, "num_splits must be an int"),
+        (dict(q=q[:0], cache_seqlens=lengths[:0], block_table=table[:0], k=k[:0], v=v[:0]), ValueError,
+         "B >= 1"),
+        (dict(q=q[:2]), ValueError, r"B from q"),
+        # (entry 0's keys 15 and 16 land in rows 15 and 0 of page 0, whose row 0 is its key 0)
+        (dict(cache_seqlens=np.array([15, 3, 3], np.int32), block_table=np.array([[0, 0], [1, 2], [3, 4]],
+                                                                                  np.int32)),
+         ValueError, "lists twice"),
+    ]
+    for kw, exc, msg in cases:
+        kw = {"q": q, "v_cache": vc, "cache_seqlens": lengths, "block_table": table, "k": k, "v": v, **kw}
+        with pytest.raises(exc, match=msg):
+            flashcupy.attention_with_kvcache(kw.pop("q"), kc, kw.pop("v_cache"), **kw)
+        assert np.array_equal(kc, before), msg
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["wgmma", "mma"])
 def test_kvcache_on_the_kernels_matches_the_reference(rng, kernel):
