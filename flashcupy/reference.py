@@ -97,14 +97,20 @@ def _variants(groups, window_size, softcap, sinks, alibi_slopes):
     softcap = check_softcap(softcap)
     if sinks is not None:
         sinks = to_float64(sinks)
-        if sinks.shape != (hq,) or not np.isfinite(sinks).all():
-            raise ValueError(f"sinks must be finite, of shape (Hq,) = ({hq},); got shape {sinks.shape}")
+        if sinks.shape != (hq,):
+            raise ValueError(f"sinks must have shape (Hq,) = ({hq},); got shape {sinks.shape}")
+        if not np.isfinite(sinks).all():
+            bad = np.count_nonzero(~np.isfinite(sinks))
+            raise ValueError(f"sinks must be finite; got {bad} non-finite values")
         sinks = sinks.reshape(1, hkv, g, 1, 1)
     if alibi_slopes is not None:
         alibi_slopes = to_float64(alibi_slopes)
-        if alibi_slopes.shape not in ((hq,), (b, hq)) or not np.isfinite(alibi_slopes).all():
-            raise ValueError(f"alibi_slopes must be finite, of shape (Hq,) = ({hq},) or (B, Hq) = "
-                             f"({b}, {hq}); got shape {alibi_slopes.shape}")
+        if alibi_slopes.shape not in ((hq,), (b, hq)):
+            raise ValueError(f"alibi_slopes must have shape (Hq,) = ({hq},) or (B, Hq) = ({b}, {hq}); got "
+                             f"shape {alibi_slopes.shape}")
+        if not np.isfinite(alibi_slopes).all():
+            bad = np.count_nonzero(~np.isfinite(alibi_slopes))
+            raise ValueError(f"alibi_slopes must be finite; got {bad} non-finite values")
         alibi_slopes = alibi_slopes.reshape(-1, hkv, g, 1, 1)
     return (left, right), softcap, sinks, alibi_slopes
 
