@@ -11,7 +11,8 @@ running ahead (20 back-to-back calls enqueued behind a GPU-holding kernel, the t
 of 5 rounds): for a paged cache it includes the gather of its pages. The host's time per call is
 time.perf_counter around the same calls as they are enqueued (nothing synchronized before the end); the
 step time is the wall time per call of a loop of calls synchronized only at the end of each round, what a
-decoding loop costs when host and device overlap.
+decoding loop costs when host and device overlap. Where the host's time goes: cProfile over the calls of
+the first dtype's first case, once a layout, the functions of most own time.
 
 Peers in the same run, when torch imports and sees the GPU: torch SDPA with each backend forced by
 ``torch.nn.attention.sdpa_kernel`` (flash, mem-efficient, cuDNN, math; GQA through enable_gqa=True, or by
@@ -49,6 +50,7 @@ QUICK_CASES = [(1, 32768), (8, 4096)]                           # K and V: 64 or
 TWIN_CASES = [(1, 1024), (4, 512)]                              # the NumPy backend: correctness only
 PAGES = (None, 64, 256)                                         # contiguous, then tokens per page
 CALLS, ROUNDS = 20, 5
+HOST_TOP = 12                                                   # functions in the host-time profile
 COPY_BYTES = 2 ** 30
 PEER_BACKENDS = {**sdpa.BACKENDS, "math": "MATH"}   # short name -> torch.nn.attention.SDPBackend member
 FLEX = "torch flex (compiled)"
@@ -156,6 +158,29 @@ def _timed(ctx: Context, fn) -> dict:
     return {"device_us": float(np.median([r[0] for r in runs])),
             "host_us": float(np.median([r[1] for r in runs])), "step_us": step,
             "covered": all(r[1] <= 1e3 * hold_ms for r in runs), "hold_ms_per_call": hold_ms}
+
+
+def _host_profile(fn, calls: int = CALLS, top: int = HOST_TOP):
+    """Where the host's time per call goes: cProfile over ``calls`` calls (after one more), the ``top``
+    functions by their own time: [function (file:line), calls per call, own us per call, share of the
+    profiled time], and the profiled time per call (us; the profiler's own cost inflates it, so the
+    shares are the measure, not the sum)."""
+    import cProfile
+    import os
+    import pstats
+
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    total = stats.total_tt
+    ranked = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    rows = [[f"{name} ({os.path.basename(path)}:{line})", nc / calls, 1e6 * tt / calls, tt / total]
+            for (path, line, name), (_, nc, tt, _, _) in ranked]
+    return rows, 1e6 * total / calls
 
 
 def _copy_bandwidth() -> dict:
@@ -298,7 +323,7 @@ def _peers(ctx: Context, torch, q, k, v, o_fc, truths, kv_bytes, copy_tb_s):
 # the run
 
 
-def _case(ctx: Context, dname, b, n, torch, copy, acc_rows, fc_rows, peer_rows):
+def _case(ctx: Context, dname, b, n, torch, copy, acc_rows, fc_rows, peer_rows, host_rows=None):
     rng = ctx.rng(f"decode.{dname}.{b}.{n}")
     q = _draw(ctx, rng, (b, 1, HQ, D), dname)
     k, v = _draw(ctx, rng, (b, n, HKV, D), dname), _draw(ctx, rng, (b, n, HKV, D), dname)
@@ -333,6 +358,9 @@ def _case(ctx: Context, dname, b, n, torch, copy, acc_rows, fc_rows, peer_rows):
                             "first_call_s": first, "tb_s": tb_s, "fraction": tb_s / copy["tb_s"], **t})
             log(f"[decode]   flashcupy: {t['device_us']:.1f} us device, {t['host_us']:.1f} us host, "
                 f"{t['step_us']:.1f} us a step, {tb_s / copy['tb_s']:.2f} of copy bandwidth")
+            if host_rows is not None:
+                prof, per_call = _host_profile(fn)
+                host_rows += [[dname, b, n, _layout(page), per_call, *r] for r in prof]
         del fn, kc, vc   # a paged cache is freed before the next one is built
     if cuda and torch is not None:
         for r in _peers(ctx, torch, q, k, v, outs[None], truths, kv_bytes, copy["tb_s"]):
@@ -361,6 +389,8 @@ FC_COLUMNS = ["dtype", "B", "L", "layout", "K+V MiB", "device us", "host us", "s
 PEER_COLUMNS = ["dtype", "B", "L", "provider", "GQA", "status", "max abs difference from flashcupy",
                 "agreement bound", "peer error / rule bound (float64)", "first call s", "device us",
                 "host us", "step us", "TB/s", "fraction of copy bandwidth"]
+HOST_COLUMNS = ["dtype", "B", "L", "layout", "profiled us per call", "function", "calls per call",
+                "own us per call", "share of the profiled time"]
 ACC_COLUMNS = ["dtype", "B", "L", "layout", "entries checked", "max abs error", "naive max abs error",
                "rule bound", "error / bound", "within the rule",
                "max abs difference from the contiguous o"]
@@ -466,10 +496,12 @@ def run_decode(ctx: Context) -> Report:
 
         cupy.get_default_memory_pool().free_all_blocks()   # the copy's 2 GiB
         log(f"[decode] copy bandwidth {copy['tb_s']:.2f} TB/s ({card})")
-    acc_rows, fc_rows, peer_rows = [], [], []
+    acc_rows, fc_rows, peer_rows, host_rows = [], [], [], []
     for dname in DTYPES:
         for b, n in cases:
-            _case(ctx, dname, b, n, torch, copy, acc_rows, fc_rows, peer_rows)
+            # (the host's profile once a layout: the first dtype's first case)
+            profile = host_rows if cuda and dname == DTYPES[0] and (b, n) == cases[0] else None
+            _case(ctx, dname, b, n, torch, copy, acc_rows, fc_rows, peer_rows, profile)
             if cuda:   # the case's caches back to the device
                 import cupy
 
@@ -488,6 +520,10 @@ def run_decode(ctx: Context) -> Report:
         if peer_rows:
             tables.append(Table("Peers on a contiguous (B, Hkv, L, D) copy of the same K and V, same run",
                                 PEER_COLUMNS, peer_rows))
+        if host_rows:
+            tables.append(Table(f"Host time of one flashcupy call by function (cProfile over {CALLS} calls, "
+                                f"the {HOST_TOP} functions of most own time per layout; the profiler "
+                                "inflates the times, the shares are the measure)", HOST_COLUMNS, host_rows))
     tables.append(Table("Accuracy against float64 (flashcupy.reference) of the checked entries "
                         + ("(first and last)" if cuda else "(all; the NumPy twin)"), ACC_COLUMNS, acc_rows))
     setup = {"shapes": f"Nq = 1, Hq = {HQ}, Hkv = {HKV}, D = {D}; (B, L) in {cases}; dtypes {list(DTYPES)}; "

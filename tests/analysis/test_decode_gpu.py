@@ -63,6 +63,18 @@ def test_decode_experiment_on_the_kernels(tmp_path):
             ratio = r["device us"] / r["best peer device us"]
             assert r["flashcupy / best peer (time)"] == pytest.approx(ratio)
 
+    # the host's profile: once a layout, for the first dtype's first case; shares of one profiled time
+    host = _rows(doc, "Host time of one flashcupy call")
+    first = (decode.DTYPES[0], *cases[0])
+    assert {(r["dtype"], r["B"], r["L"]) for r in host} == {first}
+    for lay in layouts:
+        mine = [r for r in host if r["layout"] == lay]
+        assert 0 < len(mine) <= decode.HOST_TOP and mine[0]["profiled us per call"] > 0, lay
+        assert all(0 < r["share of the profiled time"] <= 1 and r["own us per call"] > 0 for r in mine)
+        assert sum(r["share of the profiled time"] for r in mine) <= 1 + 1e-9
+        own = [r["own us per call"] for r in mine]
+        assert own == sorted(own, reverse=True)
+
     from analysis import sdpa
 
     try:
