@@ -265,8 +265,8 @@ def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_
     decoding loop, whose lengths grow by one a step, finds its Problem remembered (without a window the
     longest length decides nothing else: the kernels take it only to size the dynamic tile walk's L2
     sections; with a window it decides whether a side is unbounded, so there the longest itself is
-    used). ``pages``: (block table
-    (B', max_blocks), each entry's row of it (B,), page size) on the host: k and v are a paged cache's
+    used). ``pages``: (block table (B', max_blocks), each entry's row of it (B,), page size) on the
+    host, with ``used_k`` (the kernel reads every entry's count): k and v are a paged cache's
     pages as (pages x page size, Hkv, D), ``ck[e]`` entry e's first key in its own sequence (a multiple of
     the page size where the entry has keys) and ``used_k`` its key count; the call's Problem must read
     them in place (the caller asks ``packed_problem`` first, ``reads_pages``)."""
@@ -279,6 +279,8 @@ def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_
                        accum=accum, kernel=kernel, ablate=ablate, window_size=window_size, softcap=softcap,
                        alibi=alibi_slopes is not None, used_k=used_k, max_k=max_k,
                        page=0 if pages is None else pages[2])
+    if pages is not None and used_k is None:
+        raise ValueError("a paged cache's entries need used_k, their key counts")
     if pages is not None and not p.variant.paged:
         raise ValueError(f"{p.variant.key} does not read a paged cache of {pages[2]}-row pages in place")
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, q.shape[1], q)
