@@ -445,10 +445,10 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
     ``_gqa_packed`` says so: the launch then sees Hkv heads of Hq / Hkv queries, reads each KV head's keys
     once for all its query heads, and runs without a mask (the one query sees every key). ``splits`` = S
     > 1 (``_one_launch``) makes each entry S packed entries over consecutive key ranges, with the entry's
-    queries repeated, in the same launch; their outputs and LSEs are merged by ``merge_states`` (partials
-    in the inputs' dtype, as the per-entry path's). Returns o (B, Nq, Hq, D) and lse (B, Hq, Nq), sinks
-    merged."""
-    from . import merge_states
+    queries repeated, in the same launch; their outputs and LSEs are merged by ``merge_states``' kernel
+    (partials in the inputs' dtype, as the per-entry path's). Returns o (B, Nq, Hq, D) and lse
+    (B, Hq, Nq), sinks merged."""
+    from ._merge import _merge_exp_cupy, merge_states
     from ._varlen import _forward_packed
 
     xp = _xp(q)
@@ -500,8 +500,8 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
     # (merged as they lie); packed heads then unpack as (B, Hq, 1, D), query head hk (Hq / Hkv) + j
     o = o.reshape(b, splits, rows, heads, d).transpose(1, 0, 3, 2, 4)
     lse = lse.reshape(heads, b, splits, rows).transpose(2, 1, 0, 3)
-    if splits > 1:
-        o, lse = merge_states(o, lse)
+    if splits > 1:  # (CuPy: merge_states' kernel, past its checks: these parts are the launch's)
+        o, lse = merge_states(o, lse) if xp is np else _merge_exp_cupy(o, lse, o.dtype)
     else:
         o, lse = xp.ascontiguousarray(o[0]), xp.ascontiguousarray(lse[0])
     if pack:

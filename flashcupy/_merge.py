@@ -135,22 +135,59 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", state
 
 
 # The one-pass merge on CuPy arrays as one kernel (the array expression above is ~20 launches and their
-# host time, more than a decoding step's attention): a thread per output element, the parts in order s =
-# 0 .. S - 1, the same float32 arithmetic; o_parts and lse_parts read through their strides (CuPy's raw
-# arrays index in C order), 16-bit arrays as their uint16 bits.
-_MERGE_BODY = r"""
-    const long long r = i / D, d = i - r * D, R = _ind.size() / D;
+# host time, more than a decoding step's attention). A CTA per row (b, h, n), a thread per d (256 columns
+# at a time): the row's
+# S LSEs staged in shared memory (FC_MERGE_CHUNK at a time), then each thread adds its column over the
+# parts in order s = 0 .. S - 1 with the same float32 arithmetic as above, eight parts' loads in flight
+# (a thread per element walking the parts one load at a time waited on each: 27 us for S = 33, 32 rows
+# of 128 on an H200, docs/design/merge.md). The parts are read through their strides (elements); 16-bit
+# arrays travel as their uint16 bits; o and lse are written C-contiguous.
+_MERGE_SOURCE = r"""
+#define FC_NEG_INF __int_as_float(0xff800000)
+#define FC_MERGE_CHUNK 2048
+extern "C" __global__ void flashcupy_merge_exp(
+        const FC_MERGE_IN *__restrict__ op, const float *__restrict__ lp, FC_MERGE_OUT *__restrict__ o,
+        float *__restrict__ lse, const int S, const int D, const long long H, const long long N,
+        const long long os, const long long ob, const long long oh, const long long on,
+        const long long od, const long long ls, const long long lb, const long long lh,
+        const long long ln) {
+    __shared__ float part_lse[FC_MERGE_CHUNK];
+    const long long r = blockIdx.x, n = r % N, h = (r / N) % H, b = r / (N * H);
+    const float *lrow = lp + b * lb + h * lh + n * ln;
+    const bool staged = S <= FC_MERGE_CHUNK;  // (all S LSEs stay in shared memory between the passes)
     float m = FC_NEG_INF;
-    for (int s = 0; s < S; ++s) m = fmaxf(m, lp[s * R + r]);
-    if (m == FC_NEG_INF) m = 0.f;  // no part saw the row: every weight is exp(-inf) = 0
-    float total = 0.f, acc = 0.f;
-    for (int s = 0; s < S; ++s) {
-        const float w = expf(lp[s * R + r] - m);
-        total += w;
-        acc += w * FC_MERGE_LOAD(op[(s * R + r) * D + d]);
+    for (int c0 = 0; c0 < S; c0 += FC_MERGE_CHUNK) {
+        const int cn = min(FC_MERGE_CHUNK, S - c0);
+        __syncthreads();
+        for (int s = threadIdx.x; s < cn; s += blockDim.x) part_lse[s] = lrow[(c0 + s) * ls];
+        __syncthreads();
+        for (int s = 0; s < cn; ++s) m = fmaxf(m, part_lse[s]);
     }
-    o[i] = FC_MERGE_STORE(acc / (total == 0.f ? 1.f : total));
-    if (d == 0) lse[r] = total == 0.f ? FC_NEG_INF : m + logf(total);
+    if (m == FC_NEG_INF) m = 0.f;  // no part saw the row: every weight is exp(-inf) = 0
+    for (int d0 = 0; d0 < D; d0 += blockDim.x) {
+        // (threads past D load column D - 1 and store nothing: every thread reaches each barrier)
+        const int d = min(d0 + (int)threadIdx.x, D - 1);
+        const FC_MERGE_IN *col = op + b * ob + h * oh + n * on + d * od;
+        float total = 0.f, acc = 0.f;
+        for (int c0 = 0; c0 < S; c0 += FC_MERGE_CHUNK) {
+            const int cn = min(FC_MERGE_CHUNK, S - c0);
+            if (!staged) {
+                __syncthreads();
+                for (int s = threadIdx.x; s < cn; s += blockDim.x) part_lse[s] = lrow[(c0 + s) * ls];
+                __syncthreads();
+            }
+#pragma unroll 8
+            for (int s = 0; s < cn; ++s) {
+                const float w = expf(part_lse[s] - m);
+                total += w;
+                acc += w * FC_MERGE_LOAD(col[(c0 + s) * os]);
+            }
+        }
+        if (d0 + threadIdx.x < D)
+            o[r * D + d0 + threadIdx.x] = FC_MERGE_STORE(acc / (total == 0.f ? 1.f : total));
+        if (d0 == 0 && threadIdx.x == 0) lse[r] = total == 0.f ? FC_NEG_INF : m + logf(total);
+    }
+}
 """
 _MERGE_KERNELS: dict = {}
 
@@ -166,22 +203,24 @@ def _merge_exp_cupy(o_parts, lse_parts, out):
     src, dst = dtype_name(o_parts.dtype), dtype_name(out)
     kern = _MERGE_KERNELS.get((src, dst))
     if kern is None:
-        types = {"f32": "float32", "f16": "uint16", "bf16": "uint16"}
+        types = {"f32": "float", "f16": "unsigned short", "bf16": "unsigned short"}
         bf16 = {"f16": "false", "bf16": "true"}
         load = "(h)" if src == "f32" else f"fc_load_bits(h, {bf16[src]})"
         store = "(x)" if dst == "f32" else f"fc_store_bits(x, {bf16[dst]})"
-        macros = (f"#define FC_MERGE_LOAD(h) {load}\n#define FC_MERGE_STORE(x) {store}\n"
-                  "#define FC_NEG_INF __int_as_float(0xff800000)\n")
-        kern = cupy.ElementwiseKernel(f"raw {types[src]} op, raw float32 lp, int32 S, int64 D",
-                                      f"raw {types[dst]} o, raw float32 lse", _MERGE_BODY,
-                                      f"flashcupy_merge_exp_{src}_{dst}", preamble=_PREAMBLE + macros)
+        macros = (f"#define FC_MERGE_IN {types[src]}\n#define FC_MERGE_OUT {types[dst]}\n"
+                  f"#define FC_MERGE_LOAD(h) {load}\n#define FC_MERGE_STORE(x) {store}\n")
+        kern = cupy.RawKernel(_PREAMBLE + macros + _MERGE_SOURCE, "flashcupy_merge_exp")
         _MERGE_KERNELS[(src, dst)] = kern
-    s, *rows, d = o_parts.shape
+    s, b, h, n, d = o_parts.shape
     with cupy.cuda.Device(o_parts.data.device_id):
-        o = cupy.empty(tuple(rows) + (d,), dtype=out)
-        lse = cupy.empty(tuple(rows), dtype=np.float32)
+        o = cupy.empty((b, h, n, d), dtype=out)
+        lse = cupy.empty((b, h, n), dtype=np.float32)
         if o.size:
+            ostr = [x // o_parts.itemsize for x in o_parts.strides]
+            lstr = [x // 4 for x in lse_parts.strides]
+            threads = min(256, -(-d // 32) * 32)
             bits = (lambda x: x) if src == "f32" else (lambda x: x.view(np.uint16))
-            kern(bits(o_parts), lse_parts, np.int32(s), np.int64(d),
-                 o if dst == "f32" else o.view(np.uint16), lse, size=o.size)
+            kern((b * h * n,), (threads,),
+                 (bits(o_parts), lse_parts, o if dst == "f32" else o.view(np.uint16), lse, np.int32(s),
+                  np.int32(d), np.int64(h), np.int64(n), *(np.int64(x) for x in ostr + lstr)))
     return o, lse

@@ -204,15 +204,26 @@ def _packed_problem(q, k, v, *, b, nq, nk, page=0, **knobs):
     checks of the knobs, made on the shape of b sequences of the longest lengths nq, nk, then the family's
     varlen variant and the packed lengths; a family without one (VARLEN_FAMILIES) keeps its Problem.
     ``page`` > 0: k and v are a paged cache's pages, read in place where the variant can
-    (``reads_pages``): its paged variant, else the varlen one (the caller then gathers the pages)."""
+    (``reads_pages``): its paged variant, else the varlen one (the caller then gathers the pages); a
+    caller who leaves block_n None gets the policy's key tile for the pages (``_policy.paged_block_n``)."""
     import cupy
 
     from ._checks import check_forward
+    from ._policy import paged_block_n
 
     def shaped(x, n):  # x's dtype, device and heads in the (B, H, n, D) shape of the call (never read)
         return cupy.lib.stride_tricks.as_strided(x, (b, x.shape[1], n, x.shape[2]), (0, 0, 0, x.itemsize))
 
     p = check_forward(shaped(q, nq), shaped(k, nk), shaped(v, nk), **knobs)
+    if page and knobs.get("block_n") is None:  # (the policy's key tile for these pages)
+        def runs(bn):
+            try:
+                return check_forward(shaped(q, nq), shaped(k, nk), shaped(v, nk), **{**knobs, "block_n": bn})
+            except ValueError:
+                return None
+
+        bn = paged_block_n(p.variant.family, page, p.variant.block_n, runs)
+        p = runs(bn) if bn != p.variant.block_n else p
     if p.variant.family not in VARLEN_FAMILIES:  # (a family without one: one call per sequence)
         return p
     paged = reads_pages(p.variant, page)

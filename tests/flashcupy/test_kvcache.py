@@ -528,13 +528,16 @@ def test_a_cache_on_another_gpu_runs_there(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page,bn", [(128, 128), (128, 64), (256, 128)])
-def test_a_paged_cache_is_read_in_place_by_the_wgmma_kernel(rng, monkeypatch, page, bn):
+@pytest.mark.parametrize("page,bn,d", [(128, 128, 128), (128, 64, 128), (256, 128, 128), (64, None, 128),
+                                       (256, None, 256)])
+def test_a_paged_cache_is_read_in_place_by_the_wgmma_kernel(rng, monkeypatch, page, bn, d):
     """Pages of a multiple of block_n: the wgmma kernel reads them through the shuffled block table (no
     gather: counted), with the bits of the gathered path on the same tile (each key tile is one TMA box
     inside one page either way); NaN in each entry's slots past its keys and in the pages no entry
     names; decoding with 1 and 3 key ranges (starting at pages), a chunk of queries without a mask, a
-    causal chunk, the softcap and sinks; every entry by the float64 reference (accuracy rule)."""
+    causal chunk, the softcap and sinks; every entry by the float64 reference (accuracy rule).
+    bn None: the policy's key tile (``_policy.paged_block_n``), 64 for pages of 64 at D = 128 (default
+    128) and of 256 at D = 256 (default 80), compared with the gathered path at 64."""
     import cupy
 
     from flashcupy import _kvcache
@@ -544,7 +547,7 @@ def test_a_paged_cache_is_read_in_place_by_the_wgmma_kernel(rng, monkeypatch, pa
     real_gather = _kvcache._gather_pages
     monkeypatch.setattr(_kvcache, "_gather_pages", lambda *a: gathers.append(1) or real_gather(*a))
     for nq, causal, splits in ((1, True, 1), (1, True, 3), (5, False, 2), (40, True, 1)):
-        q, kc, vc, table, _, _, seen = _case(rng, np.float16, lengths, 0, nq, 512, page=page, d=128)
+        q, kc, vc, table, _, _, seen = _case(rng, np.float16, lengths, 0, nq, 512, page=page, d=d)
         for i, n in enumerate(lengths):  # NaN past the keys: in the entry's last page and its later ones
             for j in range(n, 512):
                 kc[table[i, j // page], j % page] = vc[table[i, j // page], j % page] = np.nan
@@ -552,15 +555,35 @@ def test_a_paged_cache_is_read_in_place_by_the_wgmma_kernel(rng, monkeypatch, pa
         kc[spare], vc[spare] = np.nan, np.nan
         dev = [cupy.asarray(x) for x in (q, kc, vc)]
         sinks = cupy.asarray(rng.standard_normal(HQ).astype(np.float32))
-        knobs = dict(kernel="wgmma", block_n=bn, softcap=20.0)
+        knobs = dict(kernel="wgmma", softcap=20.0, **({} if bn is None else {"block_n": bn}))
         used, pages = lengths.astype(np.int64), table.astype(np.int64)
         gathers.clear()
         o, lse = _kvcache._packed(*dev, used, pages, page, causal, knobs, sinks, splits)
         assert not gathers, (nq, splits)
         with monkeypatch.context() as m:
             m.setattr(_kvcache, "_pages_in_place", lambda *a: False)
-            o_g, lse_g = _kvcache._packed(*dev, used, pages, page, causal, knobs, sinks, splits)
+            o_g, lse_g = _kvcache._packed(*dev, used, pages, page, causal, {**knobs, "block_n": bn or 64},
+                                          sinks, splits)
         assert gathers, (nq, splits)
         assert bool((o == o_g).all()) and bool((lse == lse_g).all()), (nq, causal, splits)
         _check(q, cupy.asnumpy(o), cupy.asnumpy(lse), seen, causal, "f16", sinks=cupy.asnumpy(sinks),
                softcap=20.0)
+
+
+def test_the_policy_picks_a_key_tile_that_reads_the_pages_in_place():
+    """``_policy.paged_block_n``: the wgmma forward's default key tile where it divides the page, else the
+    widest narrower tile of 64 or more that divides it and that the family runs, else the default (the
+    pages are gathered); other families keep theirs."""
+    from flashcupy._policy import paged_block_n
+
+    def runs(bn):
+        return True
+
+    assert paged_block_n("fwd_wgmma", 256, 128, runs) == 128
+    assert paged_block_n("fwd_wgmma", 64, 128, runs) == 64
+    assert paged_block_n("fwd_wgmma", 192, 128, runs) == 64
+    assert paged_block_n("fwd_wgmma", 256, 80, runs) == 64      # D = 256's default tile
+    assert paged_block_n("fwd_wgmma", 16, 128, runs) == 128     # no tile divides 16: gathered
+    assert paged_block_n("fwd_wgmma", 64, 128, lambda bn: False) == 128
+    assert paged_block_n("fwd_wgmma", 0, 128, runs) == 128
+    assert paged_block_n("fwd_mma", 64, 128, runs) == 128

@@ -136,6 +136,30 @@ def test_merge_on_cupy_arrays_gives_the_numpy_result(rng, form, dname, out_dtype
     assert np.isfinite(got.astype(np.float32)).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits, d", [(2100, 40), (3, 300)])
+def test_merge_kernel_past_its_staged_parts_and_columns(rng, splits, d):
+    """The CuPy merge kernel stages FC_MERGE_CHUNK = 2048 parts' LSEs at a time and covers 256 columns a
+    pass: S = 2100 parts (two chunks, reloaded for the second pass) and D = 300 (two column passes), on
+    reversed-stride views with empty parts, against the float64 merge of the same parts."""
+    import cupy
+
+    s_, b, h, n = splits, 1, 2, 3
+    o_parts = rng.standard_normal((s_, b, h, n, d)).astype(np.float32)
+    lse_parts = (8.0 * rng.standard_normal((s_, b, h, n))).astype(np.float32)
+    lse_parts[::7, :, :, 0], o_parts[::7, :, :, 0] = -np.inf, 0     # empty parts in row 0
+    lse64 = lse_parts.astype(np.float64)
+    m = lse64.max(axis=0)
+    w = np.exp(lse64 - m)
+    want = (w[..., None] * o_parts).sum(axis=0) / w.sum(axis=0)[..., None]
+    want_lse = m + np.log(w.sum(axis=0))
+    o_dev = cupy.asarray(o_parts[::-1, :, :, :, ::-1].copy())[::-1, :, :, :, ::-1]   # negative strides
+    lse_dev = cupy.asarray(lse_parts[::-1].copy())[::-1]
+    o, lse = flashcupy.merge_states(o_dev, lse_dev)
+    np.testing.assert_allclose(cupy.asnumpy(o), want, rtol=0, atol=1e-5 * np.abs(o_parts).max())
+    np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=1e-6, atol=0)
+
+
 def test_the_fold_without_the_stable_softplus_overflows_past_a_gap_of_88(rng):
     """ablate='stable_softplus': a part whose LSE exceeds the running one by more than ln(float32 max)
     = 88.72 sends the merged LSE to inf while o still takes that part's weight; below the gap, and with
