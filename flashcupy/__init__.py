@@ -13,13 +13,14 @@ from ._checks import _check_bool
 from ._checks import backward_problem as _backward_problem
 from ._checks import check_alibi_slopes as _check_alibi_slopes
 from ._checks import forward_problem as _forward_problem
-from ._kvcache import attention_with_kvcache
+from ._kvcache import KVCachePlan, attention_with_kvcache, plan_kvcache
 from ._merge import merge_states
 from ._varlen import attention_varlen, attention_varlen_backward
 from .fp8 import attention_fp8, dequantize, quantize
 
-__all__ = ["attention", "attention_backward", "attention_fp8", "attention_varlen", "attention_with_kvcache",
-           "attention_varlen_backward", "dequantize", "inspect", "merge_states", "quantize", "reference"]
+__all__ = ["KVCachePlan", "attention", "attention_backward", "attention_fp8", "attention_varlen",
+           "attention_with_kvcache", "attention_varlen_backward", "dequantize", "inspect", "merge_states",
+           "plan_kvcache", "quantize", "reference"]
 __version__ = "0.1.0"
 del annotations  # the __future__ import's name: not part of the package's namespace
 

@@ -243,82 +243,197 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     row; else a view of a (B, Hq, Nq, D) array), and the LSE with ``return_lse``. An entry with no key
     (L = 0) gets o = 0 and LSE -inf (with sinks: the sink). Everything is checked before the cache is
     written.
+
+    One call is ``plan_kvcache`` of its arguments, then the plan's ``run`` on the same arrays: a decoding
+    step over many layers plans once and runs each layer.
     """
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
-                    ("block_table", block_table), ("cache_seqlens", cache_seqlens)):
-        if x is not None and not (isinstance(x, np.ndarray) or type(x).__module__.startswith("cupy")):
-            raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(x).__name__}")
-    xp = _xp(q)
-    host_ok = ("block_table", "cache_seqlens") if xp is not np else ()  # (NumPy: read without a sync)
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
-                    ("block_table", block_table), ("cache_seqlens", cache_seqlens)):
-        if x is not None and _xp(x) is not xp and not (name in host_ok and isinstance(x, np.ndarray)):
-            kinds = "CuPy or NumPy" if name in host_ok else "NumPy" if xp is np else "CuPy"
-            raise TypeError(f"{name} must be a {kinds} array like q")
-    from ._varlen import _refuse_capture
-
-    _refuse_capture("attention_with_kvcache", q)
-    if xp is np:
-        return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal,
-                                       num_splits, return_lse, knobs)
-    with xp.cuda.Device(q.data.device_id):  # (every upload, temporary and launch on q's device)
-        return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal,
-                                       num_splits, return_lse, knobs)
+    return plan_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k=k, v=v,
+                        causal=causal, num_splits=num_splits, return_lse=return_lse, **knobs).run(
+        q, k_cache, v_cache, k=k, v=v)
 
 
-def _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits,
-                            return_lse, knobs):
-    """``attention_with_kvcache``'s body past the array kinds and the capture check (CuPy: inside q's
-    device)."""
-    xp = _xp(q)
-    b, nq, nnew, _, page, lengths, table = _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                                                  num_splits, knobs)
-    _check_knobs(q, k_cache, causal, return_lse, knobs)
-    sinks = None if knobs.get("sinks") is None else _sinks.check(knobs["sinks"], q.shape[2], q)
-    knobs = {name: value for name, value in knobs.items() if name != "sinks"}  # merged once, at the end
-    splits = int(num_splits)
-    # num_splits=0: the policy's ranges where they run in one launch (decoding or no causal mask; the twin
-    # and the per-entry path: one range)
-    if splits == 0 and xp is not np and (nq == 1 or not causal) and not _no_split_knobs(knobs):
-        from ._launch import _sm_count
-
-        hkv = k_cache.shape[2]
-        heads = hkv if _gqa_packed(nq, q.shape[2], hkv, knobs) else q.shape[2]
-        longest = int((lengths + nnew).max())
-        splits = kvcache_splits(0, ctas=b * heads * -(-nq // 64), longest=longest,
-                                sms=_sm_count(q.data.device_id))
-        if page:  # (a paged cache's ranges are whole pages: no more ranges than the longest has pages)
-            splits = max(1, min(splits, -(-longest // page)))
-    splits = kvcache_splits(splits)
-    if k is not None and nnew:
-        _append(k_cache, v_cache, k, v, lengths, table, page)
-    if xp is not np and (lengths + nnew).max() > 0 and _one_launch(nq, causal, splits, b):
-        o, lse = _packed(q, k_cache, v_cache, lengths + nnew, table, page, causal, knobs, sinks, splits)
-        return (o, lse) if return_lse else o
-    o, lse = _per_entry(q, k_cache, v_cache, lengths + nnew, table, page, causal, splits, knobs)
-    if sinks is not None:  # after the ranges are merged, as after a kernel's key loop (empty entry: lse = z)
-        _sinks.apply(o, lse, sinks)
-    o = o.transpose(0, 2, 1, 3)
-    return (o, lse) if return_lse else o
+def plan_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None, v=None,
+                 causal: bool = True, num_splits: int = 1, return_lse: bool = False,
+                 **knobs) -> "KVCachePlan":
+    """The part of an ``attention_with_kvcache`` call that its lengths, page table, shapes and knobs
+    decide, done once (FlashInfer's plan / run split): every check, the key ranges, the packed entries'
+    lengths and the append's slots uploaded, the launch's Problem. ``plan.run(q, k_cache, v_cache, k=None,
+    v=None)`` then runs the call, append included, on any arrays with these arrays' shapes, dtypes and
+    device and the caches' strides and 16-byte alignment (a ValueError names one that differs): a
+    decoding step plans once and runs each layer, whose caches and queries differ and whose lengths and
+    pages do not. The arguments are ``attention_with_kvcache``'s; the arrays given here are only read
+    for their shapes and layouts (nothing is written), and the knobs (sinks and ALiBi slopes included)
+    are the plan's. A plan holds the lengths it was made with: after the caller advances them, a new
+    step needs a new plan."""
+    return KVCachePlan(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits, return_lse,
+                       knobs)
 
 
-def _append(k_cache, v_cache, k, v, lengths: np.ndarray, table, page: int) -> None:
-    """Write the new keys and values k, v (B, Nnew, Hkv, D) into the cache in place, entry b's at its
-    positions lengths[b] .. + Nnew (through ``table`` into pages of ``page`` rows where paged): one
-    scatter per cache, its (cache entry or page, row) indices computed on the host and uploaded in one
-    copy (CuPy)."""
+_ARRAYS = ("q", "k_cache", "v_cache", "k", "v")
+
+
+def _layout(name: str, x):
+    """What a plan's ``run`` requires of argument ``name`` to be as the plan's: the shape, dtype and
+    device, and for the caches (read in place) the strides and the 16-byte alignment."""
+    if x is None:
+        return None
+    device, ptr = (None, x.ctypes.data) if isinstance(x, np.ndarray) else (x.data.device_id, x.data.ptr)
+    cache = name in ("k_cache", "v_cache")
+    return (type(x).__module__.split(".")[0], tuple(x.shape), x.dtype, device,
+            tuple(x.strides) if cache else None, ptr % 16 == 0 if cache else None)
+
+
+class KVCachePlan:
+    """An ``attention_with_kvcache`` call planned once (``plan_kvcache``), run per layer (``run``)."""
+
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits,
+                 return_lse, knobs):
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                        ("block_table", block_table), ("cache_seqlens", cache_seqlens)):
+            if x is not None and not (isinstance(x, np.ndarray) or type(x).__module__.startswith("cupy")):
+                raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(x).__name__}")
+        xp = _xp(q)
+        host_ok = ("block_table", "cache_seqlens") if xp is not np else ()  # (NumPy: read without a sync)
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                        ("block_table", block_table), ("cache_seqlens", cache_seqlens)):
+            if x is not None and _xp(x) is not xp and not (name in host_ok and isinstance(x, np.ndarray)):
+                kinds = "CuPy or NumPy" if name in host_ok else "NumPy" if xp is np else "CuPy"
+                raise TypeError(f"{name} must be a {kinds} array like q")
+        from ._varlen import _refuse_capture
+
+        _refuse_capture("attention_with_kvcache", q)
+        self._layouts = tuple(_layout(n, x) for n, x in zip(_ARRAYS, (q, k_cache, v_cache, k, v)))
+        self._return_lse = return_lse
+        self._device = None if xp is np else q.data.device_id
+        if xp is np:
+            self._plan(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits, knobs)
+        else:
+            with xp.cuda.Device(self._device):  # (every upload on q's device)
+                self._plan(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits, knobs)
+
+    def _plan(self, q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits, knobs):
+        xp = _xp(q)
+        b, nq, nnew, _, page, lengths, table = _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                                                      num_splits, knobs)
+        _check_knobs(q, k_cache, causal, self._return_lse, knobs)
+        sinks = None if knobs.get("sinks") is None else _sinks.check(knobs["sinks"], q.shape[2], q)
+        knobs = {name: value for name, value in knobs.items() if name != "sinks"}  # merged once, at the end
+        splits = int(num_splits)
+        # num_splits=0: the policy's ranges where they run in one launch (decoding or no causal mask; the
+        # twin and the per-entry path: one range)
+        if splits == 0 and xp is not np and (nq == 1 or not causal) and not _no_split_knobs(knobs):
+            from ._launch import _sm_count
+
+            hkv = k_cache.shape[2]
+            heads = hkv if _gqa_packed(nq, q.shape[2], hkv, knobs) else q.shape[2]
+            longest = int((lengths + nnew).max())
+            splits = kvcache_splits(0, ctas=b * heads * -(-nq // 64), longest=longest,
+                                    sms=_sm_count(q.data.device_id))
+            if page:  # (a paged cache's ranges are whole pages: no more ranges than the longest has pages)
+                splits = max(1, min(splits, -(-longest // page)))
+        splits = kvcache_splits(splits)
+        self._append = None if k is None or not nnew else _append_slots(lengths, table, page, nnew, xp)
+        used = lengths + nnew
+        self._packed = self._per_entry = None
+        if xp is not np and used.max() > 0 and _one_launch(nq, causal, splits, b):
+            self._packed = _Packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits)
+        else:
+            self._per_entry = (used, table, page, causal, splits, knobs, sinks)
+
+    def run(self, q, k_cache, v_cache, k=None, v=None):
+        """The planned call on these arrays (``plan_kvcache``): k and v appended into the caches in place,
+        then the attention. Returns o, and the LSE with the plan's ``return_lse``."""
+        for name, x, want in zip(_ARRAYS, (q, k_cache, v_cache, k, v), self._layouts):
+            if x is not None and not (isinstance(x, np.ndarray) or type(x).__module__.startswith("cupy")):
+                raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(x).__name__}")
+            got = _layout(name, x)
+            if got != want:
+                raise ValueError(f"{name} is not laid out as the plan's {name}: (array kind, shape, dtype, "
+                                 f"device, strides, 16-byte aligned) {got} against {want}; make a plan for "
+                                 "these arrays")
+        if self._device is None:
+            return self._run(q, k_cache, v_cache, k, v)
+        from ._varlen import _refuse_capture
+
+        _refuse_capture("attention_with_kvcache", q)
+        with _xp(q).cuda.Device(self._device):
+            return self._run(q, k_cache, v_cache, k, v)
+
+    def _run(self, q, k_cache, v_cache, k, v):
+        if self._append is not None:
+            _append(k_cache, v_cache, k, v, self._append)
+        if self._packed is not None:
+            o, lse = self._packed(q, k_cache, v_cache)
+            return (o, lse) if self._return_lse else o
+        used, table, page, causal, splits, knobs, sinks = self._per_entry
+        o, lse = _per_entry(q, k_cache, v_cache, used, table, page, causal, splits, knobs)
+        if sinks is not None:  # after the ranges are merged, as after a kernel's key loop (no key: lse = z)
+            _sinks.apply(o, lse, sinks)
+        o = o.transpose(0, 2, 1, 3)
+        return (o, lse) if self._return_lse else o
+
+
+# The append on CuPy arrays: a thread per element of the new keys and values, each copied (as its bits)
+# into its slot of either cache through the arrays' strides (elements); slots (2, B Nnew) int64: the
+# cache entry or page, and the row. One launch for both caches, through the driver (CuPy's scatter
+# `cache[entries, rows] = new` took about 70 us of host time a cache on an H200's host).
+_APPEND_SOURCE = r"""
+extern "C" __global__ void flashcupy_append(
+        FC_BITS *__restrict__ kc, FC_BITS *__restrict__ vc, const FC_BITS *__restrict__ k,
+        const FC_BITS *__restrict__ v, const long long *__restrict__ slots, const long long tokens,
+        const long long nnew, const long long heads, const long long d,
+        const long long kc0, const long long kc1, const long long kc2, const long long kc3,
+        const long long vc0, const long long vc1, const long long vc2, const long long vc3,
+        const long long k0, const long long k1, const long long k2, const long long k3,
+        const long long v0, const long long v1, const long long v2, const long long v3) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= tokens * heads * d) return;
+    const long long t = i / (heads * d), e = i - t * heads * d, h = e / d, c = e - h * d;
+    const long long b = t / nnew, j = t - b * nnew, slot = slots[t], row = slots[tokens + t];
+    kc[slot * kc0 + row * kc1 + h * kc2 + c * kc3] = k[b * k0 + j * k1 + h * k2 + c * k3];
+    vc[slot * vc0 + row * vc1 + h * vc2 + c * vc3] = v[b * v0 + j * v1 + h * v2 + c * v3];
+}
+"""
+_APPEND_KERNELS: dict = {}   # element size -> cupy.RawKernel
+_APPEND_LAUNCHES: dict = {}  # (element size, shapes, strides) -> its launcher (_launch.small_launcher)
+
+
+def _append(k_cache, v_cache, k, v, slots) -> None:
+    """Write the new keys and values k, v (B, Nnew, Hkv, D) into the caches in place, at ``slots``
+    (``_append_slots``): NumPy by a scatter per cache, CuPy by one launch on the current stream."""
     xp = _xp(k)
-    b, nnew = k.shape[:2]
+    if xp is np:
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            cache[slots[0], slots[1]] = new
+        return
+    from ._launch import PTR, small_launcher
+
+    size = k.itemsize
+    kern = _APPEND_KERNELS.get(size)
+    if kern is None:
+        bits = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}[size]
+        kern = _APPEND_KERNELS[size] = xp.RawKernel(f"#define FC_BITS {bits}\n" + _APPEND_SOURCE,
+                                                    "flashcupy_append")
+    b, nnew, heads, d = k.shape
+    strides = tuple(s // size for x in (k_cache, v_cache, k, v) for s in x.strides)
+    layout = (PTR,) * 5 + tuple(np.int64(x) for x in (b * nnew, nnew, heads, d, *strides))
+    launch = small_launcher(kern, (-(-b * nnew * heads * d // 256),), 256, layout, _APPEND_LAUNCHES,
+                            (size, k.shape, strides))
+    launch(xp.cuda.get_current_stream().ptr, (k_cache.data.ptr, v_cache.data.ptr, k.data.ptr, v.data.ptr,
+                                              slots.data.ptr))
+
+
+def _append_slots(lengths: np.ndarray, table, page: int, nnew: int, xp):
+    """The (cache entry or page, row) of each new key, (2, B, Nnew) int64, entry b's at its positions
+    lengths[b] .. + Nnew (through ``table`` into pages of ``page`` rows where paged): computed on the
+    host, uploaded in one copy (CuPy)."""
+    b = lengths.size
     pos = lengths[:, None] + np.arange(nnew)
     if table is None:
         index = np.stack([np.broadcast_to(np.arange(b)[:, None], pos.shape), pos])
     else:
         index = np.stack([table[np.arange(b)[:, None], pos // page], pos % page])
-    if xp is not np:
-        with xp.cuda.Device(k_cache.data.device_id):
-            index = xp.asarray(index)
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        cache[index[0], index[1]] = new
+    return index if xp is np else xp.asarray(np.ascontiguousarray(index, dtype=np.int64))
 
 
 def _per_entry(q, k_cache, v_cache, used, table, page, causal, splits, knobs):
@@ -415,10 +530,10 @@ def _pages_in_place(qp, kp, vp, cq, ck, causal, used_k, max_k, page, knobs) -> b
     return p.variant.paged
 
 
-def _gather_pages(x, pages: np.ndarray):
-    """Pages ``pages`` of a paged cache x (num_blocks, page, Hkv, D), one after another, as one packed
-    (len(pages) page, Hkv, D) array: one copy of them (16 bytes a thread where each page is whole
-    16-byte units of a C-contiguous cache, the units copied as complex128)."""
+def _gather_pages(x, pages):
+    """Pages ``pages`` (host or device ints) of a paged cache x (num_blocks, page, Hkv, D), one after
+    another, as one packed (len(pages) page, Hkv, D) array: one copy of them (16 bytes a thread where
+    each page is whole 16-byte units of a C-contiguous cache, the units copied as complex128)."""
     xp = _xp(x)
     rows = xp.asarray(pages)
     flat = x.reshape(x.shape[0], -1)
@@ -429,7 +544,20 @@ def _gather_pages(x, pages: np.ndarray):
     return out.reshape(-1, *x.shape[2:])
 
 
+def _like(x, shape):
+    """An array of x's kind, dtype and device with this shape, C-strided over x's memory: for the launch's
+    checks, which read its shape, strides, dtype and device only (never its elements)."""
+    xp = _xp(x)
+    strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * x.itemsize for i in range(len(shape)))
+    return xp.lib.stride_tricks.as_strided(x, shape, strides)
+
+
 def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits: int = 1):
+    """``_Packed`` made and run on these arrays: o (B, Nq, Hq, D), lse (B, Hq, Nq)."""
+    return _Packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits)(q, k_cache, v_cache)
+
+
+class _Packed:
     """Every entry in one launch of the packed forward (``_varlen``): the queries as B sequences of Nq;
     a contiguous cache read in place as (B capacity, Hkv, D) (copied first where its entries do not lie
     capacity rows apart), entry b's keys the first used[b] of its capacity (the kernels' used_k: the mma
@@ -446,66 +574,85 @@ def _packed(q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits
     once for all its query heads, and runs without a mask (the one query sees every key). ``splits`` = S
     > 1 (``_one_launch``) makes each entry S packed entries over consecutive key ranges, with the entry's
     queries repeated, in the same launch; their outputs and LSEs are merged by ``merge_states``' kernel
-    (partials in the inputs' dtype, as the per-entry path's). Returns o (B, Nq, Hq, D) and lse
-    (B, Hq, Nq), sinks merged."""
-    from ._merge import _merge_exp_cupy, merge_states
-    from ._varlen import _forward_packed
+    (partials in the inputs' dtype, as the per-entry path's). Made once (a plan: the
+    entries, the lengths' upload, the launch's checks), called per layer on arrays of the same layout:
+    returns o (B, Nq, Hq, D) and lse (B, Hq, Nq), sinks merged."""
+    def __init__(self, q, k_cache, v_cache, used, table, page, causal, knobs, sinks, splits):
+        from ._varlen import packed_launch
 
-    xp = _xp(q)
-    b, nq, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    pack = _gqa_packed(nq, hq, hkv, knobs)
-    rows, heads = (hq // hkv, hkv) if pack else (nq, hq)  # each packed entry's queries and query heads
-    cap = k_cache.shape[1]
-    used = np.asarray(used, np.int64)
-    entries = b * splits
-    cq = np.arange(entries + 1, dtype=np.int64) * rows
-    # the packed queries, (entries x rows, heads, D): entry b's once per key range; packed heads: row j
-    # of KV head hk is query head hk (Hq / Hkv) + j
-    qp = q.reshape(b, 1, hkv, rows, d).transpose(0, 1, 3, 2, 4) if pack else q[:, None]
-    if splits > 1 or pack:
-        qp = xp.ascontiguousarray(xp.broadcast_to(qp, (b, splits, rows, heads, d)))
-    qp = qp.reshape(entries * rows, heads, d)
-    in_place = None
-    if table is None:  # entry b's keys at rows b cap .. of the cache seen as (B cap, Hkv, D)
-        if not all(x.strides[0] == cap * x.strides[1] for x in (k_cache, v_cache)):
-            k_cache, v_cache = xp.ascontiguousarray(k_cache), xp.ascontiguousarray(v_cache)
-        kp, vp = (x.reshape(b * cap, *x.shape[2:]) for x in (k_cache, v_cache))  # (views: read in place)
-        ck, used_k = _entries(used, np.arange(b, dtype=np.int64) * cap, splits)
-        ck = np.concatenate([ck, [b * cap]])
-        max_k = cap
-    else:
-        max_k = page * table.shape[1]
-        counts = -(-used // page)
-        if k_cache.shape[0] * page < 2**31 and all(x.strides[0] == page * x.strides[1]
-                                                   for x in (k_cache, v_cache)):
-            # the pages as (pages x page, Hkv, D), read in place through the table if the variant can
-            kp, vp = (x.reshape(-1, *x.shape[2:]) for x in (k_cache, v_cache))
-            ck, used_k = _entries(used, np.zeros(b, np.int64), splits, unit=page)
-            ck = np.concatenate([ck, [0]])
-            if _pages_in_place(qp, kp, vp, cq, ck, causal and not pack, used_k, max_k, page, knobs):
-                in_place = (table, np.repeat(np.arange(b), splits), page)
-        if in_place is None:  # the pages in use, entry after entry, copied once
-            pages = _pages_in_use(table, counts)[1]
-            kp, vp = (_gather_pages(x, pages) for x in (k_cache, v_cache))
-            starts = (np.cumsum(counts) - counts) * page  # entry b's keys from its first page's row
-            ck, used_k = _entries(used, starts, splits, unit=page)
-            ck = np.concatenate([ck, [int(counts.sum()) * page]])
-    plain = splits == 1 and not pack  # (else sinks after the ranges are merged and the heads unpacked)
-    o, lse = _forward_packed(qp, kp, vp, cq, ck, causal=causal and not pack, used_k=used_k, max_k=max_k,
-                             pages=in_place, sinks=sinks if plain else None, **knobs)
-    if plain:
-        return o.reshape(b, nq, hq, d), xp.ascontiguousarray(lse.reshape(hq, b, nq).transpose(1, 0, 2))
-    # (S, B, heads, rows, D) partial outputs and (S, B, heads, rows) LSEs: views of the launch's outputs
-    # (merged as they lie); packed heads then unpack as (B, Hq, 1, D), query head hk (Hq / Hkv) + j
-    o = o.reshape(b, splits, rows, heads, d).transpose(1, 0, 3, 2, 4)
-    lse = lse.reshape(heads, b, splits, rows).transpose(2, 1, 0, 3)
-    if splits > 1:  # (CuPy: merge_states' kernel, past its checks: these parts are the launch's)
-        o, lse = merge_states(o, lse) if xp is np else _merge_exp_cupy(o, lse, o.dtype)
-    else:
-        o, lse = xp.ascontiguousarray(o[0]), xp.ascontiguousarray(lse[0])
-    if pack:
-        o, lse = o.reshape(b, hq, 1, d), lse.reshape(b, hq, 1)
-    if sinks is not None:  # after the ranges are merged, as after a kernel's key loop
-        _sinks.apply(o, lse, sinks)
-    return o.transpose(0, 2, 1, 3), lse
+        b, nq, hq, d = q.shape
+        hkv = k_cache.shape[2]
+        self.pack = pack = _gqa_packed(nq, hq, hkv, knobs)
+        rows, heads = (hq // hkv, hkv) if pack else (nq, hq)  # each packed entry's queries and query heads
+        self.dims = (b, nq, hq, d, rows, heads, splits)
+        cap = k_cache.shape[1]
+        used = np.asarray(used, np.int64)
+        entries = b * splits
+        cq = np.arange(entries + 1, dtype=np.int64) * rows
+        qp = _like(q, (entries * rows, heads, d))  # (the packed queries' layout: they are made per call)
+        self.copy = False   # a contiguous cache whose entries do not lie capacity rows apart: copied per call
+        self.gather = None  # the pages in use, where a paged cache is gathered (uploaded once)
+        in_place = None
+        if table is None:  # entry b's keys at rows b cap .. of the cache seen as (B cap, Hkv, D)
+            self.copy = not all(x.strides[0] == cap * x.strides[1] for x in (k_cache, v_cache))
+            kp = vp = _like(k_cache, (b * cap, hkv, d))
+            ck, used_k = _entries(used, np.arange(b, dtype=np.int64) * cap, splits)
+            ck = np.concatenate([ck, [b * cap]])
+            max_k = cap
+        else:
+            max_k = page * table.shape[1]
+            counts = -(-used // page)
+            if k_cache.shape[0] * page < 2**31 and all(x.strides[0] == page * x.strides[1]
+                                                       for x in (k_cache, v_cache)):
+                # the pages as (pages x page, Hkv, D), read in place through the table if the variant can
+                kp, vp = (x.reshape(-1, *x.shape[2:]) for x in (k_cache, v_cache))
+                ck, used_k = _entries(used, np.zeros(b, np.int64), splits, unit=page)
+                ck = np.concatenate([ck, [0]])
+                if _pages_in_place(qp, kp, vp, cq, ck, causal and not pack, used_k, max_k, page, knobs):
+                    in_place = (table, np.repeat(np.arange(b), splits), page)
+            if in_place is None:  # the pages in use, entry after entry, copied once a call
+                pages = _pages_in_use(table, counts)[1]
+                self.gather = _xp(q).asarray(pages)
+                kp = vp = _like(k_cache, (pages.size * page, hkv, d))
+                starts = (np.cumsum(counts) - counts) * page  # entry b's keys from its first page's row
+                ck, used_k = _entries(used, starts, splits, unit=page)
+                ck = np.concatenate([ck, [int(counts.sum()) * page]])
+        self.plain = splits == 1 and not pack  # (else sinks after the ranges are merged and heads unpacked)
+        self.sinks = None if self.plain else sinks
+        self.launch = packed_launch(qp, kp, vp, cq, ck, causal=causal and not pack, used_k=used_k,
+                                    max_k=max_k, pages=in_place, sinks=sinks if self.plain else None, **knobs)
+
+    def __call__(self, q, k_cache, v_cache):
+        from ._merge import _merge_exp_cupy, merge_states
+
+        xp = _xp(q)
+        b, nq, hq, d, rows, heads, splits = self.dims
+        hkv = k_cache.shape[2]
+        # the packed queries, (entries x rows, heads, D): entry b's once per key range; packed heads: row j
+        # of KV head hk is query head hk (Hq / Hkv) + j
+        qp = q.reshape(b, 1, hkv, rows, d).transpose(0, 1, 3, 2, 4) if self.pack else q[:, None]
+        if splits > 1 or self.pack:
+            qp = xp.ascontiguousarray(xp.broadcast_to(qp, (b, splits, rows, heads, d)))
+        qp = qp.reshape(b * splits * rows, heads, d)
+        if self.gather is not None:
+            kp, vp = (_gather_pages(x, self.gather) for x in (k_cache, v_cache))
+        else:
+            if self.copy:
+                k_cache, v_cache = xp.ascontiguousarray(k_cache), xp.ascontiguousarray(v_cache)
+            kp, vp = (x.reshape(-1, *x.shape[2:]) for x in (k_cache, v_cache))  # (views: read in place)
+        o, lse = self.launch(qp, kp, vp)
+        if self.plain:
+            return o.reshape(b, nq, hq, d), xp.ascontiguousarray(lse.reshape(hq, b, nq).transpose(1, 0, 2))
+        # (S, B, heads, rows, D) partial outputs and (S, B, heads, rows) LSEs: views of the launch's outputs
+        # (merged as they lie); packed heads then unpack as (B, Hq, 1, D), query head hk (Hq / Hkv) + j
+        o = o.reshape(b, splits, rows, heads, d).transpose(1, 0, 3, 2, 4)
+        lse = lse.reshape(heads, b, splits, rows).transpose(2, 1, 0, 3)
+        if splits > 1:  # (CuPy: merge_states' kernel, past its checks: these parts are the launch's)
+            o, lse = merge_states(o, lse) if xp is np else _merge_exp_cupy(o, lse, o.dtype)
+        else:
+            o, lse = xp.ascontiguousarray(o[0]), xp.ascontiguousarray(lse[0])
+        if self.pack:
+            o, lse = o.reshape(b, hq, 1, d), lse.reshape(b, hq, 1)
+        if self.sinks is not None:  # after the ranges are merged, as after a kernel's key loop
+            _sinks.apply(o, lse, self.sinks)
+        return o.transpose(0, 2, 1, 3), lse

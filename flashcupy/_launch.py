@@ -263,6 +263,34 @@ class _Launcher:
             self._kern(self._grid, args)
 
 
+class RawKernelLaunch:
+    """A ``cupy.RawKernel`` as ``_Launcher`` takes a kernel (no dynamic shared memory), so that a small
+    kernel launched on every call (the KV cache's append, ``merge_states``' merge) writes its fixed
+    arguments once and launches through the driver as the attention kernels do."""
+
+    def __init__(self, raw, threads: int):
+        self.function, self.threads, self.smem_bytes, self.name = raw, int(threads), 0, raw.name
+
+    def __call__(self, grid, args) -> None:
+        self.function(grid, (self.threads,), args)
+
+
+def small_launcher(raw, grid, threads: int, layout, memo: dict, key) -> "_Launcher":
+    """The ``_Launcher`` of ``raw`` (a ``cupy.RawKernel``) over ``grid`` x ``threads`` with this argument
+    layout on the current device, remembered in ``memo`` under ``key`` (the device added; at most
+    ``_PLAN_LIMIT``, then the memo starts over)."""
+    import cupy
+
+    key = (key, cupy.cuda.runtime.getDevice())
+    launch = memo.get(key)
+    if launch is None:
+        launch = _Launcher(RawKernelLaunch(raw, threads), grid, layout)
+        if len(memo) >= _PLAN_LIMIT:
+            memo.clear()
+        memo[key] = launch
+    return launch
+
+
 _THREAD = threading.local()
 
 

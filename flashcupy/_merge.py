@@ -189,38 +189,44 @@ extern "C" __global__ void flashcupy_merge_exp(
     }
 }
 """
-_MERGE_KERNELS: dict = {}
+_MERGE_KERNELS: dict = {}   # (source dtype, output dtype) -> cupy.RawKernel
+_MERGE_LAUNCHES: dict = {}  # (dtypes, shapes, strides) -> its launcher (_launch.small_launcher)
 
 
 def _merge_exp_cupy(o_parts, lse_parts, out):
     """``merge_states(form="exp")`` with a float32 state on CuPy arrays: one launch on the current stream
-    of o_parts' GPU. Returns (o (B, H, N, D) in ``out``, lse (B, H, N) float32), both C-contiguous."""
+    of o_parts' GPU (through the driver, its strides and sizes written once per layout). Returns (o
+    (B, H, N, D) in ``out``, lse (B, H, N) float32), both C-contiguous."""
     import cupy
 
     from ._checks import dtype_name
-    from ._sinks import _PREAMBLE
+    from ._launch import PTR, small_launcher
 
     src, dst = dtype_name(o_parts.dtype), dtype_name(out)
-    kern = _MERGE_KERNELS.get((src, dst))
-    if kern is None:
-        types = {"f32": "float", "f16": "unsigned short", "bf16": "unsigned short"}
-        bf16 = {"f16": "false", "bf16": "true"}
-        load = "(h)" if src == "f32" else f"fc_load_bits(h, {bf16[src]})"
-        store = "(x)" if dst == "f32" else f"fc_store_bits(x, {bf16[dst]})"
-        macros = (f"#define FC_MERGE_IN {types[src]}\n#define FC_MERGE_OUT {types[dst]}\n"
-                  f"#define FC_MERGE_LOAD(h) {load}\n#define FC_MERGE_STORE(x) {store}\n")
-        kern = cupy.RawKernel(_PREAMBLE + macros + _MERGE_SOURCE, "flashcupy_merge_exp")
-        _MERGE_KERNELS[(src, dst)] = kern
     s, b, h, n, d = o_parts.shape
     with cupy.cuda.Device(o_parts.data.device_id):
         o = cupy.empty((b, h, n, d), dtype=out)
         lse = cupy.empty((b, h, n), dtype=np.float32)
-        if o.size:
-            ostr = [x // o_parts.itemsize for x in o_parts.strides]
-            lstr = [x // 4 for x in lse_parts.strides]
-            threads = min(256, -(-d // 32) * 32)
-            bits = (lambda x: x) if src == "f32" else (lambda x: x.view(np.uint16))
-            kern((b * h * n,), (threads,),
-                 (bits(o_parts), lse_parts, o if dst == "f32" else o.view(np.uint16), lse, np.int32(s),
-                  np.int32(d), np.int64(h), np.int64(n), *(np.int64(x) for x in ostr + lstr)))
+        if not o.size:
+            return o, lse
+        kern = _MERGE_KERNELS.get((src, dst))
+        if kern is None:
+            from ._sinks import _PREAMBLE
+
+            types = {"f32": "float", "f16": "unsigned short", "bf16": "unsigned short"}
+            bf16 = {"f16": "false", "bf16": "true"}
+            load = "(h)" if src == "f32" else f"fc_load_bits(h, {bf16[src]})"
+            store = "(x)" if dst == "f32" else f"fc_store_bits(x, {bf16[dst]})"
+            macros = (f"#define FC_MERGE_IN {types[src]}\n#define FC_MERGE_OUT {types[dst]}\n"
+                      f"#define FC_MERGE_LOAD(h) {load}\n#define FC_MERGE_STORE(x) {store}\n")
+            kern = _MERGE_KERNELS[(src, dst)] = cupy.RawKernel(_PREAMBLE + macros + _MERGE_SOURCE,
+                                                               "flashcupy_merge_exp")
+        ostr = [x // o_parts.itemsize for x in o_parts.strides]
+        lstr = [x // 4 for x in lse_parts.strides]
+        layout = (PTR,) * 4 + (np.int32(s), np.int32(d), np.int64(h), np.int64(n),
+                               *(np.int64(x) for x in ostr + lstr))
+        launch = small_launcher(kern, (b * h * n,), min(256, -(-d // 32) * 32), layout, _MERGE_LAUNCHES,
+                                (src, dst, o_parts.shape, tuple(ostr), tuple(lstr)))
+        launch(cupy.cuda.get_current_stream().ptr, (o_parts.data.ptr, lse_parts.data.ptr, o.data.ptr,
+                                                    lse.data.ptr))
     return o, lse

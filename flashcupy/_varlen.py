@@ -261,26 +261,34 @@ def _device_lengths(given: tuple, hosts: tuple, device: int) -> tuple:
     return tuple(out)
 
 
-def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",
-                    kernel="auto", ablate=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    sinks=None, o=None, lse=None, cu=(None, None), used_k=None, max_k=None, pages=None):
-    """The forward of a packed batch on CuPy arrays in one launch (the module docstring): the knobs
-    checked as ``attention`` checks them, on the shape of B sequences of the longest lengths (at least
-    one query and one key; remembered per arrays' shapes, lengths and knobs, as ``attention``'s checks
-    are). ``cu``: the caller's cumulative lengths (``cq``, ``ck`` are their checked host copies), read
-    in place where the kernels can. ``o``, ``lse``: preallocated outputs, as ``_launch.forward`` takes
-    them (the tests poison them). ``used_k``: checked host ints (B,), the keys each entry uses from the
-    start of its range (flash_attn's seqused_k; attention_with_kvcache's lengths in a cache of fixed
-    capacity per entry); None: all of them. ``max_k``: a bound on every entry's keys (a cache's
-    capacity) that the checks take as the longest length in place of the longest ``used_k``, so that a
-    decoding loop, whose lengths grow by one a step, finds its Problem remembered (without a window the
-    longest length decides nothing else: the kernels take it only to size the dynamic tile walk's L2
-    sections; with a window it decides whether a side is unbounded, so there the longest itself is
-    used). ``pages``: (block table (B', max_blocks), each entry's row of it (B,), page size) on the
-    host, with ``used_k`` (the kernel reads every entry's count): k and v are a paged cache's
-    pages as (pages x page size, Hkv, D), ``ck[e]`` entry e's first key in its own sequence (a multiple of
-    the page size where the entry has keys) and ``used_k`` its key count; the call's Problem must read
-    them in place (the caller asks ``packed_problem`` first, ``reads_pages``)."""
+def _forward_packed(q, k, v, cq, ck, *, o=None, lse=None, **kw):
+    """The forward of a packed batch on CuPy arrays in one launch (the module docstring): ``packed_launch``
+    of these arguments run on q, k, v. ``o``, ``lse``: preallocated outputs, as ``_launch.forward`` takes
+    them (the tests poison them)."""
+    return packed_launch(q, k, v, cq, ck, **kw)(q, k, v, o=o, lse=lse)
+
+
+def packed_launch(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",
+                  kernel="auto", ablate=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  sinks=None, cu=(None, None), used_k=None, max_k=None, pages=None):
+    """The packed forward's launch, made ready: the knobs checked as ``attention`` checks them, on the
+    shape of B sequences of the longest lengths (at least one query and one key; remembered per arrays'
+    shapes, lengths and knobs, as ``attention``'s checks are), and the lengths uploaded. Returns
+    ``launch(q, k, v, o=None, lse=None) -> (o, lse)``, which runs it on arrays of q, k, v's shapes,
+    dtypes and device (the KV-cache plan makes it once and runs it per layer). ``cu``: the caller's
+    cumulative lengths (``cq``, ``ck`` are their checked host copies), read in place where the kernels
+    can. ``used_k``: checked host ints (B,), the keys each entry uses from the start of its range
+    (flash_attn's seqused_k; attention_with_kvcache's lengths in a cache of fixed capacity per entry);
+    None: all of them. ``max_k``: a bound on every entry's keys (a cache's capacity) that the checks
+    take as the longest length in place of the longest ``used_k``, so that a decoding loop, whose lengths
+    grow by one a step, finds its Problem remembered (without a window the longest length decides nothing
+    else: the kernels take it only to size the dynamic tile walk's L2 sections; with a window it decides
+    whether a side is unbounded, so there the longest itself is used). ``pages``: (block table (B',
+    max_blocks), each entry's row of it (B,), page size) on the host, with ``used_k`` (the kernel reads
+    every entry's count): k and v are a paged cache's pages as (pages x page size, Hkv, D), ``ck[e]``
+    entry e's first key in its own sequence (a multiple of the page size where the entry has keys) and
+    ``used_k`` its key count; the call's Problem must read them in place (the caller asks
+    ``packed_problem`` first, ``reads_pages``)."""
     from . import _sinks
     from ._checks import check_alibi_slopes
     from ._launch import forward
@@ -302,8 +310,12 @@ def _forward_packed(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_
     if pages is not None:
         given, hosts = given + (None, None), hosts + (pages[0].reshape(-1), pages[1] * pages[0].shape[1])
     lengths = _device_lengths(given, hosts, p.device)
-    o, lse = forward(q, k, v, p, o=o, lse=lse, alibi=slopes, cu=lengths)
-    return (o, lse) if sinks is None else _sinks.apply(o, lse, sinks, packed=True)
+
+    def launch(q, k, v, o=None, lse=None):
+        o, lse = forward(q, k, v, p, o=o, lse=lse, alibi=slopes, cu=lengths)
+        return (o, lse) if sinks is None else _sinks.apply(o, lse, sinks, packed=True)
+
+    return launch
 
 
 def packed_problem(q, k, v, cq, ck, *, causal, scale=None, block_m=None, block_n=None, accum="fp32",

@@ -339,6 +339,12 @@ def _emulated_packed_launch(q, k, v, cq, ck, *, causal, used_k=None, sinks=None,
     return o.astype(q.dtype), lse.astype(np.float32)
 
 
+def _emulated_packed_plan(q, k, v, cq, ck, **kw):
+    """``_varlen.packed_launch`` with its launch replaced by the float64 contract above, run on the arrays
+    the launch is given (the plan's q, k, v only carry the layout)."""
+    return lambda q, k, v, o=None, lse=None: _emulated_packed_launch(q, k, v, cq, ck, **kw)
+
+
 @pytest.mark.parametrize("paged", [False, "gathered", "in_place"])
 @pytest.mark.parametrize("nq,causal,splits", [(1, True, 1), (1, True, 3), (1, False, 4), (6, False, 3),
                                               (6, True, 1)])
@@ -351,7 +357,7 @@ def test_one_launch_layout_packs_heads_and_splits_keys(rng, monkeypatch, paged, 
     would not."""
     from flashcupy import _kvcache, _varlen
 
-    monkeypatch.setattr(_varlen, "_forward_packed", _emulated_packed_launch)
+    monkeypatch.setattr(_varlen, "packed_launch", _emulated_packed_plan)
     # a paged cache gathered, or read in place through its table (as the wgmma kernel does)
     monkeypatch.setattr(_kvcache, "_pages_in_place", lambda *a: paged == "in_place")
     lengths = np.array([0, 2, 97], np.int64)  # (97 in 4 ranges: 24, 24, 25, 24 keys)
@@ -419,8 +425,8 @@ def test_decoding_packs_heads_and_splits_in_one_launch(rng, monkeypatch, kernel,
     knobs = dict(kernel=kernel, block_m=bm, block_n=bn, softcap=20.0)
     used, pages = lengths.astype(np.int64), None if table is None else table.astype(np.int64)
     launches = []
-    real = _varlen._forward_packed
-    monkeypatch.setattr(_varlen, "_forward_packed", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    real = _varlen.packed_launch  # (made once a call, run once: a launch)
+    monkeypatch.setattr(_varlen, "packed_launch", lambda *a, **kw: launches.append(1) or real(*a, **kw))
     for splits in (1, 3):
         launches.clear()
         o, lse = _kvcache._packed(*dev[:3], used, pages, 64, False, knobs, sinks, splits)
@@ -587,3 +593,99 @@ def test_the_policy_picks_a_key_tile_that_reads_the_pages_in_place():
     assert paged_block_n("fwd_wgmma", 64, 128, lambda bn: False) == 128
     assert paged_block_n("fwd_wgmma", 0, 128, runs) == 128
     assert paged_block_n("fwd_mma", 64, 128, runs) == 128
+
+
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+def test_a_plan_runs_each_layer_as_its_own_call(rng, page):
+    """``plan_kvcache`` made from layer 0's arrays (nothing written), then ``run`` on each layer's own
+    queries, caches and new keys: the caches' appends and outputs have the bits of
+    ``attention_with_kvcache`` on the same layer (the twin), and the float64 reference of its keys."""
+    lengths = np.array([0, 17, 100], np.int32)
+    layers = [_case(rng, np.float32, lengths, 1, 1, 256, page=page) for _ in range(3)]
+    table = layers[0][3]
+    q0, kc0, vc0, _, k0, v0, _ = layers[0]
+    before = kc0.copy(), vc0.copy()
+    plan = flashcupy.plan_kvcache(q0, kc0, vc0, cache_seqlens=lengths, block_table=table, k=k0, v=v0,
+                                  num_splits=3, return_lse=True, softcap=5.0)
+    assert (kc0 == before[0]).all() and (vc0 == before[1]).all()  # (planning writes nothing)
+    for q, kc, vc, own_table, k, v, seen in layers:
+        if page is not None:  # (this layer's pages moved to the shared table's slots)
+            moved_k, moved_v = kc.copy(), vc.copy()
+            for i in range(B):
+                for j in range(table.shape[1]):
+                    moved_k[table[i, j]], moved_v[table[i, j]] = kc[own_table[i, j]], vc[own_table[i, j]]
+            kc, vc = moved_k, moved_v
+        kc2, vc2 = kc.copy(), vc.copy()
+        o, lse = plan.run(q, kc, vc, k=k, v=v)
+        o2, lse2 = flashcupy.attention_with_kvcache(q, kc2, vc2, cache_seqlens=lengths, block_table=table,
+                                                    k=k, v=v, num_splits=3, return_lse=True, softcap=5.0)
+        assert (kc == kc2).all() and (vc == vc2).all()
+        assert (o == o2).all() and (lse == lse2).all()
+        _check(q, o, lse, seen, True, "f32", softcap=5.0)
+
+
+def test_a_plan_refuses_arrays_laid_out_otherwise(rng):
+    """``run`` on an array whose shape, dtype, or (a cache's) strides differ from the plan's: a ValueError
+    naming it, before anything is written."""
+    lengths = np.array([3, 17, 100], np.int32)
+    q, kc, vc, _, k, v, _ = _case(rng, np.float32, lengths, 1, 1, 256)
+    plan = flashcupy.plan_kvcache(q, kc, vc, cache_seqlens=lengths, k=k, v=v)
+    strided = np.zeros((B, 512, HKV, D), np.float32)[:, ::2]
+    for name, args in (("q", (q[:, :, :2], kc, vc)), ("q", (q.astype(np.float64), kc, vc)),
+                       ("k_cache", (q, strided, vc)), ("v_cache", (q, kc, vc[:2]))):
+        kept = kc.copy()
+        with pytest.raises(ValueError, match=f"^{name} is not laid out as the plan's"):
+            plan.run(*args, k=k, v=v)
+        assert (kc == kept).all()
+    with pytest.raises(ValueError, match="^k is not laid out"):
+        plan.run(q, kc, vc)
+    with pytest.raises(TypeError, match="^k_cache must be a NumPy or CuPy array"):
+        plan.run(q, kc.tolist(), vc, k=k, v=v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 16, 64, 128], ids=["contiguous", "paged16", "paged64", "paged128"])
+def test_a_plan_decodes_every_layer_of_a_step_with_one_launch_made(rng, monkeypatch, page):
+    """A decoding step of three layers on the kernels: one ``plan_kvcache`` (its launch made once: the
+    checks, the entries, the lengths' upload), then ``run`` per layer with that layer's queries, caches and
+    new keys; the policy's splits and tile (pages of 16 gathered, of 64 and 128 read in place). Each
+    layer's append and outputs have the bits of ``attention_with_kvcache`` on the same layer, and its
+    entries the float64 reference."""
+    import cupy
+
+    from flashcupy import _varlen
+
+    lengths = np.array([0, 17, 200], np.int32)
+    made = []
+    real = _varlen.packed_launch
+    monkeypatch.setattr(_varlen, "packed_launch", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    base = _case(rng, np.float16, lengths, 1, 1, 256, page=page, d=128)
+    table = None if base[3] is None else cupy.asarray(base[3])
+    layers = [base] + [(rng.standard_normal(base[0].shape).astype(np.float16),
+                        rng.standard_normal(base[1].shape).astype(np.float16),
+                        rng.standard_normal(base[2].shape).astype(np.float16)) for _ in range(2)]
+    new = [(rng.standard_normal(base[4].shape).astype(np.float16),
+            rng.standard_normal(base[5].shape).astype(np.float16)) for _ in range(3)]
+    dev = [[cupy.asarray(x) for x in layer[:3]] for layer in layers]
+    plan = flashcupy.plan_kvcache(*dev[0], cache_seqlens=lengths, block_table=table,
+                                  k=cupy.asarray(new[0][0]), v=cupy.asarray(new[0][1]), num_splits=0,
+                                  return_lse=True)
+    assert len(made) == 1
+    for (q, kc, vc), (k, v) in zip(dev, new):
+        kc2, vc2 = kc.copy(), vc.copy()
+        o, lse = plan.run(q, kc, vc, k=cupy.asarray(k), v=cupy.asarray(v))
+        o2, lse2 = flashcupy.attention_with_kvcache(q, kc2, vc2, cache_seqlens=lengths, block_table=table,
+                                                    k=cupy.asarray(k), v=cupy.asarray(v), num_splits=0,
+                                                    return_lse=True)
+        assert bool((kc == kc2).all()) and bool((vc == vc2).all())
+        assert bool((o == o2).all()) and bool((lse == lse2).all())
+        hk, hv = cupy.asnumpy(kc), cupy.asnumpy(vc)
+        if page is None:
+            seen = [(hk[i, :n + 1], hv[i, :n + 1]) for i, n in enumerate(lengths)]
+        else:
+            def entry(x, i, n):  # entry i's first n keys, page after page of its row of the table
+                return np.concatenate([x[p] for p in base[3][i]])[:n]
+
+            seen = [(entry(hk, i, n + 1), entry(hv, i, n + 1)) for i, n in enumerate(lengths)]
+        _check(cupy.asnumpy(q), cupy.asnumpy(o), cupy.asnumpy(lse), seen, True, "f16")
+    assert len(made) == 4  # (the plan's, then one per attention_with_kvcache)

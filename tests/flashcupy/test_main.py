@@ -37,8 +37,8 @@ def test_the_package_namespace_shows_the_public_api_only():
 
     public = {n for n in dir(flashcupy) if not n.startswith("_")}
     modules = {n for n in public if isinstance(getattr(flashcupy, n), types.ModuleType)}
-    assert public - modules == {"attention", "attention_backward", "attention_fp8", "attention_varlen",
-                                "attention_varlen_backward", "attention_with_kvcache", "dequantize",
-                                "merge_states", "quantize"}
+    assert public - modules == {"KVCachePlan", "attention", "attention_backward", "attention_fp8",
+                                "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
+                                "dequantize", "merge_states", "plan_kvcache", "quantize"}
     assert modules <= {"fp8", "reference", "transforms", "naive", "accuracy", "torch", "inspect", "parallel"}
     assert set(flashcupy.__all__) <= public

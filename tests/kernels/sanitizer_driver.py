@@ -132,6 +132,21 @@ def main() -> None:
             od = flashcupy.attention_with_kvcache(qd, pages, pages, cache_seqlens=lengths, block_table=table,
                                                   kernel="wgmma", block_n=128, num_splits=splits)
             assert bool(cupy.isfinite(od).all()), ("paged", splits)
+        # a plan made once and run as two layers: one key appended per entry (the append kernel) into
+        # pages of 64 read in place at the policy's 64-key tile, the policy's splits (the merge kernel)
+        k64, v64 = (cupy.full((20, 64, 2, 64), np.nan, np.float16) for _ in range(2))
+        table64 = rng.permutation(20)[:15].reshape(3, 5).astype(np.int32)
+        for i, n in enumerate(lengths):
+            for j in range(-(-int(n) // 64)):
+                rows = min(64, int(n) - 64 * j)
+                for c in (k64, v64):
+                    c[int(table64[i, j]), :rows] = cache[i, 64 * j:64 * j + rows]
+        new = cupy.asarray(rng.standard_normal((3, 1, 2, 64)).astype(np.float16))
+        plan = flashcupy.plan_kvcache(qd, k64, v64, cache_seqlens=lengths, block_table=table64, k=new,
+                                      v=new, num_splits=0)
+        for _ in range(2):
+            od = plan.run(qd, k64, v64, k=new, v=new)
+            assert bool(cupy.isfinite(od).all()), "plan"
     finally:
         _launch._wgmma_ctas = ctas
     # fp8 (e4m3) forward: both accumulations, k descales per tile and per key, every tile, GQA, ragged
