@@ -11,8 +11,11 @@ running ahead (20 back-to-back calls enqueued behind a GPU-holding kernel, the t
 of 5 rounds): for a paged cache it includes the gather of its pages. The host's time per call is
 time.perf_counter around the same calls as they are enqueued (nothing synchronized before the end); the
 step time is the wall time per call of a loop of calls synchronized only at the end of each round, what a
-decoding loop costs when host and device overlap. Where the host's time goes: cProfile over the calls of
-the first dtype's first case, once a layout, the functions of most own time.
+decoding loop costs when host and device overlap. The same call as a plan made once and run
+(``flashcupy.plan_kvcache``, then ``plan.run``, which must give the call's bits): the plan's host time and
+the run's host, step and device times, what one layer of a decoding step costs when the step plans once
+for all its layers. Where the host's time goes: cProfile over the calls of the first dtype's first
+case, once a layout, the functions of most own time.
 
 Peers in the same run, when torch imports and sees the GPU: torch SDPA with each backend forced by
 ``torch.nn.attention.sdpa_kernel`` (flash, mem-efficient, cuDNN, math; GQA through enable_gqa=True, or by
@@ -351,17 +354,33 @@ def _case(ctx: Context, dname, b, n, torch, copy, acc_rows, fc_rows, peer_rows, 
         acc_rows.append([dname, b, n, _layout(page), len(entries), err, nerr, bound, rel, rel <= 1.0, same])
         log(f"[decode] {dname} B={b} L={n} {_layout(page)}: error {err:.2e} ({rel:.2f} of the rule's bound)"
             + (f", first call {first:.2f} s" if cuda else ""))
+        # the same call as a plan made once and run (one layer of a decoding step): the call's bits
+        def make(kc=kc, vc=vc, table=table):
+            return flashcupy.plan_kvcache(q, kc, vc, cache_seqlens=lengths, block_table=table, causal=True,
+                                          num_splits=0)
+
+        plan = make()
+
+        def run(kc=kc, vc=vc, plan=plan):
+            return plan.run(q, kc, vc)
+
+        same_run = bool((_bits(_host(run())) == _bits(_host(fn()))).all())
+        assert same_run, f"plan.run differs from the call ({dname}, B={b}, L={n}, {_layout(page)})"
         if cuda:
             t = _timed(ctx, fn)
+            tr = _timed(ctx, run)
+            tp = _device_us(make, CALLS, host_us=True)[1]
             tb_s = kv_bytes / t["device_us"] / 1e6
             fc_rows.append({"dtype": dname, "B": b, "L": n, "layout": _layout(page), "kv_bytes": kv_bytes,
-                            "first_call_s": first, "tb_s": tb_s, "fraction": tb_s / copy["tb_s"], **t})
+                            "first_call_s": first, "tb_s": tb_s, "fraction": tb_s / copy["tb_s"], **t,
+                            "run": tr, "plan_host_us": tp})
             log(f"[decode]   flashcupy: {t['device_us']:.1f} us device, {t['host_us']:.1f} us host, "
-                f"{t['step_us']:.1f} us a step, {tb_s / copy['tb_s']:.2f} of copy bandwidth")
+                f"{t['step_us']:.1f} us a step, {tb_s / copy['tb_s']:.2f} of copy bandwidth; a plan's run "
+                f"{tr['host_us']:.1f} us host, {tr['step_us']:.1f} us a step (the plan {tp:.1f} us)")
             if host_rows is not None:
                 prof, per_call = _host_profile(fn)
                 host_rows += [[dname, b, n, _layout(page), per_call, *r] for r in prof]
-        del fn, kc, vc   # a paged cache is freed before the next one is built
+        del fn, run, make, plan, kc, vc   # a paged cache is freed before the next one is built
     if cuda and torch is not None:
         for r in _peers(ctx, torch, q, k, v, outs[None], truths, kv_bytes, copy["tb_s"]):
             peer_rows.append([dname, b, n, *r])
@@ -379,13 +398,15 @@ def _fc_table(fc_rows, peer_rows):
         rows.append([r["dtype"], r["B"], r["L"], r["layout"], r["kv_bytes"] / 2 ** 20, r["device_us"],
                      r["host_us"], r["step_us"], r["tb_s"], r["fraction"], best and best[3],
                      best and best[10], best and r["device_us"] / best[10],
-                     r["device_us"] / contiguous["device_us"], r["covered"]])
+                     r["device_us"] / contiguous["device_us"], r["covered"], r["plan_host_us"],
+                     r["run"]["host_us"], r["run"]["step_us"], r["run"]["device_us"]])
     return rows
 
 
 FC_COLUMNS = ["dtype", "B", "L", "layout", "K+V MiB", "device us", "host us", "step us", "TB/s",
               "fraction of copy bandwidth", "best peer", "best peer device us",
-              "flashcupy / best peer (time)", "layout / contiguous (time)", "hold covered the enqueue"]
+              "flashcupy / best peer (time)", "layout / contiguous (time)", "hold covered the enqueue",
+              "plan host us", "plan.run host us", "plan.run step us", "plan.run device us"]
 PEER_COLUMNS = ["dtype", "B", "L", "provider", "GQA", "status", "max abs difference from flashcupy",
                 "agreement bound", "peer error / rule bound (float64)", "first call s", "device us",
                 "host us", "step us", "TB/s", "fraction of copy bandwidth"]
@@ -429,7 +450,9 @@ def _finding(ctx, card, copy, acc_rows, fc_table, peer_rows, torch_note) -> str:
         text += f"; pages of {page} take {_span(pr)}x the contiguous time"
     host_bound = sum(r[6] > r[5] for r in fc_table)
     text += (f"; the host's time per call ({_span([r[6] for r in fc_table], '{:.0f}')} us) exceeds the "
-             f"device's in {host_bound} of {len(fc_table)} rows; {rule}.")
+             f"device's in {host_bound} of {len(fc_table)} rows, a plan's run (one layer of a step, "
+             f"`plan_kvcache`) takes {_span([r[16] for r in fc_table], '{:.0f}')} us of host time, in "
+             f"{sum(r[16] > r[18] for r in fc_table)} rows more than its device time; {rule}.")
     return text
 
 

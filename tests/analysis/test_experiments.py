@@ -452,7 +452,8 @@ def test_decode_tables_from_measurements(tmp_path):
     def fc(layout, us):
         return {"dtype": "f16", "B": 8, "L": 4096, "layout": layout, "kv_bytes": 2 ** 26, "device_us": us,
                 "host_us": 300.0, "step_us": 310.0, "tb_s": 2 ** 26 / us / 1e6,
-                "fraction": 2 ** 26 / us / 1e6 / 4.0, "covered": True}
+                "fraction": 2 ** 26 / us / 1e6 / 4.0, "covered": True, "plan_host_us": 200.0,
+                "run": {"host_us": 100.0, "step_us": 110.0, "device_us": us}}
 
     fc_rows = [fc("contiguous", 20.0), fc("paged 64", 50.0), fc("paged 256", 30.0)]
     peer = ["f16", 8, 4096]
@@ -472,6 +473,8 @@ def test_decode_tables_from_measurements(tmp_path):
     assert finding.startswith("On NVIDIA H200 (copy bandwidth 4.00 TB/s)")
     assert "0.80x the best peer's time (torch flash)" in finding and "1 peer calls disagreed" in finding
     assert "pages of 64 take 2.50x" in finding and "3 of 3 checks" in finding
+    assert ("a plan's run (one layer of a step, `plan_kvcache`) takes 100 us of host time, in 3 rows"
+            in finding)
     fig = decode._figure(ctx, "NVIDIA H200", copy, acc, rows, peers)
     assert "NVIDIA H200" in fig._suptitle.get_text()
     fig.savefig(tmp_path / "decode.png")
