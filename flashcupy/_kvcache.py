@@ -415,10 +415,12 @@ def _append(k_cache, v_cache, k, v, slots) -> None:
         kern = _APPEND_KERNELS[size] = xp.RawKernel(f"#define FC_BITS {bits}\n" + _APPEND_SOURCE,
                                                     "flashcupy_append")
     b, nnew, heads, d = k.shape
-    strides = tuple(s // size for x in (k_cache, v_cache, k, v) for s in x.strides)
-    layout = (PTR,) * 5 + tuple(np.int64(x) for x in (b * nnew, nnew, heads, d, *strides))
-    launch = small_launcher(kern, (-(-b * nnew * heads * d // 256),), 256, layout, _APPEND_LAUNCHES,
-                            (size, k.shape, strides))
+    key = (size, k.shape, k_cache.strides, v_cache.strides, k.strides, v.strides)
+    launch = _APPEND_LAUNCHES.get((key, xp.cuda.runtime.getDevice()))
+    if launch is None:
+        strides = tuple(s // size for x in (k_cache, v_cache, k, v) for s in x.strides)
+        layout = (PTR,) * 5 + tuple(np.int64(x) for x in (b * nnew, nnew, heads, d, *strides))
+        launch = small_launcher(kern, (-(-b * nnew * heads * d // 256),), 256, layout, _APPEND_LAUNCHES, key)
     launch(xp.cuda.get_current_stream().ptr, (k_cache.data.ptr, v_cache.data.ptr, k.data.ptr, v.data.ptr,
                                               slots.data.ptr))
 
