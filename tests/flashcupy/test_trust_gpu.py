@@ -240,10 +240,11 @@ def test_captured_backward_replays_into_its_own_memory(rng, monkeypatch, kernel,
 
 
 def test_packed_and_kvcache_calls_refuse_capture_and_leave_it_clean(rng):
-    """attention_varlen (forward and backward) and attention_with_kvcache read their lengths on the host
-    and take per-call uploads and temporaries from CuPy's pool, which a replay would find reused: under
-    stream capture each raises RuntimeError before any copy (host lengths included, which would
-    otherwise capture without an error), the capture still ends cleanly, and the same calls run after."""
+    """attention_varlen (forward and backward) and attention_with_kvcache (and a plan's run) read their
+    lengths on the host and take per-call uploads and temporaries from CuPy's pool, which a replay would
+    find reused: under stream capture each raises RuntimeError before any copy (host lengths included,
+    which would otherwise capture without an error), the capture still ends cleanly, and the same calls
+    run after."""
     import cupy
 
     d = 64
@@ -258,13 +259,16 @@ def test_packed_and_kvcache_calls_refuse_capture_and_leave_it_clean(rng):
                                                                                       cu, cu),
              "attention_with_kvcache": lambda: flashcupy.attention_with_kvcache(qc, kc, vc,
                                                                                 cache_seqlens=lens)}
+    plan = flashcupy.plan_kvcache(qc, kc, vc, cache_seqlens=lens)  # (a plan's run: the same refusal)
+    calls["attention_with_kvcache (a plan's run)"] = lambda: plan.run(qc, kc, vc)
     stream = cupy.cuda.Stream(non_blocking=True)
     for name, call in calls.items():
         call()  # (compiled, remembered)
         with stream:
             stream.begin_capture()
             try:
-                with pytest.raises(RuntimeError, match=f"{name} cannot be captured into a CUDA graph"):
+                fn = name.split(" ")[0]
+                with pytest.raises(RuntimeError, match=f"{fn} cannot be captured into a CUDA graph"):
                     call()
             finally:
                 graph = stream.end_capture()
