@@ -25,11 +25,13 @@ the window (-1, L - b).
 
 The lengths and the page table are read on the host: given as CuPy arrays they are copied there (a
 synchronization); given as NumPy arrays (CuPy q takes them) the host runs ahead. A call under CUDA-graph
-capture is refused (RuntimeError): its uploads and temporaries come from CuPy's pool per call. Past the
-checks (remembered across a decoding loop), a call is a few launches on q's device: the append (one
-scatter per cache), the queries' copy (GQA packing or splits), one upload of the lengths (and of a
-paged cache's table), the attention, the merge (one kernel), the sinks. Next: the host's time per call
-(``docs/design/varlen.md``), float32 partials.
+capture is refused (RuntimeError): its uploads and temporaries come from CuPy's pool per call.
+
+A call is ``plan_kvcache`` (the checks, the key ranges, the uploads of the append's slots and the
+entries' lengths (and a paged cache's table), the launch's Problem) then the plan's ``run``: a few
+launches on q's device, the append (one kernel for both caches), the queries' copy (GQA packing or
+splits), the attention, the merge (one kernel), the sinks. A decoding step of many layers plans once and
+runs each layer. Next: a run that costs its kernels (``docs/design/varlen.md``), float32 partials.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v, num_splits, kn
     if b < 1 or nq < 1:
         raise ValueError(f"q must be (B, Nq, Hq, D) with B >= 1 and Nq >= 1; got shape {tuple(q.shape)}")
     _, rows, hkv, dk = k_cache.shape
-    if dk != d or hq % hkv:
+    if dk != d or hkv < 1 or hq % hkv:
         raise ValueError(f"the cache must be (..., Hkv, D) with q's D = {d} and Hq = {hq} a multiple of "
                          f"Hkv; got {tuple(k_cache.shape)}")
     if (k is None) != (v is None):
@@ -262,9 +264,11 @@ def plan_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None
     device and the caches' strides and 16-byte alignment (a ValueError names one that differs): a
     decoding step plans once and runs each layer, whose caches and queries differ and whose lengths and
     pages do not. The arguments are ``attention_with_kvcache``'s; the arrays given here are only read
-    for their shapes and layouts (nothing is written), and the knobs (sinks and ALiBi slopes included)
-    are the plan's. A plan holds the lengths it was made with: after the caller advances them, a new
-    step needs a new plan."""
+    for their shapes and layouts (nothing is written), and the knobs are the plan's (array knobs, sinks
+    and ALiBi slopes, copied). A plan holds the lengths it was made with: after the caller advances them,
+    a new step needs a new plan (``run(..., cache_seqlens=)`` checks them). On CuPy arrays a plan runs on
+    the stream that was current when it was made (its uploads are ordered there; another stream is
+    refused)."""
     return KVCachePlan(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits, return_lse,
                        knobs)
 
@@ -273,14 +277,17 @@ _ARRAYS = ("q", "k_cache", "v_cache", "k", "v")
 
 
 def _layout(name: str, x):
-    """What a plan's ``run`` requires of argument ``name`` to be as the plan's: the shape, dtype and
-    device, and for the caches (read in place) the strides and the 16-byte alignment."""
+    """What a plan's ``run`` requires of argument ``name`` to be as the plan's: the array kind, shape and
+    dtype, and on CuPy the device and, for the caches (which the kernels read in place, and a paged one
+    through TMA where it is aligned), the strides and the 16-byte alignment. (The twin reads NumPy caches
+    through any strides.)"""
     if x is None:
         return None
-    device, ptr = (None, x.ctypes.data) if isinstance(x, np.ndarray) else (x.data.device_id, x.data.ptr)
+    if isinstance(x, np.ndarray):
+        return ("numpy", tuple(x.shape), x.dtype, None, None, None)
     cache = name in ("k_cache", "v_cache")
-    return (type(x).__module__.split(".")[0], tuple(x.shape), x.dtype, device,
-            tuple(x.strides) if cache else None, ptr % 16 == 0 if cache else None)
+    return ("cupy", tuple(x.shape), x.dtype, x.data.device_id, tuple(x.strides) if cache else None,
+            x.data.ptr % 16 == 0 if cache else None)
 
 
 class KVCachePlan:
@@ -308,13 +315,17 @@ class KVCachePlan:
         if xp is np:
             self._plan(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits, knobs)
         else:
-            with xp.cuda.Device(self._device):  # (every upload on q's device)
+            with xp.cuda.Device(self._device):  # (every upload on q's device, on the current stream)
+                self._stream = xp.cuda.get_current_stream().ptr
                 self._plan(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits, knobs)
 
     def _plan(self, q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, num_splits, knobs):
         xp = _xp(q)
+        # (array knobs copied, each on its own device: a run computes what the plan was made with)
+        knobs = {n: _copied(x) for n, x in knobs.items()}
         b, nq, nnew, _, page, lengths, table = _check(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                                       num_splits, knobs)
+        self._lengths = lengths
         _check_knobs(q, k_cache, causal, self._return_lse, knobs)
         sinks = None if knobs.get("sinks") is None else _sinks.check(knobs["sinks"], q.shape[2], q)
         knobs = {name: value for name, value in knobs.items() if name != "sinks"}  # merged once, at the end
@@ -340,23 +351,46 @@ class KVCachePlan:
         else:
             self._per_entry = (used, table, page, causal, splits, knobs, sinks)
 
-    def run(self, q, k_cache, v_cache, k=None, v=None):
+    def run(self, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None):
         """The planned call on these arrays (``plan_kvcache``): k and v appended into the caches in place,
-        then the attention. Returns o, and the LSE with the plan's ``return_lse``."""
+        then the attention. Returns o, and the LSE with the plan's ``return_lse``. The arrays must be laid
+        out as the plan's (a ValueError names the first that is not); k and v are given if and only if
+        the plan was made with them. ``cache_seqlens``, if given, must equal the lengths the plan was made
+        with (a ValueError otherwise: a plan reused after the caller advanced them would append over the
+        last step's keys). Everything is checked before either cache is written."""
         for name, x, want in zip(_ARRAYS, (q, k_cache, v_cache, k, v), self._layouts):
             if x is not None and not (isinstance(x, np.ndarray) or type(x).__module__.startswith("cupy")):
                 raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(x).__name__}")
+            if (x is None) != (want is None):
+                raise ValueError(f"{name} is {'not ' if x is None else ''}given, but the plan was made "
+                                 f"{'with' if x is None else 'without'} new keys and values: give k and v to "
+                                 "both plan_kvcache and run, or to neither")
             got = _layout(name, x)
             if got != want:
                 raise ValueError(f"{name} is not laid out as the plan's {name}: (array kind, shape, dtype, "
                                  f"device, strides, 16-byte aligned) {got} against {want}; make a plan for "
                                  "these arrays")
+        if cache_seqlens is not None:
+            got = _host_ints("cache_seqlens", cache_seqlens)
+            if got.shape != self._lengths.shape or (got != self._lengths).any():
+                shown = self._lengths.tolist() if self._lengths.size <= 16 else self._lengths
+                raise ValueError(f"cache_seqlens differ from the lengths this plan was made with ({shown}); "
+                                 "make a new plan for these lengths")
+        if self._append is not None:
+            for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if isinstance(x, np.ndarray) and not x.flags.writeable:
+                    raise ValueError(f"{name} is read-only (a broadcast view?): k and v are appended into it "
+                                     "in place")
         if self._device is None:
             return self._run(q, k_cache, v_cache, k, v)
         from ._varlen import _refuse_capture
 
         _refuse_capture("attention_with_kvcache", q)
-        with _xp(q).cuda.Device(self._device):
+        xp = _xp(q)
+        with xp.cuda.Device(self._device):
+            if xp.cuda.get_current_stream().ptr != self._stream:
+                raise ValueError("this plan was made on another CUDA stream: its uploads are ordered on that "
+                                 "stream only; run it there, or make a plan on this stream")
             return self._run(q, k_cache, v_cache, k, v)
 
     def _run(self, q, k_cache, v_cache, k, v):
@@ -423,6 +457,18 @@ def _append(k_cache, v_cache, k, v, slots) -> None:
         launch = small_launcher(kern, (-(-b * nnew * heads * d // 256),), 256, layout, _APPEND_LAUNCHES, key)
     launch(xp.cuda.get_current_stream().ptr, (k_cache.data.ptr, v_cache.data.ptr, k.data.ptr, v.data.ptr,
                                               slots.data.ptr))
+
+
+def _copied(x):
+    """A copy of a NumPy or CuPy array (on its own device), anything else as it is."""
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if type(x).__module__.startswith("cupy") and hasattr(x, "data"):
+        import cupy
+
+        with cupy.cuda.Device(x.data.device_id):
+            return x.copy()
+    return x
 
 
 def _append_slots(lengths: np.ndarray, table, page: int, nnew: int, xp):
@@ -539,7 +585,8 @@ def _gather_pages(x, pages):
     xp = _xp(x)
     rows = xp.asarray(pages)
     flat = x.reshape(x.shape[0], -1)
-    if xp is not np and x.flags.c_contiguous and flat.shape[1] * x.itemsize % 16 == 0:
+    if (xp is not np and x.flags.c_contiguous and flat.shape[1] * x.itemsize % 16 == 0
+            and x.data.ptr % 16 == 0):
         out = flat.view(xp.complex128)[rows].view(x.dtype)
     else:
         out = x[rows]

@@ -178,7 +178,8 @@ def _element_strides(strides, itemsize: int) -> tuple[np.int64, np.int64, np.int
 # depends on its arrays' addresses (the TMA maps, remembered per address) and its outputs.
 
 _PLAN_LIMIT = 1024   # plans remembered; past that the memo starts over
-_MAPS_LIMIT = 16     # TMA maps remembered per mapped argument of a plan (one per address)
+_MAPS_LIMIT = 128    # TMA maps remembered per mapped argument of a plan (one per address: a decoding
+                     # step's layers each read their own cache, every step)
 
 
 PTR, MAP = "ptr", "map"  # the argument kinds of a launch layout besides fixed scalars

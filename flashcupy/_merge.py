@@ -68,6 +68,9 @@ def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", state
         raise ValueError("ablate='max_subtraction' breaks the one-pass form: use form='exp'")
     if ablate == "stable_softplus" and form != "logsigmoid":
         raise ValueError("ablate='stable_softplus' breaks the pairwise fold: use form='logsigmoid'")
+    if xp is not np and lse_parts.data.device_id != o_parts.data.device_id:
+        raise ValueError(f"lse_parts is on GPU {lse_parts.data.device_id} but o_parts on GPU "
+                         f"{o_parts.data.device_id}")
     if o_parts.ndim != 5 or lse_parts.shape != o_parts.shape[:4] or o_parts.shape[0] < 1:
         raise ValueError(f"o_parts must be (S, B, H, N, D) with S >= 1 and lse_parts (S, B, H, N); got "
                          f"{tuple(o_parts.shape)} and {tuple(lse_parts.shape)}")
@@ -221,12 +224,15 @@ def _merge_exp_cupy(o_parts, lse_parts, out):
                       f"#define FC_MERGE_LOAD(h) {load}\n#define FC_MERGE_STORE(x) {store}\n")
             kern = _MERGE_KERNELS[(src, dst)] = cupy.RawKernel(_PREAMBLE + macros + _MERGE_SOURCE,
                                                                "flashcupy_merge_exp")
-        ostr = [x // o_parts.itemsize for x in o_parts.strides]
-        lstr = [x // 4 for x in lse_parts.strides]
-        layout = (PTR,) * 4 + (np.int32(s), np.int32(d), np.int64(h), np.int64(n),
-                               *(np.int64(x) for x in ostr + lstr))
-        launch = small_launcher(kern, (b * h * n,), min(256, -(-d // 32) * 32), layout, _MERGE_LAUNCHES,
-                                (src, dst, o_parts.shape, tuple(ostr), tuple(lstr)))
+        key = (src, dst, o_parts.shape, o_parts.strides, lse_parts.strides)
+        launch = _MERGE_LAUNCHES.get((key, cupy.cuda.runtime.getDevice()))
+        if launch is None:
+            ostr = [x // o_parts.itemsize for x in o_parts.strides]
+            lstr = [x // 4 for x in lse_parts.strides]
+            layout = (PTR,) * 4 + (np.int32(s), np.int32(d), np.int64(h), np.int64(n),
+                                   *(np.int64(x) for x in ostr + lstr))
+            launch = small_launcher(kern, (b * h * n,), min(256, -(-d // 32) * 32), layout, _MERGE_LAUNCHES,
+                                    key)
         launch(cupy.cuda.get_current_stream().ptr, (o_parts.data.ptr, lse_parts.data.ptr, o.data.ptr,
                                                     lse.data.ptr))
     return o, lse

@@ -316,8 +316,8 @@ def paged_block_n(family: str, page: int, block_n: int, runs) -> int:
     reads_pages``), so where the default does not, the widest tile of 64 or more that divides the page
     and that ``runs(block_n)`` says the family runs, else the default (the pages are then gathered).
     Measured on an H200 (decoding, Hq 32, Hkv 8, D 128, fp16, every kernel of a call; pages of 64 in a
-    shuffled table): at 128 keys a tile (gathered) 2.9-3.6x the contiguous cache's time, at 64 (in
-    place) 1.19-1.27x; 64 keys a tile cost the contiguous cache itself 1.07-1.12x (docs/design/varlen.md).
+    shuffled table): at 128 keys a tile (gathered) 3.3-3.7x the contiguous cache's time, at 64 (in
+    place) 1.15-1.29x; 64 keys a tile cost the contiguous cache itself 1.07-1.12x (docs/design/varlen.md).
     """
     if family != "fwd_wgmma" or not page or page % block_n == 0:
         return block_n

@@ -625,22 +625,46 @@ def test_a_plan_runs_each_layer_as_its_own_call(rng, page):
 
 
 def test_a_plan_refuses_arrays_laid_out_otherwise(rng):
-    """``run`` on an array whose shape, dtype, or (a cache's) strides differ from the plan's: a ValueError
-    naming it, before anything is written."""
+    """``run`` on an array whose kind, shape or dtype differ from the plan's, k and v given to one of plan
+    and run only, lengths other than the plan's, or a read-only cache to append into: a ValueError naming
+    it, before either cache is written. A NumPy cache of other strides runs (the twin reads any strides)."""
     lengths = np.array([3, 17, 100], np.int32)
     q, kc, vc, _, k, v, _ = _case(rng, np.float32, lengths, 1, 1, 256)
     plan = flashcupy.plan_kvcache(q, kc, vc, cache_seqlens=lengths, k=k, v=v)
-    strided = np.zeros((B, 512, HKV, D), np.float32)[:, ::2]
-    for name, args in (("q", (q[:, :, :2], kc, vc)), ("q", (q.astype(np.float64), kc, vc)),
-                       ("k_cache", (q, strided, vc)), ("v_cache", (q, kc, vc[:2]))):
+    bare = flashcupy.plan_kvcache(q, kc, vc, cache_seqlens=lengths)
+    frozen = np.broadcast_to(vc[:1], vc.shape)
+    cases = (("q is not laid out", plan, (q[:, :, :2], kc, vc), dict(k=k, v=v)),
+             ("q is not laid out", plan, (q.astype(np.float64), kc, vc), dict(k=k, v=v)),
+             ("v_cache is not laid out", plan, (q, kc, vc[:2]), dict(k=k, v=v)),
+             ("k is not given, but the plan was made with new keys", plan, (q, kc, vc), {}),
+             ("k is given, but the plan was made without new keys", bare, (q, kc, vc), dict(k=k, v=v)),
+             ("cache_seqlens differ from the lengths this plan was made with", plan, (q, kc, vc),
+              dict(k=k, v=v, cache_seqlens=lengths + 1)),
+             ("v_cache is read-only", plan, (q, kc, frozen), dict(k=k, v=v)))
+    for match, p, args, kw in cases:
         kept = kc.copy()
-        with pytest.raises(ValueError, match=f"^{name} is not laid out as the plan's"):
-            plan.run(*args, k=k, v=v)
-        assert (kc == kept).all()
-    with pytest.raises(ValueError, match="^k is not laid out"):
-        plan.run(q, kc, vc)
+        with pytest.raises(ValueError, match=f"^{match}"):
+            p.run(*args, **kw)
+        assert (kc == kept).all(), match
     with pytest.raises(TypeError, match="^k_cache must be a NumPy or CuPy array"):
         plan.run(q, kc.tolist(), vc, k=k, v=v)
+    wide_k, wide_v = (np.zeros((B, 512, HKV, D), np.float32)[:, ::2] for _ in range(2))
+    wide_k[...], wide_v[...] = kc, vc
+    o = plan.run(q, kc, vc, k=k, v=v, cache_seqlens=lengths)
+    assert (plan.run(q, wide_k, wide_v, k=k, v=v) == o).all() and (wide_k == kc).all()
+
+
+def test_a_plan_keeps_the_knobs_it_was_made_with(rng):
+    """Array knobs (sinks, ALiBi slopes) are copied into the plan: changing the caller's arrays after
+    planning changes nothing that a run computes."""
+    lengths = np.array([3, 17, 100], np.int32)
+    q, kc, vc, _, _, _, _ = _case(rng, np.float32, lengths, 0, 1, 256)
+    sinks = rng.standard_normal(HQ).astype(np.float32)
+    slopes = np.abs(rng.standard_normal(HQ)).astype(np.float32)
+    plan = flashcupy.plan_kvcache(q, kc, vc, cache_seqlens=lengths, sinks=sinks, alibi_slopes=slopes)
+    o = plan.run(q, kc, vc)
+    sinks[...], slopes[...] = np.nan, 100.0
+    assert (plan.run(q, kc, vc) == o).all()
 
 
 @pytest.mark.gpu
@@ -689,3 +713,26 @@ def test_a_plan_decodes_every_layer_of_a_step_with_one_launch_made(rng, monkeypa
             seen = [(entry(hk, i, n + 1), entry(hv, i, n + 1)) for i, n in enumerate(lengths)]
         _check(cupy.asnumpy(q), cupy.asnumpy(o), cupy.asnumpy(lse), seen, True, "f16")
     assert len(made) == 4  # (the plan's, then one per attention_with_kvcache)
+
+
+@pytest.mark.gpu
+def test_a_plan_runs_on_the_stream_it_was_made_on(rng):
+    """A plan's uploads are ordered on the stream current when it was made: a run on another stream is
+    refused (ValueError) before anything is written; a plan made on that stream runs there, with the bits
+    of the first."""
+    import cupy
+
+    lengths = np.array([3, 17, 100], np.int32)
+    q, kc, vc, _, k, v, _ = _case(rng, np.float16, lengths, 1, 1, 256, d=64)
+    dq, dkc, dvc, dk, dv = (cupy.asarray(x) for x in (q, kc, vc, k, v))
+    plan = flashcupy.plan_kvcache(dq, dkc, dvc, cache_seqlens=lengths, k=dk, v=dv, num_splits=0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    kept = dkc.copy()
+    with stream:
+        with pytest.raises(ValueError, match="^this plan was made on another CUDA stream"):
+            plan.run(dq, dkc, dvc, k=dk, v=dv)
+        assert bool((dkc == kept).all())
+        there = flashcupy.plan_kvcache(dq, dkc, dvc, cache_seqlens=lengths, k=dk, v=dv, num_splits=0)
+        o_there = there.run(dq, dkc.copy(), dvc.copy(), k=dk, v=dv)
+    stream.synchronize()
+    assert bool((plan.run(dq, dkc, dvc, k=dk, v=dv) == o_there).all())
