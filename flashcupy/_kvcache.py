@@ -361,7 +361,7 @@ class KVCachePlan:
         for name, x, want in zip(_ARRAYS, (q, k_cache, v_cache, k, v), self._layouts):
             if x is not None and not (isinstance(x, np.ndarray) or type(x).__module__.startswith("cupy")):
                 raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(x).__name__}")
-            if (x is None) != (want is None):
+            if name in ("k", "v") and (x is None) != (want is None):
                 raise ValueError(f"{name} is {'not ' if x is None else ''}given, but the plan was made "
                                  f"{'with' if x is None else 'without'} new keys and values: give k and v to "
                                  "both plan_kvcache and run, or to neither")
