@@ -13,9 +13,10 @@ time.perf_counter around the same calls as they are enqueued (nothing synchroniz
 step time is the wall time per call of a loop of calls synchronized only at the end of each round, what a
 decoding loop costs when host and device overlap. The same call as a plan made once and run
 (``flashcupy.plan_kvcache``, then ``plan.run``, which must give the call's bits): the plan's host time and
-the run's host, step and device times, what one layer of a decoding step costs when the step plans once
-for all its layers. Where the host's time goes: cProfile over the calls of the first dtype's first
-case, once a layout, the functions of most own time.
+the run's host, step and device times; and a step of LAYERS layers as a model runs it (one plan, then a
+run on each layer's own cache, copies of the case's at their own addresses), its times per layer. Where
+the host's time goes: cProfile over the calls of the first dtype's first case, once a layout, the
+functions of most own time.
 
 Peers in the same run, when torch imports and sees the GPU: torch SDPA with each backend forced by
 ``torch.nn.attention.sdpa_kernel`` (flash, mem-efficient, cuDNN, math; GQA through enable_gqa=True, or by
@@ -53,6 +54,7 @@ QUICK_CASES = [(1, 32768), (8, 4096)]                           # K and V: 64 or
 TWIN_CASES = [(1, 1024), (4, 512)]                              # the NumPy backend: correctness only
 PAGES = (None, 64, 256)                                         # contiguous, then tokens per page
 CALLS, ROUNDS = 20, 5
+LAYERS = 4                                                      # a step's layers: one plan, a run each
 HOST_TOP = 12                                                   # functions in the host-time profile
 COPY_BYTES = 2 ** 30
 PEER_BACKENDS = {**sdpa.BACKENDS, "math": "MATH"}   # short name -> torch.nn.attention.SDPBackend member
@@ -366,21 +368,35 @@ def _case(ctx: Context, dname, b, n, torch, copy, acc_rows, fc_rows, peer_rows, 
 
         same_run = bool((_bits(_host(run())) == _bits(_host(fn()))).all())
         assert same_run, f"plan.run differs from the call ({dname}, B={b}, L={n}, {_layout(page)})"
+        # a step of LAYERS layers as a model runs it: one plan, then a run on each layer's own cache (copies
+        # of this one, at their own addresses: each layer's K and V maps are its own)
+        layers = [(kc, vc)] + [(kc.copy(), vc.copy()) for _ in range(LAYERS - 1)]
+
+        def step(layers=layers, make=make):
+            plan = make()
+            return [plan.run(q, lk, lv) for lk, lv in layers]
+
+        same_step = all(bool((_bits(_host(x)) == _bits(_host(o_run))).all())
+                        for x, o_run in zip(step(), [run()] * LAYERS))
+        assert same_step, f"a step's runs differ from the call ({dname}, B={b}, L={n}, {_layout(page)})"
         if cuda:
             t = _timed(ctx, fn)
             tr = _timed(ctx, run)
             tp = _device_us(make, CALLS, host_us=True)[1]
+            ts = {key: x / LAYERS for key, x in _timed(ctx, step).items()
+                  if key in ("device_us", "host_us", "step_us")}
             tb_s = kv_bytes / t["device_us"] / 1e6
             fc_rows.append({"dtype": dname, "B": b, "L": n, "layout": _layout(page), "kv_bytes": kv_bytes,
                             "first_call_s": first, "tb_s": tb_s, "fraction": tb_s / copy["tb_s"], **t,
-                            "run": tr, "plan_host_us": tp})
+                            "run": tr, "plan_host_us": tp, "layer": ts})
             log(f"[decode]   flashcupy: {t['device_us']:.1f} us device, {t['host_us']:.1f} us host, "
                 f"{t['step_us']:.1f} us a step, {tb_s / copy['tb_s']:.2f} of copy bandwidth; a plan's run "
-                f"{tr['host_us']:.1f} us host, {tr['step_us']:.1f} us a step (the plan {tp:.1f} us)")
+                f"{tr['host_us']:.1f} us host, {tr['step_us']:.1f} us a step (the plan {tp:.1f} us); a step "
+                f"of {LAYERS} layers {ts['host_us']:.1f} us host a layer, {ts['device_us']:.1f} us device")
             if host_rows is not None:
                 prof, per_call = _host_profile(fn)
                 host_rows += [[dname, b, n, _layout(page), per_call, *r] for r in prof]
-        del fn, run, make, plan, kc, vc   # a paged cache is freed before the next one is built
+        del fn, run, step, make, plan, layers, kc, vc   # (a paged cache is freed before the next is built)
     if cuda and torch is not None:
         for r in _peers(ctx, torch, q, k, v, outs[None], truths, kv_bytes, copy["tb_s"]):
             peer_rows.append([dname, b, n, *r])
@@ -399,14 +415,17 @@ def _fc_table(fc_rows, peer_rows):
                      r["host_us"], r["step_us"], r["tb_s"], r["fraction"], best and best[3],
                      best and best[10], best and r["device_us"] / best[10],
                      r["device_us"] / contiguous["device_us"], r["covered"], r["plan_host_us"],
-                     r["run"]["host_us"], r["run"]["step_us"], r["run"]["device_us"]])
+                     r["run"]["host_us"], r["run"]["step_us"], r["run"]["device_us"], r["layer"]["host_us"],
+                     r["layer"]["step_us"], r["layer"]["device_us"]])
     return rows
 
 
 FC_COLUMNS = ["dtype", "B", "L", "layout", "K+V MiB", "device us", "host us", "step us", "TB/s",
               "fraction of copy bandwidth", "best peer", "best peer device us",
               "flashcupy / best peer (time)", "layout / contiguous (time)", "hold covered the enqueue",
-              "plan host us", "plan.run host us", "plan.run step us", "plan.run device us"]
+              "plan host us", "plan.run host us", "plan.run step us", "plan.run device us",
+              f"step of {LAYERS} layers: host us a layer", f"step of {LAYERS} layers: step us a layer",
+              f"step of {LAYERS} layers: device us a layer"]
 PEER_COLUMNS = ["dtype", "B", "L", "provider", "GQA", "status", "max abs difference from flashcupy",
                 "agreement bound", "peer error / rule bound (float64)", "first call s", "device us",
                 "host us", "step us", "TB/s", "fraction of copy bandwidth"]
@@ -452,7 +471,9 @@ def _finding(ctx, card, copy, acc_rows, fc_table, peer_rows, torch_note) -> str:
     text += (f"; the host's time per call ({_span([r[6] for r in fc_table], '{:.0f}')} us) exceeds the "
              f"device's in {host_bound} of {len(fc_table)} rows, a plan's run (one layer of a step, "
              f"`plan_kvcache`) takes {_span([r[16] for r in fc_table], '{:.0f}')} us of host time, in "
-             f"{sum(r[16] > r[18] for r in fc_table)} rows more than its device time; {rule}.")
+             f"{sum(r[16] > r[18] for r in fc_table)} rows more than its device time, a step of {LAYERS} "
+             f"layers (one plan, a run on each layer's cache) {_span([r[19] for r in fc_table], '{:.0f}')} "
+             f"us a layer; {rule}.")
     return text
 
 

@@ -453,7 +453,8 @@ def test_decode_tables_from_measurements(tmp_path):
         return {"dtype": "f16", "B": 8, "L": 4096, "layout": layout, "kv_bytes": 2 ** 26, "device_us": us,
                 "host_us": 300.0, "step_us": 310.0, "tb_s": 2 ** 26 / us / 1e6,
                 "fraction": 2 ** 26 / us / 1e6 / 4.0, "covered": True, "plan_host_us": 200.0,
-                "run": {"host_us": 100.0, "step_us": 110.0, "device_us": us}}
+                "run": {"host_us": 100.0, "step_us": 110.0, "device_us": us},
+                "layer": {"host_us": 90.0, "step_us": 95.0, "device_us": us}}
 
     fc_rows = [fc("contiguous", 20.0), fc("paged 64", 50.0), fc("paged 256", 30.0)]
     peer = ["f16", 8, 4096]
@@ -475,6 +476,7 @@ def test_decode_tables_from_measurements(tmp_path):
     assert "pages of 64 take 2.50x" in finding and "3 of 3 checks" in finding
     assert ("a plan's run (one layer of a step, `plan_kvcache`) takes 100 us of host time, in 3 rows"
             in finding)
+    assert "a step of 4 layers (one plan, a run on each layer's cache) 90 us a layer" in finding
     fig = decode._figure(ctx, "NVIDIA H200", copy, acc, rows, peers)
     assert "NVIDIA H200" in fig._suptitle.get_text()
     fig.savefig(tmp_path / "decode.png")
