@@ -256,7 +256,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
 
 def plan_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None, v=None,
                  causal: bool = True, num_splits: int = 1, return_lse: bool = False,
-                 **knobs) -> "KVCachePlan":
+                 **knobs) -> KVCachePlan:
     """The part of an ``attention_with_kvcache`` call that its lengths, page table, shapes and knobs
     decide, done once (FlashInfer's plan / run split): every check, the key ranges, the packed entries'
     lengths and the append's slots uploaded, the launch's Problem. ``plan.run(q, k_cache, v_cache, k=None,
