@@ -259,12 +259,13 @@ def test_packed_and_kvcache_calls_refuse_capture_and_leave_it_clean(rng):
                                                                                       cu, cu),
              "attention_with_kvcache": lambda: flashcupy.attention_with_kvcache(qc, kc, vc,
                                                                                 cache_seqlens=lens)}
-    plan = flashcupy.plan_kvcache(qc, kc, vc, cache_seqlens=lens)  # (a plan's run: the same refusal)
-    calls["attention_with_kvcache (a plan's run)"] = lambda: plan.run(qc, kc, vc)
     stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:  # (a plan runs on the stream it was made on: every call below runs on this one)
+        plan = flashcupy.plan_kvcache(qc, kc, vc, cache_seqlens=lens)  # (a plan's run: the same refusal)
+    calls["attention_with_kvcache (a plan's run)"] = lambda: plan.run(qc, kc, vc)
     for name, call in calls.items():
-        call()  # (compiled, remembered)
         with stream:
+            call()  # (compiled, remembered)
             stream.begin_capture()
             try:
                 fn = name.split(" ")[0]
