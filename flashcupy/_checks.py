@@ -72,6 +72,8 @@ class Problem:
     total_k: int = 0
     # a paged variant's page size (the rows of k, v per page; 0: not paged)
     page: int = 0
+    # an fp8 variant's static scale of P before its e4m3 rounding (flashcupy.attention_fp8; 0: not fp8)
+    p_scale: float = 0.0
 
     @property
     def group(self) -> int:

@@ -180,6 +180,7 @@ def _element_strides(strides, itemsize: int) -> tuple[np.int64, np.int64, np.int
 _PLAN_LIMIT = 1024   # plans remembered; past that the memo starts over
 _MAPS_LIMIT = 128    # TMA maps remembered per mapped argument of a plan (one per address: a decoding
                      # step's layers each read their own cache, every step)
+FP8_VT_KEYS = 64     # fwd_wgmma.cu's fp8 V transposition: keys per CTA (V^T's key axis is padded to it)
 
 
 PTR, MAP = "ptr", "map"  # the argument kinds of a launch layout besides fixed scalars
@@ -391,10 +392,16 @@ class _ForwardPlan:
     """A forward call's launch, made from its Problem and the strides of q, k, v (bytes): the kernel, its
     grid and argument layout (``_Launcher``), and, for the wgmma family, the TMA map templates.
     ``run`` then takes only addresses. ``readable``: whether the kernels read arrays of these strides in
-    place (a plan that is not is never run: the call copies its inputs first)."""
+    place (a plan that is not is never run: the call copies its inputs first).
+
+    An fp8 variant (``attention_fp8``: q, k, v uint8 e4m3 bit patterns, o in the variant's 16-bit dtype)
+    is two launches: V^T first (``transpose``: e4m3 wgmma takes K-major operands only; its keys permuted
+    in groups of 16 and zero-padded to a multiple of FP8_VT_KEYS, written into the call's scratch, where
+    V's TMA map points), then the attention, whose arguments end with the three descale arrays, p_scale
+    and log2(p_scale)."""
 
     __slots__ = ("tma", "readable", "kern", "o_shape", "lse_shape", "dynamic", "map_slots", "launcher",
-                 "alibi", "varlen")
+                 "alibi", "varlen", "transpose", "vt_size")
 
     def __init__(self, p: Problem, q_strides, k_strides, v_strides, itemsize: int):
         var = p.variant
@@ -404,16 +411,20 @@ class _ForwardPlan:
         q_shape = (batch, p.heads_q, nq, p.head_dim)
         kv_shape = (batch, p.heads_kv, nk, p.head_dim)
         self.tma = var.fam.kind == "wgmma"
-        self.readable = all(_strides_readable(shape, st, itemsize, self.tma) for shape, st in (
-            (q_shape, q_strides), (kv_shape, k_strides), (kv_shape, v_strides)))
+        fp8 = var.fp8 is not None  # (V is read by the transposition's 16-byte loads, not by TMA)
+        self.readable = all(_strides_readable(shape, st, itemsize, tma) for shape, st, tma in (
+            (q_shape, q_strides, self.tma), (kv_shape, k_strides, self.tma), (kv_shape, v_strides, self.tma
+                                                                                and not fp8)))
         self.kern = get_kernel(var, "fwd")  # compiled (and checked against the device) before any allocation
+        self.transpose, self.vt_size = None, 0
         # o and lse: (B, Hq, N, D) and (B, Hq, N); packed, flash_attn's (total_q, Hq, D) and (Hq, total_q)
         self.o_shape, self.lse_shape = ((nq, p.heads_q, p.head_dim), q_shape[1:3]) if var.varlen else \
             (q_shape, q_shape[:3])
         grid = ((p.nq + var.block_m - 1) // var.block_m, p.heads_q, p.batch)
+        v_el = _element_strides(v_strides, itemsize)
         scalars = (np.int32(nq), np.int32(nk), np.int32(p.group),
                    *_element_strides(q_strides, itemsize), *_element_strides(k_strides, itemsize),
-                   *_element_strides(v_strides, itemsize), np.float32(p.scale * _LOG2E))
+                   *v_el, np.float32(p.scale * _LOG2E))
         # ALiBi: the slopes in raw units, (B, Hq) float32 (alibi_raw), and their batch stride
         self.alibi = var.alibi
         scalars += (PTR, np.int32(p.heads_q)) if var.alibi else ()
@@ -432,40 +443,63 @@ class _ForwardPlan:
             self.dynamic = var.persistent == 2
             maps = (MAP,) * 4
             tail = (np.int32(p.heads_q), np.int32(p.batch), PTR if self.dynamic else np.uint64(0))
+            if fp8:  # V^T, (B, Hkv, D, keys padded), written by the transposition from V's strides
+                vt_shape = (batch, p.heads_kv, p.head_dim, -(-nk // FP8_VT_KEYS) * FP8_VT_KEYS)
+                self.vt_size = math.prod(vt_shape)
+                self.transpose = _Launcher(get_kernel(var, "v_transpose"),
+                                           (vt_shape[3] // FP8_VT_KEYS, p.heads_kv, batch),
+                                           (PTR, PTR, np.int32(nk), np.int32(vt_shape[3]), *v_el))
             if self.readable:
                 dtype = numpy_dtype(var.dtype)
                 # o's map (used by FC_WG_O_STAGE 1, 2) over o's own layout (packed: (total, Hq, D) seen as
                 # (1, Hq, total, D); a varlen variant stores a sequence's partial warpgroups from registers)
-                o_strides = _output_strides(q_shape, itemsize, var.varlen)
-                self.map_slots = tuple(_MapSlot(shape, st, dtype, box, name) for shape, st, box, name in (
-                    (q_shape, q_strides, var.block_m, "q"), (kv_shape, k_strides, var.block_n, "k"),
-                    (kv_shape, v_strides, var.block_n, "v"),
-                    (q_shape, o_strides, 64, "o")))
+                o_strides = _output_strides(q_shape, dtype.itemsize, var.varlen)
+                v_map = (kv_shape, v_strides, dtype, var.block_n, "v")
+                if fp8:  # 128-byte rows of e4m3; V's map over V^T, D x block_n boxes
+                    u8 = np.dtype(np.uint8)
+                    v_map = (vt_shape, _contiguous_strides(vt_shape, 1), u8, (p.head_dim, var.block_n), "v")
+                    q_map = (q_shape, q_strides, u8, (var.block_m, 128), "q")
+                    k_map = (kv_shape, k_strides, u8, (var.block_n, 128), "k")
+                else:
+                    q_map = (q_shape, q_strides, dtype, var.block_m, "q")
+                    k_map = (kv_shape, k_strides, dtype, var.block_n, "k")
+                self.map_slots = tuple(_MapSlot(*slot) for slot in (
+                    q_map, k_map, v_map, (q_shape, o_strides, dtype, 64, "o")))
             if var.persistent:
                 grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
+        # fp8: q's, k's and v's descales (float32 (B, Hq, Nq), (B, Hkv, Nk), (B, Hkv)), p_scale, log2(p_scale)
+        tail += (PTR, PTR, PTR, np.float32(p.p_scale), np.float32(math.log2(p.p_scale))) if fp8 else ()
         self.launcher = _Launcher(self.kern, grid, maps + (PTR,) * 5 + scalars + tail)
 
     def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int, scratch, alibi: int = 0,
-            cu: tuple = ()) -> None:
+            cu: tuple = (), descales: tuple = ()) -> None:
         """Launch on the stream with handle ``stream``, the arrays at these device addresses: q, k, v with
         the plan's strides and 16-byte aligned, o and lse C-contiguous (``alibi``: the (B, Hq) slopes in
         raw units of an ALiBi variant, ``alibi_raw``; ``cu``: a varlen variant's checked cumulative
-        lengths of q and of k, v and the keys each entry uses (0: all of its range), int32).
+        lengths of q and of k, v and the keys each entry uses (0: all of its range), int32; ``descales``:
+        an fp8 variant's three, ``_descales``).
         ``scratch`` (``_Scratch``'s interface) gives the dynamic scheduler's counter under stream
-        capture."""
-        ptrs = (q, k, v, o, lse) + ((alibi,) if self.alibi else ()) + (tuple(cu) if self.varlen else ())
+        capture, and an fp8 variant's V^T."""
+        v_mapped = v
+        if self.transpose is not None:  # (fp8) V^T, which V's map and pointer name
+            v_mapped = scratch.buffer((self.vt_size,), np.uint8)
+            self.transpose(stream, (v, v_mapped))
+        ptrs = (q, k, v_mapped, o, lse) + ((alibi,) if self.alibi else ())
+        ptrs += tuple(cu) if self.varlen else ()
         if self.dynamic:
             ptrs += (_tile_counter(stream, scratch),)
+        ptrs += tuple(descales)
         slots = self.map_slots
-        self.launcher(stream, ptrs, (slots[0](q), slots[1](k), slots[2](v), slots[3](o)) if slots else ())
+        maps = (slots[0](q), slots[1](k), slots[2](v_mapped), slots[3](o)) if slots else ()
+        self.launcher(stream, ptrs, maps)
 
     def program(self) -> dict:
         """``run`` written out for the compiled torch node (``flashcupy/_torch_node.cpp``): the keyword
         arguments of its ``program``, addresses as slots of ``FORWARD_SLOTS``. Only for plans that read
         their inputs in place, without ALiBi (the compiled node has no slot for slopes) or packed
         sequences."""
-        if self.alibi or self.varlen:
-            raise ValueError("an ALiBi or varlen plan has no program for the compiled torch node")
+        if self.alibi or self.varlen or self.transpose is not None:
+            raise ValueError("an ALiBi, varlen or fp8 plan has no program for the compiled torch node")
         mapped = _slots(FORWARD_SLOTS, "q k v o")
         maps = [(slot, *m.template.raw) for slot, m in zip(mapped, self.map_slots)]
         ptrs = _slots(FORWARD_SLOTS, "q k v o lse counter" if self.dynamic else "q k v o lse")
@@ -492,7 +526,7 @@ def _forward_plan(p: Problem, q, k, v) -> _ForwardPlan:
     return forward_plan(p, q.strides, k.strides, v.strides, q.itemsize)
 
 
-def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=None):
+def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=None, fp8=None):
     """Run the variant of ``p`` on the current CuPy stream of the GPU that holds q, k, v. Returns
     (o, lse).
 
@@ -511,12 +545,18 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=
     (Hq, total_q). A paged variant's ``cu`` also holds the block table and each entry's row of it (int32
     on q's GPU; k and v are the cache's pages as (pages x page size, Hkv, D), ``cu``'s second array each
     entry's first key in its own sequence and the third its key count).
+    fp8 (an fp8 variant, ``flashcupy.attention_fp8``): q, k, v are uint8 e4m3 bit patterns (B, H, N, D),
+    o is in the variant's 16-bit dtype, and ``fp8`` = (q's, k's, v's float32 scales, ``Quantized.scale``:
+    4-D, broadcastable to the data; q's and k's block size where their scales are per block of tokens,
+    else None), flattened into the call's scratch first (``_descales``). V is read by the transposition's
+    16-byte loads (not TMA: any 16-byte steps, zero and negative included). Inside a CUDA graph capture
+    every temporary is the capture's own, so the graph replays.
     """
     import cupy
 
     if p.device != cupy.cuda.runtime.getDevice():
         with cupy.cuda.Device(p.device):
-            return forward(q, k, v, p, o, lse, scratch, alibi, cu)
+            return forward(q, k, v, p, o, lse, scratch, alibi, cu, fp8)
     stream = cupy.cuda.get_current_stream()
     scratch = _Scratch(stream) if scratch is None else scratch
     if p.variant.varlen:  # (total, H, D) as the kernels' one batch (1, H, total, D)
@@ -524,13 +564,15 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=
         cu = tuple(0 if c is None else c.data.ptr for c in (*cu, None)[:5 if p.variant.paged else 3])
     plan = _forward_plan(p, q, k, v)
     if not plan.readable or (q.data.ptr | k.data.ptr | v.data.ptr) & 15:
-        q, k, v = (_as_readable(x, plan.tma, scratch) for x in (q, k, v))
+        q, k = (_as_readable(x, plan.tma, scratch) for x in (q, k))
+        v = _as_readable(v, plan.tma and plan.transpose is None, scratch)
         plan = _forward_plan(p, q, k, v)
+    dtype = numpy_dtype(p.variant.dtype)
     if o is None:
-        o = cupy.empty(plan.o_shape, dtype=q.dtype)
+        o = cupy.empty(plan.o_shape, dtype=dtype)
     else:
-        if not (o.flags.c_contiguous and o.shape == plan.o_shape and o.dtype == q.dtype):
-            raise ValueError(f"o must be C-contiguous {plan.o_shape} {q.dtype}; got {o.shape} {o.dtype}")
+        if not (o.flags.c_contiguous and o.shape == plan.o_shape and o.dtype == dtype):
+            raise ValueError(f"o must be C-contiguous {plan.o_shape} {dtype}; got {o.shape} {o.dtype}")
     if lse is None:
         lse = cupy.empty(plan.lse_shape, dtype=cupy.float32)
     else:
@@ -538,8 +580,14 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=
             raise ValueError(f"lse must be C-contiguous {plan.lse_shape} float32; got {lse.shape} "
                              f"{lse.dtype}")
     raw = _alibi_slopes(p, alibi, scratch)  # (held until the launch: its memory must not be reused first)
+    descales = ()
+    if fp8 is not None:
+        q_scale, k_scale, v_scale, blocks = fp8
+        descales = (_descales(q_scale, (p.batch, p.heads_q, p.nq), blocks[0], scratch),
+                    _descales(k_scale, (p.batch, p.heads_kv, p.nk), blocks[1], scratch),
+                    _descales(v_scale, (p.batch, p.heads_kv), None, scratch))
     plan.run(stream.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, scratch,
-             0 if raw is None else raw.data.ptr, cu or ())
+             0 if raw is None else raw.data.ptr, cu or (), tuple(x.data.ptr for x in descales))
     return o, lse
 
 
@@ -801,77 +849,6 @@ def _as_rows(x, scratch: _Scratch):
 # --------------------------------------------------------------------------------------------------
 # fp8 (e4m3) forward: fwd_wgmma built with FC_FP8 (flashcupy.fp8.attention_fp8 checks the arguments)
 
-FP8_VT_KEYS = 64  # fwd_wgmma.cu's V transposition: keys per CTA (V^T's key axis is padded to it)
-
-
-class _Fp8Plan:
-    """An fp8 forward's two launches (V^T, then the attention), made from its variant, the shapes and
-    strides (bytes) of q8, k8, v8 as the kernels read them, and the call's scale and p_scale: kernels,
-    grids, argument layouts and the four TMA map templates (q8, k8, V^T, o). ``run`` then takes only
-    addresses; V^T and, under stream capture, the tile counter come from the call's scratch."""
-
-    __slots__ = ("o_shape", "lse_shape", "vt_size", "dynamic", "map_slots", "transpose", "launcher")
-
-    def __init__(self, var, q_shape, kv_shape, q_strides, k_strides, v_strides, scale: float, p_scale: float):
-        b, hq, nq, d = q_shape
-        hkv, nk = kv_shape[1], kv_shape[2]
-        kern, transpose = get_kernel(var, "fwd"), get_kernel(var, "v_transpose")  # compiled first
-        nk_pad = -(-nk // FP8_VT_KEYS) * FP8_VT_KEYS
-        vt_shape = (b, hkv, d, nk_pad)
-        self.o_shape, self.lse_shape, self.vt_size = q_shape, q_shape[:3], math.prod(vt_shape)
-        self.dynamic = var.persistent == 2
-        u8 = np.dtype(np.uint8)
-        self.map_slots = tuple(_MapSlot(*slot) for slot in (
-            (q_shape, q_strides, u8, (var.block_m, 128), "q"),
-            (kv_shape, k_strides, u8, (var.block_n, 128), "k"),
-            (vt_shape, _contiguous_strides(vt_shape, 1), u8, (d, var.block_n), "v"),
-            # (o: read by the kernel only where wgmma_o_stage says so)
-            (q_shape, _contiguous_strides(q_shape, numpy_dtype(var.dtype).itemsize), numpy_dtype(var.dtype),
-             64, "o")))
-        v_el = _element_strides(v_strides, 1)
-        self.transpose = _Launcher(transpose, (nk_pad // FP8_VT_KEYS, hkv, b),
-                                   (PTR, PTR, np.int32(nk), np.int32(nk_pad), *v_el))
-        grid = ((nq + var.block_m - 1) // var.block_m, hq, b)
-        if var.persistent:
-            grid = (_wgmma_ctas(grid[0] * grid[1] * grid[2]), 1, 1)
-        self.launcher = _Launcher(kern, grid, (MAP,) * 4 + (PTR,) * 5 + (
-            np.int32(nq), np.int32(nk), np.int32(hq // hkv), *_element_strides(q_strides, 1),
-            *_element_strides(k_strides, 1), *v_el, np.float32(scale * _LOG2E), np.int32(hq), np.int32(b),
-            PTR if self.dynamic else np.uint64(0), PTR, PTR, PTR, np.float32(p_scale),
-            np.float32(math.log2(p_scale))))
-
-    def run(self, stream: int, q8: int, k8: int, v8: int, o: int, lse: int, q_ds: int, k_ds: int, v_ds: int,
-            scratch) -> None:
-        """Launch on the stream with handle ``stream``: q8, k8, v8 with the plan's strides, readable in place
-        (16-byte aligned); o, lse, the descales C-contiguous."""
-        vt = scratch.buffer((self.vt_size,), np.uint8)
-        self.transpose(stream, (v8, vt))
-        ptrs = (q8, k8, vt, o, lse) + ((_tile_counter(stream, scratch),) if self.dynamic else ()) + (
-            q_ds, k_ds, v_ds)
-        slots = self.map_slots
-        self.launcher(stream, ptrs, (slots[0](q8), slots[1](k8), slots[2](vt), slots[3](o)))
-
-
-_FP8_PLANS: dict = {}
-
-
-def fp8_plan(var, q8, k8, v8, scale: float, p_scale: float) -> _Fp8Plan:
-    """The plan of an fp8 forward call on arrays of these shapes and strides, on the current device
-    (its kernels, launchers and persistent grid are that device's; remembered, at most ``_PLAN_LIMIT``)."""
-    import cupy
-
-    key = (cupy.cuda.runtime.getDevice(), var, q8.shape, q8.strides, k8.shape, k8.strides, v8.strides, scale,
-           p_scale)
-    plan = _FP8_PLANS.get(key)
-    if plan is None:
-        plan = _Fp8Plan(var, tuple(map(int, q8.shape)), tuple(map(int, k8.shape)), q8.strides, k8.strides,
-                        v8.strides, scale, p_scale)
-        if len(_FP8_PLANS) >= _PLAN_LIMIT:
-            _FP8_PLANS.clear()
-        _FP8_PLANS[key] = plan
-    return plan
-
-
 def _descales(scale, shape: tuple, block, scratch):
     """fp8 descales as the kernel reads them: float32, C-contiguous, of ``shape`` ((B, H, N) or (B, H)),
     from a 4-D scale broadcastable to it (trailing axes of 1) or, with ``block``, from one scale per block
@@ -891,38 +868,3 @@ def _descales(scale, shape: tuple, block, scratch):
     cupy.copyto(full, cupy.broadcast_to(scale, (b, h, blocks, block)))
     cupy.copyto(out, full.reshape(b, h, blocks * block)[:, :, :n])
     return out
-
-
-def forward_fp8(q8, k8, v8, q_scale, k_scale, v_scale, var, *, scale: float, p_scale: float,
-                blocks=(None, None), o=None, lse=None):
-    """The fp8 forward of ``var`` (an fp8 fwd_wgmma variant) on uint8 e4m3 bit patterns q8 (B, Hq, Nq, D),
-    k8, v8 (B, Hkv, Nk, D) with float32 scales (``Quantized.scale``: 4-D, broadcastable to the data;
-    ``blocks``: q's and k's block size where their scales are per block of tokens), all on the current
-    device. The descales are flattened to (B, Hq, Nq), (B, Hkv, Nk), (B, Hkv) in the call's scratch
-    (``_descales``), then two launches on the current stream through an ``_Fp8Plan``: V^T (keys permuted
-    in groups of 16, zero padding to a multiple of FP8_VT_KEYS keys), then the attention. Inside a CUDA
-    graph capture every temporary is the capture's own, so the graph replays. Returns (o, lse); ``o`` and
-    ``lse`` may be given (C-contiguous, the right shapes and dtypes: the tests pass NaN-poisoned ones)."""
-    import cupy
-
-    b, hq, nq, d = (int(x) for x in q8.shape)
-    for name, x, shape, dt in (("o", o, (b, hq, nq, d), numpy_dtype(var.dtype)),
-                               ("lse", lse, (b, hq, nq), np.dtype(np.float32))):
-        if x is not None and not (x.flags.c_contiguous and x.shape == shape and x.dtype == dt):
-            raise ValueError(f"{name} must be C-contiguous {shape} {dt}; got {x.shape} {x.dtype}")
-    stream = cupy.cuda.get_current_stream()
-    scratch = _Scratch(stream)
-    # q8, k8 by TMA; v8 by the V^T pre-pass's 16-byte loads over its strides: one copy of any the kernels
-    # cannot read in place (as in ``forward``)
-    q8, k8 = (_as_readable(x, True, scratch) for x in (q8, k8))
-    v8 = _as_readable(v8, False, scratch)
-    plan = fp8_plan(var, q8, k8, v8, scale, p_scale)  # (compiles the variant before any allocation)
-    o = cupy.empty(plan.o_shape, dtype=numpy_dtype(var.dtype)) if o is None else o
-    lse = cupy.empty(plan.lse_shape, dtype=cupy.float32) if lse is None else lse
-    hkv, nk = int(k8.shape[1]), int(k8.shape[2])
-    q_ds = _descales(q_scale, (b, hq, nq), blocks[0], scratch)
-    k_ds = _descales(k_scale, (b, hkv, nk), blocks[1], scratch)
-    v_ds = _descales(v_scale, (b, hkv), None, scratch)
-    plan.run(stream.ptr, q8.data.ptr, k8.data.ptr, v8.data.ptr, o.data.ptr, lse.data.ptr, q_ds.data.ptr,
-             k_ds.data.ptr, v_ds.data.ptr, scratch)
-    return o, lse

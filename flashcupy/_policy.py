@@ -1,7 +1,7 @@
 """Every measured choice of the build layer, as plain functions with their reasons: the family
 ``kernel='auto'`` takes, the default tile of each family, the Hopper forward's tile walk and how its o
-leaves the CTA, the fp8 tile, and the kernels a backward call launches (the rotated and ordered
-twins of the wgmma backward, and the heads per section of the ordered one).
+leaves the CTA, the fp8 tile and how it reads k's descale, and the kernels a backward call launches
+(the rotated and ordered twins of the wgmma backward, and the heads per section of the ordered one).
 
 A call consults them once: the checks (memoized per signature) fill a ``Variant``'s explicit fields
 (family, tile, schedule), a ``Variant`` computes its derived switches (``persistent``, ``o_stage``)
@@ -28,8 +28,8 @@ if TYPE_CHECKING:  # the choices read a Variant's fields; _variant imports this 
 
 __all__ = [
     "auto_family", "backward_roles", "bwd_wgmma_ordered_heads", "bwd_wgmma_rotated", "default_blocks",
-    "default_tile", "fp8_block_m", "kvcache_splits", "launch_roles", "paged_block_n", "wgmma_o_stage",
-    "wgmma_persistent", "wgmma_schedule",
+    "default_tile", "fp8_block_m", "fp8_kscale", "kvcache_splits", "launch_roles", "paged_block_n",
+    "wgmma_o_stage", "wgmma_persistent", "wgmma_schedule",
 ]
 
 
@@ -164,6 +164,15 @@ def fp8_block_m(accumulation: str, head_dim: int, softcap: bool = False) -> int:
     730 / 827 / 821 with two (128 rows, pingpong, overlap) and 582 / 653 / 602 with one. Two-level
     accumulation and D=256 take two (a second O accumulator, or D=256's O, does not fit three)."""
     return 192 if accumulation == "single" and head_dim == 128 and not softcap else 128
+
+
+def fp8_kscale(granularity: str, block: int | None, block_n: int, head_dim: int, softcap: bool) -> str:
+    """How the fp8 forward reads k's descale: "tile", one value per key tile, where it is constant over
+    each (per tensor, per head, or per block of tokens that a multiple of block_n keys makes), else "key",
+    one per key. With a softcap at D = 256 the per-key path runs anyway (the descales are flattened per
+    key): the per-tile one spills 8 bytes there (ptxas sm_90a), the per-key one none."""
+    constant = granularity in ("tensor", "head") or (granularity == "block" and block % block_n == 0)
+    return "tile" if constant and not (softcap and head_dim == 256) else "key"
 
 
 # --------------------------------------------------------------------------------------------------

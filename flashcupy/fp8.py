@@ -443,8 +443,9 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
     """attention_fp8 on CuPy inputs (arguments checked): (o, lse) of this call's fp8 fwd_wgmma variant."""
     import cupy
 
-    from ._checks import _common_device, _device_capability
-    from ._launch import forward_fp8
+    from ._checks import Problem, _common_device, _device_capability
+    from ._launch import forward
+    from ._policy import fp8_kscale
     from ._variant import Variant
 
     if accumulation not in ("single", "tile"):
@@ -452,7 +453,7 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
                          "'single' and 'tile'")
     from ._families import FP8_HEAD_DIMS as KERNEL_HEAD_DIMS
 
-    d = q.shape[3]
+    (b, hq, nq, d), (hkv, nk) = q.shape, k.shape[1:3]
     if d not in KERNEL_HEAD_DIMS or block_n != 128:
         raise ValueError(f"the fp8 wgmma kernel runs D {KERNEL_HEAD_DIMS} with block_n=128; got D={d}, "
                          f"block_n={block_n} (NumPy inputs run the twin at D 64, 128, 256 and block_n 64, "
@@ -466,15 +467,9 @@ def _attention_fp8_kernel(q, k, v, *, causal, scale, block_m, block_n, p_scale, 
     if _device_capability(device) != 90:
         raise ValueError("the fp8 wgmma kernel needs a Hopper GPU (compute capability 9.0, sm_90a); "
                          "NumPy inputs run the twin anywhere")
-    # k's descale is constant over each key tile unless it varies by token or by blocks that split a tile;
-    # with a softcap at D = 256 the per-key path runs anyway (the descales are flattened per key): the
-    # per-tile one spills 8 bytes there (ptxas sm_90a), the per-key one none
-    per_tile = ((k.granularity in ("tensor", "head") or (k.granularity == "block" and k.block % block_n == 0))
-                and not (softcap and d == 256))
+    kscale = fp8_kscale(k.granularity, k.block, block_n, d, bool(softcap))
     var = Variant("fwd_wgmma", {"float16": "f16", "bfloat16": "bf16"}[out_dtype], "fp32", block_m, block_n, d,
-                  causal, ablate, fp8=accumulation, fp8_kscale="tile" if per_tile else "key", window=window,
-                  softcap=softcap)
+                  causal, ablate, fp8=accumulation, fp8_kscale=kscale, window=window, softcap=softcap)
+    p = Problem("cuda", b, hq, hkv, nq, nk, d, scale, var, device, p_scale=p_scale)
     blocks = tuple(x.block if x.granularity == "block" else None for x in (q, k))
-    with cupy.cuda.Device(device):
-        return forward_fp8(q.data, k.data, v.data, q.scale, k.scale, v.scale, var, scale=scale,
-                           p_scale=p_scale, blocks=blocks)
+    return forward(q.data, k.data, v.data, p, fp8=(q.scale, k.scale, v.scale, blocks))

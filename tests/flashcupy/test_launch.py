@@ -77,28 +77,102 @@ def test_map_templates_name_what_tma_cannot_describe(shape, strides, box, match)
     assert str(err.value).startswith("kk:")
 
 
-@pytest.mark.cupy
-def test_fp8_plans_are_each_devices_own(monkeypatch):
-    """An fp8 plan holds its device's kernels, launchers and persistent grid: the same call on another
-    device gets a plan of its own, and the same call on the same device reuses one."""
-    import types
+def _fp8_problem(device=0, p_scale=256.0, persistent_schedule=None, kscale="tile"):
+    from flashcupy._checks import Problem
+    from flashcupy._variant import Variant
 
+    kw = {} if persistent_schedule is None else {"schedule": persistent_schedule}
+    var = Variant("fwd_wgmma", "bf16", "fp32", 192, 128, 128, True, None, fp8="single", fp8_kscale=kscale,
+                  **kw)
+    return Problem("cuda", 2, 8, 2, 300, 1000, 128, 0.125, var, device, p_scale=p_scale)
+
+
+def test_fp8_plans_are_each_devices_and_p_scales_own(monkeypatch):
+    """An fp8 forward's plan is the 16-bit forward's (``forward_plan``), remembered per Problem: the same
+    call on another device, or with another p_scale (a fixed argument of its launch), gets a plan of its
+    own; the same call reuses one."""
     made = []
 
     class Plan:
         def __init__(self, *args):
             made.append(args)
 
-    device = [0]
-    monkeypatch.setattr(_launch, "_Fp8Plan", Plan)
-    monkeypatch.setattr(_launch, "_FP8_PLANS", {})
-    monkeypatch.setattr("cupy.cuda.runtime.getDevice", lambda: device[0])
-    x = types.SimpleNamespace(shape=(1, 2, 64, 128), strides=(16384, 8192, 128, 1))
-    first = _launch.fp8_plan("variant", x, x, x, 0.125, 256.0)
-    assert _launch.fp8_plan("variant", x, x, x, 0.125, 256.0) is first
-    device[0] = 1
-    assert _launch.fp8_plan("variant", x, x, x, 0.125, 256.0) is not first
-    assert len(made) == 2
+    monkeypatch.setattr(_launch, "_ForwardPlan", Plan)
+    monkeypatch.setattr(_launch, "_FORWARD_PLANS", {})
+    st = ((1, 2, 3, 4),) * 3
+    first = _launch.forward_plan(_fp8_problem(), *st, 1)
+    assert _launch.forward_plan(_fp8_problem(), *st, 1) is first
+    assert _launch.forward_plan(_fp8_problem(device=1), *st, 1) is not first
+    assert _launch.forward_plan(_fp8_problem(p_scale=448.0), *st, 1) is not first
+    assert len(made) == 3
+
+
+class _LayoutRecorder:
+    """``_Launcher`` recording the kernel, grid and layout a plan builds, and each launch."""
+
+    def __init__(self, kern, grid, layout):
+        self.kern, self.grid, self.layout, self.calls = kern, grid, tuple(layout), []
+
+    def __call__(self, stream, ptrs, maps=()):
+        self.calls.append((tuple(ptrs), tuple(maps)))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["one-tile-per-cta", "dynamic"])
+def test_an_fp8_forward_plan_builds_the_fp8_kernels_layout(monkeypatch, dynamic):
+    """``_ForwardPlan`` of an fp8 variant: the V^T launch (grid over padded key groups, V's element
+    strides), the attention's argument layout in fwd_wgmma.cu's FC_FP8 order (the 16-bit forward's, then
+    the three descales, p_scale and log2 p_scale), e4m3 maps with 128-byte rows and V's map over V^T; a
+    run launches V^T into the scratch buffer that V's map and pointer then name, and hands the descales
+    last, after the dynamic scheduler's counter."""
+    import types
+
+    from flashcupy._checks import numpy_dtype
+
+    monkeypatch.setattr(_launch, "get_kernel", lambda var, role: role)
+    monkeypatch.setattr(_launch, "_Launcher", _LayoutRecorder)
+    monkeypatch.setattr(_launch, "_wgmma_ctas", lambda tiles: 132)
+    monkeypatch.setattr(_launch, "_tile_counter", lambda stream, scratch: 0xC0)
+    monkeypatch.setattr(_launch, "_MapSlot", lambda *args: types.SimpleNamespace(args=args))
+    p = _fp8_problem(persistent_schedule="dynamic" if dynamic else None)
+    assert p.variant.persistent == (2 if dynamic else 0)
+    q_st, kv_st = (300 * 128 * 8, 300 * 128, 128, 1), (1000 * 128 * 2, 1000 * 128, 128, 1)
+    v_st = (1000 * 2 * 128, 128, 2 * 128, 1)  # (V, (B, Hkv, Nk, D), a view of a (B, Nk, Hkv, D) buffer)
+    plan = _launch._ForwardPlan(p, q_st, kv_st, v_st, 1)
+    assert plan.readable and plan.tma
+    assert plan.o_shape == (2, 8, 300, 128) and plan.lse_shape == (2, 8, 300)
+    t = plan.transpose
+    assert t.kern == "v_transpose" and t.grid == (1024 // 64, 2, 2) and plan.vt_size == 2 * 2 * 128 * 1024
+    assert t.layout[:2] == ("ptr", "ptr") and [int(x) for x in t.layout[2:]] == [1000, 1024, 256000, 128, 256]
+    lay = plan.launcher.layout
+    assert plan.launcher.kern == "fwd"
+    assert plan.launcher.grid == ((132, 1, 1) if dynamic else (2, 8, 2))
+    assert lay[:9] == ("map",) * 4 + ("ptr",) * 5
+    fixed = [x.item() for x in lay[9:21]]
+    assert fixed == [300, 1000, 4, 300 * 128 * 8, 300 * 128, 128, 1000 * 128 * 2, 1000 * 128, 128,
+                     256000, 128, 256]
+    assert lay[21] == np.float32(0.125 * np.log2(np.e))
+    assert [x.item() for x in lay[22:24]] == [8, 2]
+    assert lay[24] == ("ptr" if dynamic else np.uint64(0))
+    assert lay[25:28] == ("ptr",) * 3 and lay[28] == np.float32(256.0) and lay[29] == np.float32(8.0)
+    assert len(lay) == 30
+    u8, bf16 = np.dtype(np.uint8), numpy_dtype("bf16")
+    vt_shape = (2, 2, 128, 1024)
+    assert [m.args for m in plan.map_slots] == [
+        ((2, 8, 300, 128), q_st, u8, (192, 128), "q"), ((2, 2, 1000, 128), kv_st, u8, (128, 128), "k"),
+        (vt_shape, (2 * 128 * 1024, 128 * 1024, 1024, 1), u8, (128, 128), "v"),
+        ((2, 8, 300, 128), (8 * 300 * 256, 300 * 256, 256, 2), bf16, 64, "o")]
+
+    class Scratch:
+        def buffer(self, shape, dtype, zero=False):
+            assert shape == (plan.vt_size,) and np.dtype(dtype) == u8
+            return 0x7000
+
+    plan.map_slots = tuple((lambda name: (lambda ptr: (name, ptr)))(n) for n in "qkvo")
+    plan.run(0, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, Scratch(), descales=(0xA, 0xB, 0xC))
+    assert t.calls == [((0x3000, 0x7000), ())]
+    (ptrs, maps), = plan.launcher.calls
+    assert ptrs == (0x1000, 0x2000, 0x7000, 0x4000, 0x5000) + ((0xC0,) if dynamic else ()) + (0xA, 0xB, 0xC)
+    assert maps == (("q", 0x1000), ("k", 0x2000), ("v", 0x7000), ("o", 0x4000))
 
 
 # ---- the plans' programs for the compiled torch node: the wiring of their ``run`` ----------------------
@@ -190,6 +264,7 @@ def test_a_backward_program_wires_what_run_wires(tma, atomic, sem, tiled, dlse):
 def test_a_forward_program_wires_what_run_wires(dynamic, tma):
     plan = object.__new__(_launch._ForwardPlan)
     plan.dynamic, plan.launcher, plan.alibi, plan.varlen = dynamic, _Recorder(), False, False
+    plan.transpose = None
     plan.map_slots = tuple(_Map() for _ in range(4)) if tma else ()
     scratch = _Scratch()
     plan.run(0, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, scratch)
