@@ -138,10 +138,10 @@ def _tile_counter(stream: int, scratch: "_Scratch") -> int:
     dropped one returns to the pool in its stream's order). While the stream is captured into a CUDA
     graph the launch takes one from ``scratch`` (memory the graph keeps) and a memset to zero is
     captured before it, so that each replay starts from zero whatever ran before."""
+    if scratch.is_capturing():
+        return scratch.buffer((2,), np.int32, zero=True)
     import cupy
 
-    if scratch.is_capturing():
-        return scratch.buffer((2,), cupy.int32, zero=True)
     counters = getattr(_THREAD, "tile_counters", None)
     if counters is None:
         counters = _THREAD.tile_counters = {}
