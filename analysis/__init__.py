@@ -5,9 +5,9 @@ experiment (``all`` runs every one and writes ``index.md``). Each writes ``<name
 ``<name>.md`` (the table a person reads, with a one-line finding) and ``<name>.png``.
 
 Experiments use only the public API of ``flashcupy`` (``attention``, ``attention_backward``,
-``reference``, ``naive``, ``fp8``, ``transforms``), ``flashcupy.inspect`` (variants, family table,
-compile reports, builds) and, for the tensor-core experiment, the accumulation model the NumPy twin uses
-(``flashcupy._tensorcore``, one place for it).
+``reference``, ``naive``, ``fp8``, ``transforms``) and ``flashcupy.inspect`` (variants, family table,
+compile reports, builds, and the tensor cores' accumulation model the NumPy twin uses,
+``inspect.tensorcore``).
 """
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ Q and K per token for S, dO and V per token for dP; for dV, P with FlashAttentio
 per key (a column of dS) and Q per head dimension; for dQ, dS per query (a row) and K per head dimension.
 Q, dO and dS are thus quantized twice. dO and dS carry gradient ranges: each arm takes them in e4m3 or
 e5m2. An fp8 product runs with the accumulation the probe measured for e4m3 wgmma
-(``flashcupy._tensorcore``: k32 steps, 14-bit truncated sums; applied to e5m2 too, not measured) or exactly
-(float64), to separate the 14-bit accumulator's loss from the quantization's; the other products take
-bf16 operands (rounded), summed exactly (float64: float32 accumulation would add far less than the bf16
-rounding of the operands).
+(``flashcupy.inspect.tensorcore``: k32 steps, 14-bit truncated sums; applied to e5m2 too, not measured) or
+exactly (float64), to separate the 14-bit accumulator's loss from the quantization's; the other products
+take bf16 operands (rounded), summed exactly (float64: float32 accumulation would add far less than the
+bf16 rounding of the operands).
 
 Every gradient's error is the RMS of its difference to the float64 reference over the RMS of the
 reference, beside the package's bf16 backward (the NumPy twin's) on the same inputs.
@@ -38,8 +38,7 @@ import numpy as np
 
 import flashcupy
 from flashcupy import reference
-from flashcupy._tensorcore import matmul as tc_matmul
-from flashcupy.inspect import numpy_dtype
+from flashcupy.inspect import numpy_dtype, tensorcore
 
 from .common import Context, Report, Table, log, new_figure
 
@@ -101,7 +100,7 @@ def _bf16(x):
 
 def _mm(a, b, accumulation: str):
     """a @ b of fp8 values: the tensor core's e4m3 accumulation, or exact."""
-    return tc_matmul(a, b, None, "e4m3", "fp32") if accumulation == "tc" else np.matmul(a, b)
+    return tensorcore.matmul(a, b, None, "e4m3", "fp32") if accumulation == "tc" else np.matmul(a, b)
 
 
 def _product(a, b, fmt_a: str, fmt_b: str, accumulation: str, granularity: str = "slice", rng=None):

@@ -34,15 +34,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcupy._tensorcore import (  # the model, in one place
-    K_STEP,
-    MEASURED,
-    PRECISION,
-    accumulate,
-)
-from flashcupy.inspect import numpy_dtype
+from flashcupy.inspect import numpy_dtype, tensorcore
 
 from .common import Context, Report, Table, log, new_figure
+
+K_STEP, MEASURED, PRECISION, accumulate = (  # the model, in one place
+    tensorcore.K_STEP, tensorcore.MEASURED, tensorcore.PRECISION, tensorcore.accumulate)
 
 CONFIGS = [("f16", "fp32"), ("bf16", "fp32"), ("f16", "fp16"),  # (inputs, accumulator)
            ("e4m3", "fp32"), ("e4m3", "fp16")]

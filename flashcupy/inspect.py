@@ -3,7 +3,9 @@
 The public window on the build layer: which kernel variant a call runs, its source (``variant_source``;
 ``source_text`` reads a file of ``kernels_cu/``), NVRTC options, PTX and ptxas report (none of these need
 a GPU; compiling needs CuPy's NVRTC), the family table, the covering sets of variants the compile
-tests check, and builds with changed ``-D`` values or a changed copy of ``kernels_cu/``. ``analysis``
+tests check, builds with changed ``-D`` values or a changed copy of ``kernels_cu/``, and ``tensorcore``:
+the tensor cores' accumulation as measured on Hopper, which the NumPy twin applies (its ``matmul``,
+``accumulate``, ``MEASURED`` alignment widths and roundings, ``K_STEP``). ``analysis``
 and the tests use this module; the private modules behind it (``_families``: what each family can
 run; ``_policy``: the measured choices; ``_variant``; ``_compile``; ``_checks``; ``_launch``) may change
 shape without notice.
@@ -22,6 +24,7 @@ values it compiles with.
 """
 from __future__ import annotations
 
+from . import _tensorcore as tensorcore  # the tensor cores' accumulation, as measured (the twin's model)
 from ._checks import backward_problem, forward_problem, numpy_dtype
 from ._compile import (
     CompileError,
@@ -41,7 +44,7 @@ __all__ = [
     "DTYPES", "FAMILIES", "WGMMA_BWD_HEAD_DIMS", "WGMMA_HEAD_DIMS", "Build", "CompileError", "Variant",
     "backward_variant", "compile_report", "covering_variants", "current_build", "default_blocks",
     "forward_variant", "kernel_build", "kernels_dir", "launch_roles", "numpy_dtype", "nvrtc_options", "ptx",
-    "sink_first_forward", "sink_first_forward_fp8", "source_text", "variant_source",
+    "sink_first_forward", "sink_first_forward_fp8", "source_text", "tensorcore", "variant_source",
 ]
 
 

@@ -13,7 +13,7 @@ import pytest
 from analysis import EXPERIMENTS
 from analysis import tensorcore as tc
 from analysis.__main__ import main
-from flashcupy import _tensorcore as tcm
+from flashcupy.inspect import tensorcore as tcm
 
 # the H200 measurement the model was fitted to, frozen here (reports/tensorcore.json is rewritten by each
 # run of the experiment)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import flashcupy
-from flashcupy import _tensorcore, _twin, fp8, reference
+from flashcupy import _twin, fp8, reference
+from flashcupy.inspect import tensorcore as _tensorcore
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 EXACT = (None, "rn", None)  # exact sums, rounded to fp32 each k step

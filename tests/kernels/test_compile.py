@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flashcupy._compile import compile_report, covering_variants, ptx, source_text, toolkit_ptxas
-from flashcupy._families import FAMILIES
+from flashcupy._compile import toolkit_ptxas  # (private: the toolkit's ptxas, for the cross-checks)
+from flashcupy.inspect import FAMILIES, compile_report, covering_variants, ptx, source_text
 
 pytestmark = pytest.mark.cupy  # NVRTC comes with CuPy
 
