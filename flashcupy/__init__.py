@@ -25,12 +25,9 @@ __version__ = "0.1.0"
 del annotations  # the __future__ import's name: not part of the package's namespace
 
 if _typing.TYPE_CHECKING:  # the annotations' names (not evaluated at run time)
-    from typing import Literal, Union
+    from typing import Literal
 
-    import cupy
-    import numpy
-
-    Array = Union[numpy.ndarray, cupy.ndarray]
+    from ._types import Array
 
 
 _NO_WINDOW, _NO_CAP = (-1, -1), 0.0  # the score variants' defaults

@@ -35,12 +35,17 @@ runs each layer. Next: a run that costs its kernels (``docs/design/varlen.md``),
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from . import _sinks
 from ._checks import _GRID_YZ_MAX
 from ._policy import kvcache_splits
 from .transforms import _xp
+
+if TYPE_CHECKING:
+    from ._types import Array
 
 # ``attention``'s knobs that a call here passes on; of them, those whose positions a key split would move
 KNOBS = ("scale", "block_m", "block_n", "accum", "kernel", "ablate", "window_size", "softcap", "sinks",
@@ -201,8 +206,10 @@ def _entry_problem(q, k_cache, **knobs):
     return check_forward(qv, kv, kv, **knobs)
 
 
-def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None, v=None,
-                           causal: bool = True, num_splits: int = 1, return_lse: bool = False, **knobs):
+def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: Array,
+                           block_table: Array | None = None, k: Array | None = None, v: Array | None = None,
+                           causal: bool = True, num_splits: int = 1, return_lse: bool = False,
+                           **knobs) -> Array | tuple[Array, Array]:
     """Attention of new queries against a KV cache, flash_attn_with_kvcache's call (decoding, chunked
     prefill).
 
@@ -254,7 +261,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         q, k_cache, v_cache, k=k, v=v)
 
 
-def plan_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None, v=None,
+def plan_kvcache(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: Array,
+                 block_table: Array | None = None, k: Array | None = None, v: Array | None = None,
                  causal: bool = True, num_splits: int = 1, return_lse: bool = False,
                  **knobs) -> KVCachePlan:
     """The part of an ``attention_with_kvcache`` call that its lengths, page table, shapes and knobs
@@ -351,7 +359,8 @@ class KVCachePlan:
         else:
             self._per_entry = (used, table, page, causal, splits, knobs, sinks)
 
-    def run(self, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None):
+    def run(self, q: Array, k_cache: Array, v_cache: Array, k: Array | None = None, v: Array | None = None, *,
+            cache_seqlens: Array | None = None) -> Array | tuple[Array, Array]:
         """The planned call on these arrays (``plan_kvcache``): k and v appended into the caches in place,
         then the attention. Returns o, and the LSE with the plan's ``return_lse``. The arrays must be laid
         out as the plan's (a ValueError names the first that is not); k and v are given if and only if

@@ -25,17 +25,22 @@ right while every later part is dropped and a backward that recomputes P from th
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .transforms import _xp
+
+if TYPE_CHECKING:
+    from ._types import Array
 
 FORMS = ("exp", "logsigmoid")
 _OUT_DTYPES = ("float16", "bfloat16", "float32")
 
 
 
-def merge_states(o_parts, lse_parts, *, out_dtype=None, form: str = "exp", state_dtype: str = "float32",
-                 ablate: str | None = None):
+def merge_states(o_parts: Array, lse_parts: Array, *, out_dtype: str | None = None, form: str = "exp",
+                 state_dtype: str = "float32", ablate: str | None = None) -> tuple[Array, Array]:
     """Merge S partial attention states over disjoint key sets into the state over their union.
 
     Parameters

@@ -25,12 +25,16 @@ its uploads and temporaries come from CuPy's pool per call, and a replay would f
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._checks import _GRID_YZ_MAX
 from ._families import VARLEN_FAMILIES
 from .transforms import _xp
+
+if TYPE_CHECKING:
+    from ._types import Array
 
 
 def _lengths(name: str, cu, total: int, max_seqlen, max_name: str) -> np.ndarray:
@@ -151,8 +155,9 @@ def _check_knobs_once(q, k, v, b: int, causal, knobs: dict, backward: bool) -> N
 
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
-                     causal: bool = False, return_lse: bool = False, **knobs):
+def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, *,
+                     causal: bool = False, return_lse: bool = False, **knobs) -> Array | tuple[Array, Array]:
     """Attention over a batch of packed sequences of different lengths (flash_attn_varlen_func's layout).
 
     q (total_q, Hq, D), k and v (total_k, Hkv, D), NumPy or CuPy, as ``flashcupy.attention`` takes them
@@ -379,8 +384,10 @@ def _backward_packed(do, q, k, v, o, lse, cq, ck, *, causal, dlse=None, scale=No
                                 None if dlse is None else dlse[None]))
 
 
-def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
-                              max_seqlen_k=None, *, causal: bool = False, **knobs):
+def attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: Array,
+                              cu_seqlens_q: Array, cu_seqlens_k: Array, max_seqlen_q: int | None = None,
+                              max_seqlen_k: int | None = None, *, causal: bool = False,
+                              **knobs) -> tuple[Array, Array, Array]:
     """The gradients (dq, dk, dv) of ``sum(do * attention_varlen(q, k, v, ...))``, in the packed layouts
     of q, k, v; ``o`` and ``lse`` ((Hq, total_q)) as ``attention_varlen(..., return_lse=True)`` returned
     them; ``knobs`` are ``attention_backward``'s (``dlse`` packed as lse, (Hq, total_q)). On CuPy arrays

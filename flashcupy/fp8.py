@@ -25,10 +25,14 @@ fmax * 2^-126 (which CuPy's flush-to-zero arithmetic would zero), through NumPy 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .transforms import _xp
+
+if TYPE_CHECKING:
+    from ._types import Array
 
 __all__ = ["ACCUMULATIONS", "FORMATS", "GRANULARITIES", "Quantized", "attention_fp8", "dequantize",
            "expand_scale", "quantize"]
@@ -190,7 +194,7 @@ def expand_scale(q: Quantized) -> object:
     return xp.repeat(q.scale, q.block, axis=2)[:, :, :q.shape[2]]
 
 
-def quantize(x, fmt: str = "e4m3", granularity: str = "tensor", block: int | None = None) -> Quantized:
+def quantize(x: Array, fmt: str = "e4m3", granularity: str = "tensor", block: int | None = None) -> Quantized:
     """Quantize a (B, H, N, D) array to fp8 with one float32 scale per group (see the module docstring
     for the math, the groups and the rounding). Raises ValueError/TypeError for an unknown format or
     granularity, a missing or stray ``block``, a non-4-D, empty or non-float array, and ValueError when x
@@ -256,7 +260,7 @@ def _quantize_on_gpu(x, fmt, granularity, block) -> Quantized | None:
     return Quantized(data, scale, fmt, granularity, block)
 
 
-def dequantize(q: Quantized):
+def dequantize(q: Quantized) -> Array:
     """float32 data * scale, on the data's side (NumPy or CuPy)."""
     xp = _xp(q.data)
     if xp is np:
@@ -302,9 +306,12 @@ def _check_magnitudes(q: Quantized, k: Quantized, v: Quantized, scale: float, d:
                          f"({out_max:.4g}): the output would overflow; use out_dtype='bfloat16'")
 
 
-def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal=False, scale=None, block_n=128,
-                  p_scale=256.0, accumulation="single", out_dtype="float16", return_lse=False, block_m=None,
-                  ablate=None, window_size=(-1, -1), sinks=None, softcap=0.0):
+def attention_fp8(q: Quantized, k: Quantized, v: Quantized, *, causal: bool = False,
+                  scale: float | None = None, block_n: int = 128, p_scale: float = 256.0,
+                  accumulation: str = "single", out_dtype: str = "float16", return_lse: bool = False,
+                  block_m: int | None = None, ablate: str | None = None,
+                  window_size: tuple[int, int] = (-1, -1), sinks: Array | None = None,
+                  softcap: float = 0.0) -> Array | tuple[Array, Array]:
     """Attention on e4m3 inputs, FlashAttention-3's fp8 forward: ``o = softmax(scale * q k^T) v`` with
     q = q.data * q.scale and so on (the outputs of ``quantize``), o in ``out_dtype``.
 

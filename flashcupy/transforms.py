@@ -17,7 +17,14 @@ computed in float32, or float64 for float64 inputs, and rounded once).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from ._types import Array
+
+__all__ = ["hadamard", "incoherent", "rotation", "smooth_keys"]
 
 
 def _xp(x):
@@ -51,7 +58,7 @@ def rotation(d: int, seed: int = 0) -> np.ndarray:
     return signs[:, None] * hadamard(d) / np.sqrt(d)
 
 
-def incoherent(q, k, seed: int = 0):
+def incoherent(q: Array, k: Array, seed: int = 0) -> tuple[Array, Array]:
     """(q M, k M) with M = ``rotation(D, seed)``: the same scores q k^T, outlier channels spread out.
     q (B, Hq, Nq, D) and k (B, Hkv, Nk, D) of one array module and dtype; D a power of two."""
     xp = _xp(q)
@@ -64,7 +71,7 @@ def incoherent(q, k, seed: int = 0):
     return ((q.astype(wide) @ m).astype(q.dtype), (k.astype(wide) @ m).astype(k.dtype))
 
 
-def smooth_keys(k):
+def smooth_keys(k: Array) -> tuple[Array, Array]:
     """(k - mean_tokens(k), mean_tokens(k)): k (B, Hkv, Nk, D) smoothed per kv head, and the mean
     (B, Hkv, 1, D) in float32 (float64 for float64 k). The output of attention is unchanged; its LSE shifts by
     scale * q . mean (the row-wise shift softmax ignores)."""

@@ -42,3 +42,23 @@ def test_the_package_namespace_shows_the_public_api_only():
                                 "dequantize", "merge_states", "plan_kvcache", "quantize"}
     assert modules <= {"fp8", "reference", "transforms", "naive", "accuracy", "torch", "inspect", "parallel"}
     assert set(flashcupy.__all__) <= public
+
+
+def test_the_public_entry_points_are_annotated():
+    """Every parameter (but ``**knobs``) and the return of each public function of ``flashcupy``,
+    ``flashcupy.fp8`` and ``flashcupy.transforms``, and of ``KVCachePlan.run``, carries a type hint."""
+    import inspect
+
+    import flashcupy
+    from flashcupy import fp8, transforms
+
+    funcs = [getattr(m, n) for m in (flashcupy, fp8, transforms) for n in m.__all__]
+    funcs = [f for f in funcs if inspect.isfunction(f)] + [flashcupy.KVCachePlan.run]
+    assert len(funcs) >= 14
+    bare = []
+    for f in funcs:
+        sig = inspect.signature(f)
+        bare += [f"{f.__qualname__}({p.name})" for p in sig.parameters.values()
+                 if p.annotation is p.empty and p.name != "self" and p.kind is not p.VAR_KEYWORD]
+        bare += [f"{f.__qualname__} -> ?"] if sig.return_annotation is sig.empty else []
+    assert not bare, bare
