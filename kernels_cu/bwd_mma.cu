@@ -310,21 +310,18 @@ __device__ __forceinline__ void dkdv_body(FC_BWD_PARAMS, float *__restrict__ dq_
                 const float dq2[2] = {d2.x, d2.y};
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
+                    // (S^T's elements: key n0 + kg 16 + g + 8 hf, queries m0 + qcol + e; the score hook
+                    // first, flash_common.cuh, and its derivative in dS)
                     float p[2], ds[2];
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        // (S^T's element: key n0 + kg 16 + g + 8 hf, query m0 + qcol + e; the score hook
-                        // first, flash_common.cuh, and its derivative in dS)
-                        float gs;  // hook'(t)
-                        p[e] = fc_hook_p(hook, acc_get(acc_s[0][n], 2 * hf + e), m0 + qcol + e,
-                                         n0 + kg * 16 + g + 8 * hf, scale_log2, lq[e], gs);
-                        if (need_mask) {
-                            const int key = n0 + kg * 16 + g + 8 * hf, query = m0 + qcol + e;
-                            const bool vis = query < seq.nq && fc_visible(query, key, seq.nq, seq.nk);
-                            p[e] = vis ? p[e] : 0.f;
-                        }
-                        ds[e] = fc_hook_ds(p[e] * (acc_get(acc_p[0][n], 2 * hf + e) - dq2[e]), gs);
-                    }
+                    fc_keyrow_p(hook, acc_s[0][n], hf, m0 + qcol, n0 + kg * 16 + g + 8 * hf, scale_log2, lq, p,
+                                [&](int e, float &pe, float gs) {
+                                    if (need_mask) {
+                                        const int key = n0 + kg * 16 + g + 8 * hf, query = m0 + qcol + e;
+                                        const bool vis = query < seq.nq && fc_visible(query, key, seq.nq, seq.nk);
+                                        pe = vis ? pe : 0.f;
+                                    }
+                                    ds[e] = fc_hook_ds(pe * (acc_get(acc_p[0][n], 2 * hf + e) - dq2[e]), gs);
+                                });
                     p_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(p[0], p[1]);
                     ds_frag[0][n >> 1][hf + 2 * (n & 1)] = pack_elem2(ds[0], ds[1]);
                     if (DQ_ATOMIC && dh == 0) {

@@ -573,20 +573,18 @@ __device__ __forceinline__ void dkdvdq_body(const FcTensorMap &tm_q, const FcTen
                                          fc_hook_lq(hook, l2.y, m0 + qc + 1, scale_log2)};
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
+                        // (the score hook first, flash_common.cuh: key key_g + 8 hf, queries m0 + qc + e; a
+                        // query sees the key between the key's first and last visible query)
                         float p[2], pg[2];
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            // (the score hook first, flash_common.cuh: key key_g + 8 hf, query m0 + qc + e)
-                            float gs;  // hook'(t)
-                            p[e] = fc_hook_p(hook, acc_get(wg_tile(s_acc, i), 2 * hf + e), m0 + qc + e, key_g + 8 * hf,
-                                             scale_log2, lq[e], gs);
-                            if constexpr (decltype(masked)::value) {  // query qc + e sees key key_g + 8 hf
-                                const int query = m0 + qc + e;
-                                p[e] = (query < seq.nq && query >= q_first_vis[hf] &&
-                                        (!FC_BOUND_LEFT || query <= q_last_vis[hf])) ? p[e] : 0.f;
-                            }
-                            pg[e] = fc_hook_ds(p[e], gs);  // P hook'(t)
-                        }
+                        fc_keyrow_p(hook, wg_tile(s_acc, i), hf, m0 + qc, key_g + 8 * hf, scale_log2, lq, p,
+                                    [&](int e, float &pe, float gs) {
+                                        if constexpr (decltype(masked)::value) {
+                                            const int query = m0 + qc + e;
+                                            pe = (query < seq.nq && query >= q_first_vis[hf] &&
+                                                  (!FC_BOUND_LEFT || query <= q_last_vis[hf])) ? pe : 0.f;
+                                        }
+                                        pg[e] = fc_hook_ds(pe, gs);  // P hook'(t)
+                                    });
                         acc_set_pair(wg_tile(s_acc, i), hf, pg[0], pg[1]);
                         if constexpr (P_FRAG_EARLY) p_frag[i >> 1][hf + 2 * (i & 1)] = pack_elem2(p[0], p[1]);
                     }

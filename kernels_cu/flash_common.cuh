@@ -648,6 +648,21 @@ __device__ __forceinline__ float fc_hook_p(const FcScoreHook &hook, float s, int
     return fc_softmax_p(hook.apply(s, row, key, g), c, lq);
 }
 
+// The backwards' P^T of one row pair of an S^T accumulator tile (elements 2 hf and 2 hf + 1: key `key`,
+// queries q0 and q0 + 1, lq[e] theirs), element by element: fc_hook_p, then `each(e, p, g)`, which
+// masks p in place (the family's own test: the mma backward tests each element, the wgmma one each
+// key's first and last visible query) and uses it.
+template <typename Acc, typename Each>
+__device__ __forceinline__ void fc_keyrow_p(const FcScoreHook &hook, const Acc &acc, int hf, int q0, int key, float c,
+                                            const float (&lq)[2], float (&p)[2], const Each &each) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        float g;  // hook'(t)
+        p[e] = fc_hook_p(hook, acc_get(acc, 2 * hf + e), q0 + e, key, c, lq[e], g);
+        each(e, p[e], g);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Batch entries (the forwards and the backwards). Entry b of a call is, by default, slice b of
 // (B, H, N, D) arrays: nq queries and nk keys. With FC_VARLEN 1 (packed sequences,
