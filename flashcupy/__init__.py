@@ -12,7 +12,9 @@ from . import _launch, _sinks, _twin, inspect, reference
 from ._checks import _check_bool
 from ._checks import backward_problem as _backward_problem
 from ._checks import check_alibi_slopes as _check_alibi_slopes
+from ._checks import check_lse_origin as _check_lse_origin
 from ._checks import forward_problem as _forward_problem
+from ._checks import remember_lse_origin as _remember_lse_origin
 from ._kvcache import KVCachePlan, attention_with_kvcache, plan_kvcache
 from ._merge import merge_states
 from ._varlen import attention_varlen, attention_varlen_backward
@@ -127,7 +129,10 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
         o, lse = _launch.forward(q, k, v, problem, alibi=variants.get("alibi_slopes"))
         if "sinks" in variants:
             _sinks.apply(o, lse, variants["sinks"])
-    return (o, lse) if return_lse else o
+    if return_lse:
+        _remember_lse_origin(lse, problem)  # (for the backward's check of its contract)
+        return o, lse
+    return o
 
 
 def _score_variants(problem, sinks, alibi_slopes, q) -> dict:
@@ -154,14 +159,18 @@ def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: A
     """FlashAttention backward: the gradients (dq, dk, dv) of ``sum(do * attention(q, k, v))``
     (plus ``sum(dlse * lse)`` when ``dlse`` is given).
 
-    ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same q, k,
-    v, causal and scale: the backward recomputes P from them and cannot tell another forward's (the
-    gradients are then silently wrong). Shapes, dtypes, strides (do and o too: any strides, copied where
-    a family cannot read them, as in ``attention``), GQA and causal as in ``attention``; dk and dv have
-    k's shape and are summed over the query heads that share a key/value head. CuPy arrays run the
-    backward kernels, NumPy arrays the NumPy twin, with the same knobs. A call can be captured into a
-    CUDA graph and replayed, as ``attention``'s: its temporaries (the fp32 dQ buffer, delta, counters,
-    copies) live as long as the process, shared by the graphs captured on one stream.
+    ``o`` and ``lse`` must be what ``attention(q, k, v, ..., return_lse=True)`` returned for the same q,
+    k, v, scale, causal, window_size, softcap and ALiBi slopes: the backward recomputes P from them. An
+    lse that ``attention`` returned (that very array) is checked: another scale, mask, window, softcap
+    or ALiBi is a ValueError naming it. A copy or view of it, or an lse from elsewhere, cannot be
+    checked (nor can o, q, k, v or the slopes' values): the gradients are then silently wrong.
+
+    Shapes, dtypes, strides (do and o too: any strides, copied where a family cannot read them, as in
+    ``attention``), GQA and causal as in ``attention``; dk and dv have k's shape and are summed over the
+    query heads that share a key/value head. CuPy arrays run the backward kernels, NumPy arrays the
+    NumPy twin, with the same knobs. A call can be captured into a CUDA graph and replayed, as
+    ``attention``'s: its temporaries (the fp32 dQ buffer, delta, counters, copies) live as long as the
+    process, shared by the graphs captured on one stream.
 
     The algorithm (FlashAttention-2's): delta_i = rowsum(dO_i * O_i) in fp32, then, recomputing
     P = exp(scale * q k^T - lse) tile by tile from the saved LSE (P, dP and dS never reach device memory):
@@ -204,6 +213,7 @@ def attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: A
                                block_n=block_n, accum=accum, kernel=kernel, deterministic=deterministic,
                                dlse=dlse, window_size=window_size, softcap=softcap,
                                alibi=alibi_slopes is not None)
+    _check_lse_origin(lse, problem)
     variants = _score_variants(problem, sinks, alibi_slopes, q)
     if problem.backend == "numpy":  # one fixed order: deterministic either way
         return _twin.backward(do, q, k, v, o, lse, problem, dlse=dlse, **variants)

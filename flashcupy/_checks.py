@@ -469,3 +469,44 @@ def backward_problem(do, q, k, v, o, lse, *, causal, scale, block_m, block_n, ac
     if dlse is not None:  # rare: checked every time
         return check_backward(do, q, k, v, o, lse, dlse=dlse, **kwargs)
     return _memoized(check_backward, (do, q, k, v, o, lse), _knobs(kwargs), kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# the backward's contract: o and lse from a forward with the same score function
+
+_LSE_ORIGINS: dict = {}  # id(lse) -> (a weak reference to it, the forward's score function)
+
+
+def _score_function(p: Problem) -> dict:
+    """What P = exp(t(scale q k^T) - lse) depends on besides q and k: the knobs a backward must share with
+    the forward that made its lse."""
+    v = p.variant
+    mask = f"window {v.window}" if v.window else ("causal" if v.causal else "none")  # (as resolved)
+    return {"scale": p.scale, "mask": mask, "softcap": v.softcap,
+            "alibi_slopes": "given" if v.alibi else None}
+
+
+def remember_lse_origin(lse, p: Problem) -> None:
+    """Note that ``lse`` was returned by a forward of problem ``p`` (for ``check_lse_origin``): a weak
+    reference, dropped with the array, and its score function."""
+    import weakref
+
+    key = id(lse)
+    _LSE_ORIGINS[key] = (weakref.ref(lse, lambda _, key=key: _LSE_ORIGINS.pop(key, None)), _score_function(p))
+
+
+def check_lse_origin(lse, p: Problem) -> None:
+    """ValueError when ``lse`` is an array a forward returned (this very object, not a copy) with another
+    scale, mask, window, softcap or ALiBi than the backward problem ``p``: the backward recomputes P from
+    it, and the gradients would be silently wrong. An lse of unknown origin (a copy, a view, another
+    library's) is not checked."""
+    seen = _LSE_ORIGINS.get(id(lse))
+    if seen is None or seen[0]() is not lse:
+        return
+    want = _score_function(p)
+    differ = [f"{name}={seen[1][name]!r} there, {want[name]!r} here" for name in want
+              if seen[1][name] != want[name]]
+    if differ:
+        raise ValueError("lse comes from a forward with another score function than this backward's ("
+                         + "; ".join(differ) + "): the backward recomputes P from it, so the gradients "
+                         "would be wrong; pass the forward's arguments")

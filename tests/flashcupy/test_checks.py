@@ -461,3 +461,40 @@ def test_softcap_reaches_the_variant_as_float32_bits():
 
     v = inspect.forward_variant(q, k, v, causal=True, window_size=(9, 0), softcap=30.0)
     assert v.softcap == 30.0 and v.window == (9, 0) and v.key.endswith(".win9_0.cap30")
+
+
+@pytest.mark.parametrize("forward,backward,words", [
+    ({"causal": True}, {}, "mask='causal' there, 'none' here"),
+    ({}, {"scale": 0.5}, "scale="),
+    ({"causal": True}, {"causal": True, "window_size": (4, 0)}, "window (4, 0)"),
+    ({"softcap": 5.0}, {}, "softcap=5.0 there, 0.0 here"),
+    ({"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625])}, {}, "alibi_slopes='given' there, None here"),
+], ids=["causal", "scale", "window", "softcap", "alibi"])
+def test_a_backward_refuses_the_lse_of_another_score_function(rng, forward, backward, words):
+    """attention_backward given the lse attention returned with another scale, mask, softcap or ALiBi
+    names the difference (before it, the gradients came back silently wrong: max error ~10); the lse of
+    the same score function, and a copy of any (whose origin is unknown), run."""
+    q, k, v = _qkv("f32")
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    o, lse = flashcupy.attention(q, k, v, return_lse=True, **forward)
+    with pytest.raises(ValueError, match="lse comes from a forward with another score function") as err:
+        flashcupy.attention_backward(do, q, k, v, o, lse, **backward)
+    assert words in str(err.value)
+    flashcupy.attention_backward(do, q, k, v, o, lse, **forward)
+    flashcupy.attention_backward(do, q, k, v, o, lse.copy(), **backward)
+
+
+def test_the_lse_origins_are_dropped_with_their_arrays():
+    """The backward's check keeps a weak reference per lse a forward returned: none outlives its array."""
+    import gc
+
+    from flashcupy import _checks
+
+    q, k, v = _qkv("f32")
+    gc.collect()  # (earlier tests' arrays, held by their tracebacks until collected)
+    before = len(_checks._LSE_ORIGINS)
+    outs = [flashcupy.attention(q, k, v, return_lse=True) for _ in range(5)]
+    assert len(_checks._LSE_ORIGINS) == before + 5
+    del outs
+    gc.collect()
+    assert len(_checks._LSE_ORIGINS) == before

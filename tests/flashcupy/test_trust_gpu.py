@@ -544,3 +544,30 @@ def test_tile_counters_are_kept_for_64_streams_at_most():
             counter = _launch._THREAD.tile_counters.get((cupy.cuda.runtime.getDevice(), s.ptr))
             assert counter is not None and counter.tolist() == [0, 0]
     assert 0 < len(_launch._THREAD.tile_counters) <= _launch._COUNTERS_LIMIT
+
+
+# --------------------------------------------------------------------------------------------------
+# the backward's contract: an lse from a forward with another score function is refused
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "simt"])
+def test_a_gpu_backward_refuses_the_lse_of_another_mask(rng, kernel):
+    """On CuPy arrays (weakly referenced as NumPy's are) the backward names a forward's other mask before
+    any launch; with the forward's own mask its gradients are within the accuracy rule of the float64
+    reference."""
+    import cupy
+
+    if kernel == "wgmma" and not _hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    do, q, k, v = do_qkv(rng, (1, 4, 2, 200, 200, 64), "f16")
+    dev = to_device(do, q, k, v)
+    o, lse = flashcupy.attention(*dev[1:], causal=True, kernel=kernel, return_lse=True)
+    with pytest.raises(ValueError, match="mask='causal' there, 'none' here"):
+        flashcupy.attention_backward(*dev, o, lse, kernel=kernel)
+    grads = flashcupy.attention_backward(*dev, o, lse, causal=True, kernel=kernel)
+    refs = reference.attention_backward(do, q, k, v, causal=True)
+    naives = naive.attention_backward(do, q, k, v, causal=True)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        assert_accurate(cupy.asnumpy(g), r, n, "f16", "fp32", kind="bwd", what=f"{kernel} {name}",
+                        reduction=backward_reduction(q, k))
+    _alive()
