@@ -5,10 +5,10 @@ The public window on the build layer: which kernel variant a call runs, its sour
 a GPU; compiling needs CuPy's NVRTC), the family table, the covering sets of variants the compile
 tests check, builds with changed ``-D`` values or a changed copy of ``kernels_cu/``, and ``tensorcore``:
 the tensor cores' accumulation as measured on Hopper, which the NumPy twin applies (its ``matmul``,
-``accumulate``, ``MEASURED`` alignment widths and roundings, ``K_STEP``). ``analysis``
-and the tests use this module; the private modules behind it (``_families``: what each family can
-run; ``_policy``: the measured choices; ``_variant``; ``_compile``; ``_checks``; ``_launch``) may change
-shape without notice.
+``accumulate``, ``MEASURED`` alignment widths and roundings, ``K_STEP``). ``analysis`` uses only this
+module and the public API (the tests also test the private modules' own behaviour); the private modules
+behind it (``_families``: what each family can run; ``_policy``: the measured choices; ``_variant``;
+``_compile``; ``_checks``; ``_launch``) may change shape without notice.
 
     >>> from flashcupy import inspect
     >>> var = inspect.forward_variant(q, k, v, causal=True)   # what flashcupy.attention would run
