@@ -556,7 +556,7 @@ def forward(q, k, v, p: Problem, o=None, lse=None, scratch=None, alibi=None, cu=
 
     if p.device != cupy.cuda.runtime.getDevice():
         with cupy.cuda.Device(p.device):
-            return forward(q, k, v, p, o, lse, scratch, alibi, cu, fp8)
+            return forward(q, k, v, p, o=o, lse=lse, scratch=scratch, alibi=alibi, cu=cu, fp8=fp8)
     stream = cupy.cuda.get_current_stream()
     scratch = _Scratch(stream) if scratch is None else scratch
     if p.variant.varlen:  # (total, H, D) as the kernels' one batch (1, H, total, D)

@@ -387,7 +387,7 @@ def _backward_packed(do, q, k, v, o, lse, cq, ck, *, causal, dlse=None, scale=No
 def attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: Array, lse: Array,
                               cu_seqlens_q: Array, cu_seqlens_k: Array, max_seqlen_q: int | None = None,
                               max_seqlen_k: int | None = None, *, causal: bool = False,
-                              **knobs) -> tuple[Array, Array, Array]:
+                              **knobs) -> tuple[Array, ...]:
     """The gradients (dq, dk, dv) of ``sum(do * attention_varlen(q, k, v, ...))``, in the packed layouts
     of q, k, v; ``o`` and ``lse`` ((Hq, total_q)) as ``attention_varlen(..., return_lse=True)`` returned
     them; ``knobs`` are ``attention_backward``'s (``dlse`` packed as lse, (Hq, total_q)). On CuPy arrays

@@ -498,3 +498,23 @@ def test_the_lse_origins_are_dropped_with_their_arrays():
     del outs
     gc.collect()
     assert len(_checks._LSE_ORIGINS) == before
+
+
+@pytest.mark.parametrize("forward,backward", [
+    ({}, {"scale": 32 ** -0.5}),  # (1 / sqrt(32) and 32 ** -0.5: one ulp apart)
+    ({"scale": 0.2}, {"scale": np.float32(0.2)}),
+    ({"causal": True}, {"window_size": (-1, 0)}),
+    ({"window_size": (100, 100)}, {}),  # (a window wider than the problem: no window)
+    ({"causal": True, "window_size": (100, 0)}, {"causal": True}),
+], ids=["default-scale", "float32-scale", "causal-as-window", "wide-window", "wide-causal-window"])
+def test_a_backward_takes_the_lse_of_the_same_score_function_spelled_otherwise(rng, forward, backward):
+    """Spellings of one score function (a scale one ulp or a float32 rounding away, causal as a window,
+    a window wider than the problem) are not refused, and give the gradients of the forward's own
+    arguments."""
+    q, k, v = _qkv("f32")
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    o, lse = flashcupy.attention(q, k, v, return_lse=True, **forward)
+    got = flashcupy.attention_backward(do, q, k, v, o, lse, **backward)
+    want = flashcupy.attention_backward(do, q, k, v, o, lse, **forward)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
