@@ -33,7 +33,7 @@ from flashcupy.inspect import (
 )
 
 from . import sdpa
-from .common import Context, Report, Table, log, new_figure
+from .common import Context, Report, Table, git_commit, log, new_figure
 
 SIMT_MAX_N = 4096   # the scalar family is a readable reference, not a fast path: capped to fit the budget
 
@@ -502,7 +502,10 @@ def _figure(ctx: Context, columns, table_rows, raw, names):
             ax.set_title(f"{dname} {'forward' if direction == 'fwd' else 'backward'}: flashcupy {ours}",
                          fontsize=9)
             ax.legend(fontsize=7, loc="upper center", ncol=2)
-    fig.suptitle("flashcupy against FlashAttention-2 and cuDNN (torch SDPA), same run, device time")
+    commit = git_commit() or "commit unknown"
+    commit = commit[:7] + commit[40:] if len(commit) >= 40 else commit  # (a full sha, maybe "+dirty")
+    fig.suptitle("flashcupy against FlashAttention-2 and cuDNN (torch SDPA), same run, device time: "
+                 f"{ctx.device_name()}, {commit}")
     fig.tight_layout()
     return fig
 

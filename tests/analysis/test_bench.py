@@ -31,3 +31,19 @@ def test_compile_rows_follow_the_kernels_each_length_launches():
     det = [r for r in comp if r[0] == "flashcupy wgmma det"]
     assert len(det) == 1 and det[0][5] == "1024, 2048, 4096, 16384"
     assert det[0][7] == "bwd_prep/bwd_dkdvdq_ordered_wgmma/bwd_dq_convert"
+
+
+def test_the_speed_figure_names_its_card_and_commit(monkeypatch):
+    """The CUDA figure, drawn from the committed bench's cells, titles itself with the run's card and
+    commit (a bench.png shown beside another run's table must say whose it is)."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).resolve().parents[2] / "reports" / "bench.json").read_text())
+    raw = data["data"]["cells"]
+    peers = ["naive"] + [f"torch {s}" for s in bench.sdpa.BACKENDS]
+    columns, table_rows, _, _ = bench._tables(raw, {}, peers)
+    monkeypatch.setenv("FLASHCUPY_GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567+dirty")
+    ctx = SimpleNamespace(backend="cuda", quick=False, device_name=lambda: "NVIDIA H100 (CUDA kernels)")
+    fig = bench._figure(ctx, columns, table_rows, raw, bench.MINE + peers)
+    assert fig._suptitle.get_text().endswith(": NVIDIA H100 (CUDA kernels), 0123456+dirty")
